@@ -1,0 +1,185 @@
+"""The protocol every backend meets, its capability record, and the lazy registry.
+
+A backend implements one full MoE layer (dispatch, expert SwiGLU FFN, combine, router-weighted
+sum, plus the shared expert) for one rank. The worker calls, in order:
+
+    reason = backend.unavailable_reason(ctx)      # None when it can run here
+    backend.setup(scenario, ctx, weights)         # build buffers, copy/convert weights
+    y_TH = backend.forward(x_TH, topk_idx_TK, topk_weights_TK)
+    y_TH.backward(dy_TH)                          # when "backward" in capabilities.passes
+    backend.weight_grads()                        # canonical-layout dW for the check
+    backend.teardown()                            # explicit: some libraries hang in destructors
+
+``x_TH`` and ``topk_weights_TK`` may require grad; the backward pass must produce their grads
+through autograd. Weight gradients are returned in the canonical layout of
+:class:`mokbench.inputs.MoEWeights` (names ``w1_EHF``, ``w2_EIH``, ``ws1_HF``, ``ws2_IH``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
+
+    from mokbench.inputs import MoEWeights
+    from mokbench.scenario import Scenario
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can run. ``world_sizes=None`` means any; ``min_cc=None`` runs on CPU too."""
+
+    passes: tuple[str, ...] = ("forward", "backward")
+    precisions: tuple[str, ...] = ("bf16",)
+    world_sizes: tuple[int, ...] | None = None
+    min_cc: tuple[int, int] | None = None
+    max_cc: tuple[int, int] | None = None
+    needs_gpu: bool = False
+    packages: tuple[str, ...] = ()  # importable module names it needs
+    is_baseline: bool = True
+    notes: str = ""
+
+
+@dataclass
+class RunContext:
+    """Where a backend runs: this rank, the EP group, the device."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: Any = "cpu"  # torch.device
+    group: Any = None  # torch.distributed ProcessGroup (None: no process group)
+    dist_backend: str = "gloo"
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def is_cuda(self) -> bool:
+        return str(self.device).startswith("cuda")
+
+
+@runtime_checkable
+class Backend(Protocol):
+    name: str
+    capabilities: Capabilities
+
+    def unavailable_reason(self, ctx: RunContext | None, scenario: Scenario | None = None
+                           ) -> str | None: ...
+
+    def setup(self, scenario: Scenario, ctx: RunContext, weights: MoEWeights) -> None: ...
+
+    def forward(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor,
+                topk_weights_TK: torch.Tensor) -> torch.Tensor: ...
+
+    def weight_grads(self) -> dict[str, torch.Tensor]: ...
+
+    def zero_grad(self) -> None: ...
+
+    def teardown(self) -> None: ...
+
+
+def _device_facts() -> tuple[int, tuple[int, int] | None]:
+    """(number of visible GPUs, compute capability of GPU 0) without initialising CUDA twice."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0, None
+    return torch.cuda.device_count(), torch.cuda.get_device_capability(0)
+
+
+def capability_reason(caps: Capabilities, ctx: RunContext | None,
+                      scenario: Scenario | None = None) -> str | None:
+    """Generic reasons a backend cannot run: missing package, no/too few GPUs, compute
+    capability, world size, precision or pass. ``None`` when nothing generic stops it."""
+    for pkg in caps.packages:
+        if importlib.util.find_spec(pkg) is None:
+            return f"package {pkg!r} is not installed"
+    ngpu, cc = _device_facts()
+    if caps.needs_gpu or caps.min_cc is not None:
+        if ngpu == 0:
+            return "needs a CUDA GPU; none is visible"
+        if caps.min_cc is not None and cc is not None and cc < caps.min_cc:
+            return f"needs compute capability >= {caps.min_cc[0]}.{caps.min_cc[1]}; GPU has {cc[0]}.{cc[1]}"
+        if caps.max_cc is not None and cc is not None and cc > caps.max_cc:
+            return f"needs compute capability <= {caps.max_cc[0]}.{caps.max_cc[1]}; GPU has {cc[0]}.{cc[1]}"
+    ws = scenario.world_size if scenario is not None else (ctx.world_size if ctx else None)
+    if ws is not None and caps.world_sizes is not None and ws not in caps.world_sizes:
+        return f"world size {ws} not supported: allowed {', '.join(map(str, caps.world_sizes))}"
+    if scenario is not None and scenario.precision not in caps.precisions:
+        return f"precision {scenario.precision} not supported: allowed {', '.join(caps.precisions)}"
+    return None
+
+
+class BackendBase:
+    """Shared defaults: generic availability check, no-op teardown, grads from ``params``."""
+
+    name = "base"
+    capabilities = Capabilities()
+
+    def __init__(self) -> None:
+        self.params: dict[str, torch.nn.Parameter] = {}
+
+    def unavailable_reason(self, ctx: RunContext | None, scenario: Scenario | None = None
+                           ) -> str | None:
+        return capability_reason(self.capabilities, ctx, scenario)
+
+    def weight_grads(self) -> dict[str, torch.Tensor]:
+        """Gradients of ``self.params`` (already in the canonical layout)."""
+        return {k: p.grad for k, p in self.params.items() if p.grad is not None}
+
+    def zero_grad(self) -> None:
+        for p in self.params.values():
+            p.grad = None
+
+    def teardown(self) -> None:
+        self.params = {}
+
+
+# name -> "module:attr". Imported only when used, so the CLI starts fast without heavy libraries.
+REGISTRY: dict[str, str] = {
+    "nccl_torch": "baselines.nccl_torch:NcclTorchBackend",
+    "nccl_torch_compile": "baselines.nccl_torch:NcclTorchCompileBackend",
+    "deepep": "baselines.deepep:DeepEPBackend",
+    "te": "baselines.transformer_engine:TEBackend",
+    "hybridep_megatron": "baselines.hybridep_megatron:HybridEPMegatronBackend",
+    "megatron_alltoall": "baselines.hybridep_megatron:MegatronAlltoallBackend",
+    "mok_upstream": "baselines.mok_upstream:MoKUpstreamBackend",
+    "mok": "mokbench.mok_backend:MoKBackend",
+}
+
+EXTRA_ENV = "MOKBENCH_EXTRA_BACKENDS"  # "name=module:attr,name2=module:attr" (tests, plugins)
+
+
+def registry() -> dict[str, str]:
+    """The built-in registry plus any backends named in $MOKBENCH_EXTRA_BACKENDS."""
+    reg = dict(REGISTRY)
+    for item in filter(None, os.environ.get(EXTRA_ENV, "").split(",")):
+        name, _, target = item.partition("=")
+        reg[name.strip()] = target.strip()
+    return reg
+
+
+def backend_names() -> list[str]:
+    return list(registry())
+
+
+def check_backend_names(names: list[str]) -> None:
+    """One-line error for an unknown backend name."""
+    from mokbench.scenario import ScenarioError
+
+    known = registry()
+    for n in names:
+        if n not in known:
+            raise ScenarioError(f"backend={n!r} is unknown: allowed {', '.join(known)}")
+
+
+def get_backend(name: str) -> Backend:
+    """Import and instantiate a backend by registry name."""
+    check_backend_names([name])
+    module, _, attr = registry()[name].partition(":")
+    return getattr(importlib.import_module(module), attr)()

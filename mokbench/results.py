@@ -1,0 +1,158 @@
+"""Result rows, the append-only writer, run folders and the environment record.
+
+A run folder ``results/<run_id>/`` holds:
+    rows.jsonl   one JSON object per (scenario, backend, pass); append-only, fsynced per row
+    env.json     machine, software versions, git state, ceilings from ``mokbench calibrate``
+    sweep.*      a copy of the sweep file that produced it
+    cells/       per-cell scratch files written by the workers (rank 0)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+STATUSES = ("ok", "failed", "timeout", "skipped")
+
+# Columns every row carries (scripts and checks rely on them). Extra columns may follow.
+ROW_COLUMNS = (
+    "run_id", "scenario_id", "backend", "is_baseline", "pass", "status", "reason",
+    "median_ms", "p10_ms", "p90_ms", "min_ms", "max_ms", "iters", "tflops",
+    "max_abs_err", "max_rel_err", "world_size", "gpu_name", "tokens_per_rank", "hidden",
+    "intermediate", "num_experts", "topk", "shared_expert", "precision", "routing", "repro",
+)
+
+
+def new_row(**values: Any) -> dict[str, Any]:
+    """A row with every schema column present (missing ones None), extras kept after them."""
+    row = {c: values.pop(c, None) for c in ROW_COLUMNS}
+    row.update(values)
+    if row["status"] not in STATUSES:
+        raise ValueError(f"status={row['status']!r} is invalid: allowed {' | '.join(STATUSES)}")
+    return row
+
+
+def scenario_columns(scenario) -> dict[str, Any]:
+    """The scenario's columns of a row."""
+    s = scenario.shape
+    return {
+        "scenario_id": scenario.scenario_id, "world_size": scenario.world_size,
+        "tokens_per_rank": scenario.tokens_per_rank, "hidden": s.hidden,
+        "intermediate": s.intermediate, "num_experts": s.num_experts, "topk": s.topk,
+        "shared_expert": scenario.shared_expert, "precision": scenario.precision,
+        "routing": scenario.routing, "model": s.name, "zipf_s": scenario.zipf_s,
+    }
+
+
+class RowWriter:
+    """Append-only JSONL writer: every row is flushed and fsynced before ``append`` returns,
+    so rows already written survive a crash or Ctrl-C of the sweep."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def append(self, row: dict[str, Any]) -> None:
+        line = json.dumps(row, default=str, allow_nan=True) + "\n"
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(line)
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """All rows of a rows.jsonl; a torn last line (crash mid-write) is skipped."""
+    rows = []
+    p = Path(path)
+    if not p.exists():
+        return rows
+    for line in p.read_text(encoding="utf-8").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def iter_run_rows(run_dir: Path) -> Iterator[dict[str, Any]]:
+    yield from read_rows(Path(run_dir) / "rows.jsonl")
+
+
+def make_run_id(sweep_name: str) -> str:
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + sweep_name
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
+                             cwd=Path(__file__).resolve().parent)
+        return out.stdout.strip() if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _version(module: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(module)
+    except PackageNotFoundError:
+        return None
+
+
+LIBRARIES = ("torch", "triton", "transformer_engine", "megatron-core", "deep_ep", "mok",
+             "numpy", "pandas")
+
+
+def capture_env() -> dict[str, Any]:
+    """Machine and software facts for env.json (no GPU work beyond reading properties)."""
+    import torch
+
+    env: dict[str, Any] = {
+        "host": platform.node(), "platform": platform.platform(),
+        "python": platform.python_version(), "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                       time.gmtime()),
+        "git_sha": _git("rev-parse", "HEAD"),
+        "git_dirty": bool(_git("status", "--porcelain")),
+        "cuda": torch.version.cuda, "gpu_count": torch.cuda.device_count(),
+        "libraries": {lib: _version(lib) for lib in LIBRARIES},
+    }
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        env.update(gpu_name=props.name, sm_count=props.multi_processor_count,
+                   compute_capability=f"{props.major}.{props.minor}",
+                   gpu_memory_gib=round(props.total_memory / 2**30, 1))
+        try:
+            env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        except (AttributeError, RuntimeError):
+            env["nccl"] = None
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version",
+                                  "--format=csv,noheader"], capture_output=True, text=True,
+                                 timeout=20)
+            env["driver"] = out.stdout.strip().splitlines()[0] if out.returncode == 0 else None
+        except (OSError, subprocess.SubprocessError, IndexError):
+            env["driver"] = None
+    else:
+        env.update(gpu_name="cpu", sm_count=None, compute_capability=None, driver=None, nccl=None)
+    return env
+
+
+def write_env(run_dir: Path, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Write (or update) env.json; keeps existing keys such as stored ceilings."""
+    path = Path(run_dir) / "env.json"
+    env = json.loads(path.read_text()) if path.exists() else {}
+    env.update(capture_env())
+    env.update(extra or {})
+    path.write_text(json.dumps(env, indent=2, default=str))
+    return env
+
+
+def read_env(run_dir: Path) -> dict[str, Any]:
+    path = Path(run_dir) / "env.json"
+    return json.loads(path.read_text()) if path.exists() else {}
