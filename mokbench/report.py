@@ -1,0 +1,315 @@
+"""Tables derived from a run folder: speedup over the fastest baseline, fraction of the machine's
+ceiling, and the same summary as a rich table, Markdown, CSV, Parquet or JSON.
+
+Formulas (per row, i.e. per (scenario, backend, pass)):
+
+    tflops                    = Scenario.flops(pass) / (median_ms * 1e-3) / 1e12   (written by
+                                the worker: per-rank layer TFLOP/s at the median time)
+    speedup_vs_best_baseline  = min(median_ms of the ok baselines, same scenario and pass)
+                                / median_ms of this row                (> 1: faster than all)
+    ceiling_frac              = tflops / env["ceilings"]["<precision>_tflops"]
+                                (the dense GEMM TFLOP/s measured by ``mokbench calibrate``)
+
+Both derived columns are NaN where they cannot be computed (row not ok, no ok baseline for the
+scenario and pass, no ceiling stored for the precision).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from mokbench.results import ROW_COLUMNS, read_env, read_rows
+
+KEY = ["scenario_id", "backend", "pass"]
+PASS_ORDER = ("forward", "backward")
+FORMATS = ("table", "md", "csv", "parquet", "json")
+OURS = frozenset({"mok", "mok_upstream"})  # used only when a row lacks is_baseline
+REASON_WIDTH = 60
+
+TIMING_NOTE = (
+    "Times are the median over iterations of the per-iteration max over ranks; forward includes "
+    "schedule/dispatch/experts/combine/weighted sum; backward timed after an untimed forward."
+)
+FORMULA_NOTE = (
+    "TFLOP/s = per-rank layer FLOPs / median time (forward 6*(T + T*k)*H*I with the shared expert, "
+    "6*T*k*H*I without; backward 2x forward). Speedup = fastest ok baseline median (same "
+    "scenario and pass) / this median. Ceiling = TFLOP/s / dense GEMM TFLOP/s measured on this "
+    "machine for the precision."
+)
+
+
+class ReportError(RuntimeError):
+    """A report cannot be written (unknown format, missing optional dependency, no rows)."""
+
+
+def load_rows(run_dir: Path | str) -> pd.DataFrame:
+    """All rows of ``run_dir/rows.jsonl`` (or of the given .jsonl file) as a DataFrame.
+
+    Every schema column is present. When the same (scenario_id, backend, pass) appears more than
+    once (a resumed or re-run cell), the last row written wins; row order otherwise follows the
+    file (sweep order).
+    """
+    path = Path(run_dir)
+    if path.is_dir():
+        path = path / "rows.jsonl"
+    df = pd.DataFrame(read_rows(path))
+    for col in ROW_COLUMNS:
+        if col not in df.columns:
+            df[col] = None
+    if df.empty:
+        return df
+    df = df.drop_duplicates(subset=KEY, keep="last").reset_index(drop=True)
+    numeric = ["median_ms", "p10_ms", "p90_ms", "min_ms", "max_ms", "tflops", "max_abs_err",
+               "max_rel_err"]
+    df[numeric] = df[numeric].apply(pd.to_numeric, errors="coerce").astype(float)
+    return df
+
+
+def _baseline_mask(df: pd.DataFrame) -> pd.Series:
+    """is_baseline as a clean bool; rows without it fall back to the backend's name."""
+    inferred = ~df["backend"].isin(OURS)
+    return df["is_baseline"].where(df["is_baseline"].notna(), inferred).astype(bool)
+
+
+def _best_baselines(df: pd.DataFrame) -> pd.DataFrame:
+    """One row per (scenario_id, pass): the fastest ok baseline's name and median_ms."""
+    ok = df[df["is_baseline"] & (df["status"] == "ok") & (df["median_ms"] > 0)]
+    if ok.empty:
+        return pd.DataFrame(columns=["scenario_id", "pass", "best_baseline", "best_baseline_ms"])
+    idx = ok.groupby(["scenario_id", "pass"], sort=False)["median_ms"].idxmin()
+    best = ok.loc[idx, ["scenario_id", "pass", "backend", "median_ms"]]
+    return best.rename(columns={"backend": "best_baseline", "median_ms": "best_baseline_ms"})
+
+
+def _ceiling(ceilings: dict[str, Any], precision: Any) -> float:
+    """Dense GEMM ceiling in TFLOP/s for a precision ("bf16" -> ceilings["bf16_tflops"])."""
+    value = ceilings.get(f"{precision}_tflops")
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        return math.nan
+    return value if value > 0 else math.nan
+
+
+def _order(df: pd.DataFrame) -> pd.DataFrame:
+    """Scenarios in first-appearance (sweep) order, forward before backward, and within each
+    (scenario, pass) the baselines first, then the others, each by backend name."""
+    scen_rank = {s: i for i, s in enumerate(pd.unique(df["scenario_id"]))}
+    keys = pd.DataFrame({
+        "s": df["scenario_id"].map(scen_rank),
+        "p": df["pass"].map({p: i for i, p in enumerate(PASS_ORDER)}).fillna(len(PASS_ORDER)),
+        "b": (~df["is_baseline"]).astype(int),
+        "n": df["backend"].astype(str),
+    })
+    order = keys.sort_values(["s", "p", "b", "n"], kind="stable").index
+    return df.loc[order].reset_index(drop=True)
+
+
+def summarize(df: pd.DataFrame, env: dict[str, Any] | None) -> pd.DataFrame:
+    """The rows plus ``best_baseline``, ``speedup_vs_best_baseline`` and ``ceiling_frac``.
+
+    speedup = best_baseline_ms / median_ms, where best_baseline_ms is the smallest median_ms among
+    rows with is_baseline and status "ok" for the same scenario_id and pass (failed, timed-out or
+    skipped baselines are ignored). NaN when the row is not ok or no baseline ran ok.
+    ceiling_frac = tflops / env["ceilings"]["<precision>_tflops"]; NaN when no ceiling is stored.
+    """
+    if df.empty:
+        return df.assign(best_baseline=None, best_baseline_ms=math.nan,
+                         speedup_vs_best_baseline=math.nan, ceiling_frac=math.nan)
+    out = df.copy()
+    out["is_baseline"] = _baseline_mask(out)
+    out = out.merge(_best_baselines(out), on=["scenario_id", "pass"], how="left")
+    ok = (out["status"] == "ok") & (out["median_ms"] > 0)
+    out["speedup_vs_best_baseline"] = (out["best_baseline_ms"] / out["median_ms"]).where(ok)
+    ceilings = (env or {}).get("ceilings") or {}
+    ceiling = out["precision"].map(lambda p: _ceiling(ceilings, p)).astype(float)
+    out["ceiling_frac"] = (out["tflops"] / ceiling).where(ok)
+    return _order(out)
+
+
+# ---------------------------------------------------------------- cell formatting (shared)
+
+
+def _num(x: Any, fmt: str) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
+
+
+def _reason(row: pd.Series, width: int = REASON_WIDTH) -> str:
+    reason = " ".join(str(row.get("reason") or "").split())
+    return reason if len(reason) <= width else reason[: width - 1] + "…"
+
+
+def _backend_label(row: pd.Series) -> str:
+    """The backend's name, with its variant (free text such as "comm=nccl_a2a") when set."""
+    variant = row.get("variant")
+    return f"{row['backend']} ({variant})" if isinstance(variant, str) and variant else \
+        str(row["backend"])
+
+
+def _cells(row: pd.Series) -> list[str]:
+    """Display strings: scenario, backend, status, median, p10-p90, TFLOP/s, speedup, ceiling,
+    max rel err. Rows that did not run ok carry their (truncated) reason in the status cell."""
+    status = str(row["status"])
+    backend = _backend_label(row)
+    if status != "ok":
+        reason = _reason(row)
+        return [row["scenario_id"], backend, f"{status}: {reason}" if reason else status,
+                *["-"] * 6]
+    spread = f"{_num(row['p10_ms'], '.3f')}–{_num(row['p90_ms'], '.3f')}"
+    speedup = _num(row["speedup_vs_best_baseline"], ".2f")
+    if speedup != "-":
+        speedup += "x"
+    frac = row["ceiling_frac"]
+    return [row["scenario_id"], backend, status, _num(row["median_ms"], ".3f"), spread,
+            _num(row["tflops"], ".1f"), speedup, "-" if pd.isna(frac) else f"{100 * frac:.0f}%",
+            _num(row["max_rel_err"], ".2e")]
+
+
+HEADERS = ["scenario", "backend", "status", "median ms", "p10–p90 ms", "TFLOP/s",
+           "vs best baseline", "of ceiling", "max rel err"]
+
+
+def _passes(summary: pd.DataFrame) -> list[str]:
+    present = list(pd.unique(summary["pass"])) if not summary.empty else []
+    return [p for p in PASS_ORDER if p in present] + [p for p in present if p not in PASS_ORDER]
+
+
+# ---------------------------------------------------------------- rich
+
+
+def _rich_table(part: pd.DataFrame, title: str) -> Table:
+    table = Table(title=title, title_justify="left", show_lines=False)
+    for i, h in enumerate(HEADERS):
+        table.add_column(h, justify="right" if i >= 3 else "left", no_wrap=i < 2)
+    last_scenario = None
+    for _, row in part.iterrows():
+        cells = _cells(row)
+        if last_scenario is not None and row["scenario_id"] != last_scenario:
+            table.add_section()
+        last_scenario = row["scenario_id"]
+        style = "" if row["status"] == "ok" else ("yellow" if row["status"] == "skipped" else "red")
+        name = Text(cells[1], style="bold" if not row["is_baseline"] else "")
+        table.add_row(cells[0], name, Text(cells[2], style=style), *cells[3:])
+    return table
+
+
+def render_rich(summary: pd.DataFrame, console: Console) -> None:
+    """Print one rich table per pass (forward, then backward) to ``console``."""
+    if summary.empty:
+        console.print("no rows")
+        return
+    for p in _passes(summary):
+        console.print(_rich_table(summary[summary["pass"] == p], f"{p} pass"))
+    console.print(TIMING_NOTE, style="dim")
+
+
+# ---------------------------------------------------------------- markdown
+
+
+def _md_escape(s: str) -> str:
+    return str(s).replace("|", "\\|").replace("\n", " ")
+
+
+def _md_table(part: pd.DataFrame) -> str:
+    lines = ["| " + " | ".join(HEADERS) + " |",
+             "|" + "|".join(["---"] * 3 + ["---:"] * (len(HEADERS) - 3)) + "|"]
+    for _, row in part.iterrows():
+        cells = [_md_escape(c) for c in _cells(row)]
+        if not row["is_baseline"]:
+            cells[1] = f"**{cells[1]}**"
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _md_env(env: dict[str, Any]) -> list[str]:
+    libs = env.get("libraries") or {}
+    facts = [("GPU", env.get("gpu_name")), ("driver", env.get("driver")),
+             ("CUDA", env.get("cuda")), ("NCCL", env.get("nccl")), ("torch", libs.get("torch")),
+             ("triton", libs.get("triton")), ("git", env.get("git_sha"))]
+    out = [f"{k}: {v}" for k, v in facts if v]
+    ceilings = env.get("ceilings") or {}
+    ceil = [f"{k} {ceilings[k]:.0f}" for k in ("bf16_tflops", "fp8_tflops")
+            if isinstance(ceilings.get(k), (int, float))]
+    if ceil:
+        out.append("ceilings (TFLOP/s): " + ", ".join(ceil))
+    return out
+
+
+def to_markdown(summary: pd.DataFrame, env: dict[str, Any], run_id: str) -> str:
+    """The report as Markdown: a header (what the numbers mean, the machine) and a table per
+    pass. Our backends are in bold."""
+    parts = [f"# mokbench report: {run_id}", "", TIMING_NOTE, "", FORMULA_NOTE, ""]
+    env_lines = _md_env(env)
+    if env_lines:
+        parts += ["Machine: " + "; ".join(env_lines) + ".", ""]
+    if summary.empty:
+        parts.append("No rows.")
+    for p in _passes(summary):
+        parts += [f"## {p}", "", _md_table(summary[summary["pass"] == p]), ""]
+    return "\n".join(parts).rstrip() + "\n"
+
+
+# ---------------------------------------------------------------- files
+
+
+def _require_parquet() -> None:
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError as e:
+        raise ReportError("parquet output needs pyarrow: pip install 'mokbench[parquet]' "
+                          "(or choose --format csv|json|md)") from e
+
+
+def _write_json(summary: pd.DataFrame, path: Path) -> None:
+    records = json.loads(summary.to_json(orient="records", default_handler=str))
+    path.write_text(json.dumps(records, indent=1) + "\n", encoding="utf-8")
+
+
+def write_report(run_dir: Path | str, fmt: str = "md") -> Path:
+    """Summarize ``run_dir`` and write ``run_dir/report.<ext>``; returns the path written.
+
+    fmt: table (the rich tables as plain text, report.txt) | md (report.md) | csv | parquet
+    (needs pyarrow) | json (a list of row objects, NaN as null).
+    """
+    if fmt not in FORMATS:
+        raise ReportError(f"format={fmt!r} is invalid: allowed {' | '.join(FORMATS)}")
+    if fmt == "parquet":
+        _require_parquet()
+    run_dir = Path(run_dir)
+    env = read_env(run_dir)
+    summary = summarize(load_rows(run_dir), env)
+    path = run_dir / f"report.{ {'table': 'txt'}.get(fmt, fmt) }"
+    if fmt == "table":
+        console = Console(record=True, width=200, file=io.StringIO())
+        render_rich(summary, console)
+        path.write_text(console.export_text(), encoding="utf-8")
+    elif fmt == "md":
+        path.write_text(to_markdown(summary, env, run_dir.name), encoding="utf-8")
+    elif fmt == "csv":
+        summary.to_csv(path, index=False)
+    elif fmt == "parquet":
+        _parquet_safe(summary).to_parquet(path, index=False)
+    else:
+        _write_json(summary, path)
+    return path
+
+
+def _parquet_safe(summary: pd.DataFrame) -> pd.DataFrame:
+    """Object columns holding mixed types (None and bool, numbers and strings) become strings so
+    pyarrow can store them; numeric and bool columns keep their types."""
+    out = summary.copy()
+    for col in out.select_dtypes(include=["object"]).columns:
+        kinds = {type(v) for v in out[col] if v is not None and not
+                 (isinstance(v, float) and math.isnan(v))}
+        if len(kinds) > 1 or kinds & {dict, list}:
+            out[col] = out[col].map(lambda v: None if v is None else str(v))
+    return out

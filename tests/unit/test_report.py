@@ -1,0 +1,189 @@
+"""Report math on known rows: fastest ok baseline per (scenario, pass), ceiling fraction, and the
+files each format writes."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from rich.console import Console
+
+from mokbench import report
+from mokbench.results import RowWriter, new_row
+
+S1, S2 = "tiny-T64-ep1-bf16", "tiny-T128-ep1-fp8"
+
+
+def row(scenario: str, backend: str, pass_: str, median: float | None, *, status: str = "ok",
+        baseline: bool = True, tflops: float | None = None, precision: str = "bf16",
+        reason: str | None = None) -> dict:
+    return new_row(run_id="r", scenario_id=scenario, backend=backend, is_baseline=baseline,
+                   status=status, reason=reason, median_ms=median, p10_ms=median, p90_ms=median,
+                   tflops=tflops, precision=precision, max_rel_err=1e-3, tokens_per_rank=64,
+                   world_size=1, **{"pass": pass_})
+
+
+def known_rows() -> list[dict]:
+    return [
+        # S1 forward: te (8 ms) beats nccl_torch (10 ms); deepep failed with a faster "time".
+        row(S1, "nccl_torch", "forward", 10.0, tflops=100.0),
+        row(S1, "te", "forward", 8.0, tflops=125.0),
+        row(S1, "deepep", "forward", 1.0, status="failed", reason="boom " * 40),
+        row(S1, "mok", "forward", 4.0, baseline=False, tflops=250.0),
+        # S1 backward: only nccl_torch ran ok.
+        row(S1, "nccl_torch", "backward", 30.0, tflops=66.0),
+        row(S1, "te", "backward", None, status="skipped", reason="no TE"),
+        row(S1, "mok", "backward", 20.0, baseline=False, tflops=99.0),
+        # S2 forward (fp8): no baseline ran ok; mok failed.
+        row(S2, "nccl_torch", "forward", None, status="timeout", reason="600 s", precision="fp8"),
+        row(S2, "mok", "forward", 5.0, baseline=False, tflops=700.0, precision="fp8"),
+    ]
+
+
+ENV = {"ceilings": {"bf16_tflops": 500.0, "fp8_tflops": None}}
+
+
+@pytest.fixture
+def summary() -> pd.DataFrame:
+    return report.summarize(pd.DataFrame(known_rows()), ENV)
+
+
+def pick(df: pd.DataFrame, scenario: str, backend: str, pass_: str) -> pd.Series:
+    sel = df[(df.scenario_id == scenario) & (df.backend == backend) & (df["pass"] == pass_)]
+    assert len(sel) == 1
+    return sel.iloc[0]
+
+
+def test_speedup_uses_fastest_ok_baseline_per_scenario_and_pass(summary):
+    mok_f = pick(summary, S1, "mok", "forward")
+    assert mok_f.best_baseline == "te"
+    assert mok_f.speedup_vs_best_baseline == pytest.approx(8.0 / 4.0)
+    assert pick(summary, S1, "te", "forward").speedup_vs_best_baseline == pytest.approx(1.0)
+    assert pick(summary, S1, "nccl_torch", "forward").speedup_vs_best_baseline == pytest.approx(0.8)
+    mok_b = pick(summary, S1, "mok", "backward")
+    assert mok_b.best_baseline == "nccl_torch"  # the skipped te backward is ignored
+    assert mok_b.speedup_vs_best_baseline == pytest.approx(30.0 / 20.0)
+
+
+def test_failed_baseline_is_ignored_and_failed_rows_get_nan(summary):
+    deepep = pick(summary, S1, "deepep", "forward")
+    assert deepep.best_baseline == "te"  # its 1 ms did not count
+    assert math.isnan(deepep.speedup_vs_best_baseline)
+    assert math.isnan(deepep.ceiling_frac)
+
+
+def test_no_ok_baseline_gives_nan(summary):
+    mok = pick(summary, S2, "mok", "forward")
+    assert math.isnan(mok.speedup_vs_best_baseline)
+    assert pd.isna(mok.best_baseline)
+
+
+def test_ceiling_fraction_by_precision(summary):
+    assert pick(summary, S1, "mok", "forward").ceiling_frac == pytest.approx(250.0 / 500.0)
+    assert pick(summary, S1, "nccl_torch", "backward").ceiling_frac == pytest.approx(66 / 500)
+    assert math.isnan(pick(summary, S2, "mok", "forward").ceiling_frac)  # fp8 ceiling is None
+    no_env = report.summarize(pd.DataFrame(known_rows()), {})
+    assert no_env.ceiling_frac.isna().all()
+
+
+def test_order_scenario_pass_then_baselines_first(summary):
+    got = list(zip(summary.scenario_id, summary["pass"], summary.backend))
+    assert got == [
+        (S1, "forward", "deepep"), (S1, "forward", "nccl_torch"), (S1, "forward", "te"),
+        (S1, "forward", "mok"), (S1, "backward", "nccl_torch"), (S1, "backward", "te"),
+        (S1, "backward", "mok"), (S2, "forward", "nccl_torch"), (S2, "forward", "mok"),
+    ]
+
+
+def write_run(tmp_path: Path, rows: list[dict], env: dict | None = None) -> Path:
+    run = tmp_path / "run1"
+    w = RowWriter(run / "rows.jsonl")
+    for r in rows:
+        w.append(r)
+    (run / "env.json").write_text(json.dumps(env if env is not None else ENV))
+    return run
+
+
+def test_load_rows_keeps_last_duplicate(tmp_path):
+    rows = known_rows() + [row(S1, "mok", "forward", 2.0, baseline=False, tflops=500.0)]
+    with open(write_run(tmp_path, rows) / "rows.jsonl", "a") as f:
+        f.write('{"torn": ')  # a crash mid-write
+    df = report.load_rows(tmp_path / "run1")
+    assert len(df) == len(known_rows())
+    assert pick(df, S1, "mok", "forward").median_ms == 2.0
+    assert set(report.ROW_COLUMNS) <= set(df.columns)
+
+
+def test_render_rich_shows_passes_and_reasons(summary):
+    console = Console(file=io.StringIO(), width=250, record=True)
+    report.render_rich(summary, console)
+    text = console.export_text()
+    assert "forward pass" in text and "backward pass" in text
+    assert "2.00x" in text and "1.50x" in text and "50%" in text
+    assert "skipped: no TE" in text and "timeout: 600 s" in text
+    assert "boom " * 5 in text and "…" in text  # long reason truncated
+    assert "boom " * 30 not in text
+
+
+@pytest.mark.parametrize("fmt", ["md", "csv", "json", "parquet", "table"])
+def test_write_report_formats(tmp_path, fmt):
+    run = write_run(tmp_path, known_rows())
+    path = report.write_report(run, fmt)
+    assert path.exists() and path.parent == run
+    if fmt == "md":
+        assert path.name == "report.md"
+        text = path.read_text()
+        assert "per-iteration max over ranks" in text and "untimed forward" in text
+        assert "## forward" in text and "## backward" in text
+        assert "| tiny-T64-ep1-bf16 | **mok** | ok | 4.000 |" in text
+    elif fmt == "csv":
+        df = pd.read_csv(path)
+        assert len(df) == 9 and "speedup_vs_best_baseline" in df.columns
+    elif fmt == "json":
+        recs = json.loads(path.read_text())
+        mok = [r for r in recs if r["backend"] == "mok" and r["scenario_id"] == S1
+               and r["pass"] == "forward"][0]
+        assert mok["speedup_vs_best_baseline"] == pytest.approx(2.0)
+        assert recs[0]["speedup_vs_best_baseline"] is None  # deepep failed: NaN -> null
+    elif fmt == "parquet":
+        df = pd.read_parquet(path)
+        assert df.ceiling_frac.notna().sum() == 5  # ok bf16 rows with tflops
+    else:
+        assert path.name == "report.txt" and "forward pass" in path.read_text()
+
+
+def test_write_report_rejects_unknown_format(tmp_path):
+    with pytest.raises(report.ReportError, match="allowed table"):
+        report.write_report(write_run(tmp_path, known_rows()), "xlsx")
+
+
+def test_parquet_without_pyarrow_is_a_clear_error(tmp_path, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_pyarrow(name, *a, **k):
+        if name == "pyarrow":
+            raise ImportError("no pyarrow")
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_pyarrow)
+    with pytest.raises(report.ReportError, match="needs pyarrow"):
+        report.write_report(write_run(tmp_path, known_rows()), "parquet")
+
+
+def test_empty_run(tmp_path):
+    run = write_run(tmp_path, [])
+    assert report.summarize(report.load_rows(run), {}).empty
+    assert "No rows" in report.write_report(run, "md").read_text()
+
+
+def test_variant_is_shown_next_to_backend():
+    rows = known_rows()
+    rows[3]["variant"] = "comm=nccl_a2a"
+    md = report.to_markdown(report.summarize(pd.DataFrame(rows), ENV), {}, "r")
+    assert "**mok (comm=nccl_a2a)**" in md
