@@ -1,0 +1,233 @@
+"""The command line: a thin typer layer over sweep expansion, the launcher and the report."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from mokbench.scenario import ScenarioError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Benchmark full MoE layers across MoE stacks (MoK megakernel vs baselines).")
+console = Console()
+
+
+def _fail(msg: str) -> None:
+    console.print(f"[red]error:[/red] {msg}", soft_wrap=True)
+    raise typer.Exit(2)
+
+
+def _local_gpus(device: str) -> int:
+    if device == "cpu":
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _split(values: list[str] | None) -> list[str] | None:
+    if not values:
+        return None
+    return [v.strip() for item in values for v in item.split(",") if v.strip()]
+
+
+@app.command()
+def sweep(
+    sweep_file: Path = typer.Argument(None, help="TOML/YAML sweep; default: the embedded one"),
+    backends: list[str] = typer.Option(None, "--backends", "-b",
+                                       help="only these backends (comma list)"),
+    nproc_per_node: int = typer.Option(None, help="ranks per node (default: GPUs, or 2 on CPU)"),
+    nnodes: int = typer.Option(1, help="number of nodes"),
+    node_rank: int = typer.Option(0, help="this node's rank"),
+    rdzv_endpoint: str = typer.Option("localhost:29500", help="HOST:PORT of node 0"),
+    out: Path = typer.Option(Path("results"), help="folder that receives the run folder"),
+    resume: Path = typer.Option(None, help="run folder to complete"),
+    dry_run: bool = typer.Option(False, help="print the cells and commands, run nothing"),
+    timeout_s: float = typer.Option(900.0, help="per-cell wall-clock limit, seconds"),
+    device: str = typer.Option("auto", help="auto | cpu (force gloo on CPU)"),
+    calibrate_first: bool = typer.Option(False, "--calibrate", help="measure ceilings first"),
+) -> None:
+    """Expand a sweep into cells and run each through torchrun; print the summary."""
+    from mokbench.runner import run_sweep
+
+    try:
+        run_dir = run_sweep(sweep_file, backends=_split(backends), nproc_per_node=nproc_per_node,
+                            nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
+                            out=out, resume=resume, dry_run=dry_run, timeout_s=timeout_s,
+                            device=device, calibrate_first=calibrate_first, console=console)
+    except ScenarioError as exc:
+        _fail(str(exc))
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted[/yellow]: finished rows are kept; complete the run "
+                      "with [bold]mokbench sweep --resume RUN_DIR[/bold]")
+        raise typer.Exit(130) from None
+    if run_dir is not None and node_rank == 0:
+        _print_report(run_dir)
+
+
+@app.command()
+def run(
+    backends: list[str] = typer.Option(["nccl_torch"], "--backends", "-b"),
+    preset: str = typer.Option(None, help="model preset (dims below override it)"),
+    experts: int = typer.Option(None), hidden: int = typer.Option(None),
+    intermediate: int = typer.Option(None), topk: int = typer.Option(None),
+    tokens: int = typer.Option(256, help="tokens per rank"),
+    world_size: int = typer.Option(None, help="EP size (default: all local ranks)"),
+    precision: str = typer.Option("bf16"), routing: str = typer.Option("uniform"),
+    zipf_s: float = typer.Option(1.0), seed: int = typer.Option(1234),
+    shared_expert: bool = typer.Option(True, "--shared-expert/--no-shared-expert"),
+    passes: str = typer.Option("forward,backward"),
+    warmup: int = typer.Option(5), iters: int = typer.Option(20),
+    out: Path = typer.Option(Path("results")), timeout_s: float = typer.Option(900.0),
+    device: str = typer.Option("auto"),
+) -> None:
+    """Run one scenario from flags (quick ad hoc use); writes a run folder like `sweep`."""
+    from mokbench.runner import run_sweep
+
+    spec: dict = {"tokens_per_rank": tokens, "precision": precision, "routing": routing,
+                  "zipf_s": zipf_s, "seed": seed, "shared_expert": shared_expert,
+                  "passes": [p.strip() for p in passes.split(",")]}
+    if preset:
+        spec["preset"] = preset
+    for k, v in (("num_experts", experts), ("hidden", hidden), ("intermediate", intermediate),
+                 ("topk", topk)):
+        if v is not None:
+            spec[k] = v
+    if "preset" not in spec and len(spec) < 11:
+        spec.setdefault("preset", "tiny")
+    data = {"name": "adhoc", "backends": _split(backends), "timing": {"warmup": warmup,
+                                                                      "iters": iters},
+            "world_sizes": [world_size or "auto"], "scenarios": [spec]}
+    try:
+        run_dir = run_sweep(None, data=data, out=out, timeout_s=timeout_s, device=device,
+                            console=console)
+    except ScenarioError as exc:
+        _fail(str(exc))
+    if run_dir is not None:
+        _print_report(run_dir)
+
+
+def _print_report(run_dir: Path) -> None:
+    from mokbench import report
+    from mokbench.results import read_env
+
+    df = report.load_rows(run_dir)
+    if len(df):
+        report.render_rich(report.summarize(df, read_env(run_dir)), console)
+    console.print(f"run folder: [bold]{run_dir}[/bold]")
+
+
+@app.command("report")
+def report_cmd(
+    run_dir: Path = typer.Argument(..., help="a run folder under results/"),
+    format: str = typer.Option("table", "--format", "-f", help="table|md|csv|parquet|json"),
+    plots: bool = typer.Option(False, "--plots", help="also write charts to RUN_DIR/plots"),
+) -> None:
+    """Tables (and charts) of a run: speedup over the fastest baseline, ceiling fraction."""
+    from mokbench import report
+    from mokbench.results import read_env
+
+    formats = ("table", "md", "csv", "parquet", "json")
+    if format not in formats:
+        _fail(f"format={format!r} is invalid: allowed {' | '.join(formats)}")
+    if not (run_dir / "rows.jsonl").exists():
+        _fail(f"run_dir={str(run_dir)!r} has no rows.jsonl: give a run folder")
+    if format == "table":
+        _print_report(run_dir)
+    else:
+        console.print(f"wrote {report.write_report(run_dir, format)}")
+    if plots:
+        from mokbench.plots import make_plots
+
+        summary = report.summarize(report.load_rows(run_dir), read_env(run_dir))
+        for p in make_plots(summary, run_dir / "plots"):
+            console.print(f"wrote {p}")
+
+
+@app.command()
+def backends(
+    world_size: int = typer.Option(None, help="EP size to judge (default: local GPUs, or 2)"),
+) -> None:
+    """Every registered backend, available or not, and why not."""
+    from rich.table import Table
+
+    from mokbench.backend import RunContext, get_backend, registry
+
+    ws = world_size or max(_local_gpus("auto"), 1)
+    table = Table(title=f"backends (world size {ws})")
+    for col in ("backend", "kind", "available", "reason / notes"):
+        table.add_column(col)
+    for name in registry():
+        try:
+            b = get_backend(name)
+            reason = b.unavailable_reason(RunContext(world_size=ws))
+            kind = "baseline" if b.capabilities.is_baseline else "mok"
+            notes = b.capabilities.notes
+        except Exception as exc:  # noqa: BLE001 - a broken adapter is listed, not fatal
+            reason, kind, notes = f"adapter failed to load: {exc}", "?", ""
+        table.add_row(name, kind, "[red]no[/red]" if reason else "[green]yes[/green]",
+                      reason or notes)
+    console.print(table)
+
+
+@app.command()
+def calibrate(
+    out: Path = typer.Option(None, help="run folder to store ceilings in (default: new)"),
+    nproc_per_node: int = typer.Option(None, help="ranks (default: local GPUs, or 2 on CPU)"),
+    device: str = typer.Option("auto"),
+) -> None:
+    """Measure GEMM, copy and all-to-all ceilings; stored in RUN_DIR/env.json."""
+    from mokbench.runner import run_calibrate
+
+    run_dir = run_calibrate(out, nproc_per_node=nproc_per_node, device=device, console=console)
+    console.print(f"ceilings stored in [bold]{run_dir / 'env.json'}[/bold]")
+
+
+@app.command()
+def plan(
+    hidden: int = typer.Option(7168), intermediate: int = typer.Option(2048),
+    sms: int = typer.Option(None, help="SMs (default: this GPU's, else 148)"),
+    comm_sms: int = typer.Option(0, help="SMs given to communication"),
+    block_m: int = typer.Option(128), block_n: int = typer.Option(256),
+) -> None:
+    """Minibatch lower bound (two waves of gate+up tiles) and ring memory for MoK."""
+    from mok_kernels import plan as mok_plan
+
+    if sms is None:
+        import torch
+
+        sms = (torch.cuda.get_device_properties(0).multi_processor_count
+               if torch.cuda.is_available() else 148)
+    try:
+        console.print(str(mok_plan(hidden=hidden, intermediate=intermediate, num_sms=sms,
+                                   comm_sms=comm_sms, block_m=block_m, block_n=block_n)))
+    except ValueError as exc:
+        _fail(str(exc))
+
+
+@app.command()
+def slurm(
+    sweep_file: Path = typer.Argument(...),
+    nodes: int = typer.Option(..., help="nodes (a GB300 NVL72 is 18 nodes x 4 GPUs)"),
+    gpus_per_node: int = typer.Option(..., help="GPUs per node"),
+    partition: str = typer.Option(None), account: str = typer.Option(None),
+    time: str = typer.Option("02:00:00"), out: Path = typer.Option(Path("results")),
+    script: Path = typer.Option(None, help="write here (default: print)"),
+) -> None:
+    """Write an sbatch script that runs the sweep across nodes with srun + torchrun."""
+    from mokbench.slurm import render_sbatch
+
+    text = render_sbatch(str(sweep_file), nodes, gpus_per_node, partition=partition,
+                         time=time, account=account, out_dir=str(out))
+    if script:
+        script.write_text(text)
+        console.print(f"wrote {script}")
+    else:
+        sys.stdout.write(text)
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,211 @@
+"""Runs cells: one torchrun subprocess per cell, with a timeout, turning results into rows.
+
+Single node: ``torchrun --standalone --nproc-per-node W``. Several nodes: every node runs the
+same ``mokbench sweep`` with ``--nnodes N --node-rank I --rdzv-endpoint HOST:PORT``; each cell
+is then a static-rendezvous torchrun with ``nproc-per-node = W / N`` and only node 0 writes rows.
+
+A cell whose process crashes, hangs past its timeout or runs out of memory becomes a row with
+that status and the tail of its error; the sweep goes on, rows already written stay.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from mokbench.results import RowWriter, new_row, scenario_columns
+from mokbench.sweep import Cell
+
+ERROR_TAIL_CHARS = 600
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """Where and how cells run (from the CLI)."""
+
+    nproc_per_node: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str = "localhost:29500"
+    timeout_s: float = 900.0
+    device: str = "auto"  # "cpu" forces gloo on CPU even where GPUs exist
+    gpus_on_node: int = 0
+
+    @property
+    def writes_rows(self) -> bool:
+        return self.node_rank == 0
+
+
+def torchrun_command(cell: Cell, cell_file: Path, opts: LaunchOptions) -> list[str]:
+    """The exact command that runs one cell on this node."""
+    ws = cell.scenario.world_size
+    cmd = [sys.executable, "-m", "torch.distributed.run"]
+    if opts.nnodes == 1:
+        cmd += ["--standalone", f"--nproc-per-node={ws}"]
+    else:
+        host, _, port = opts.rdzv_endpoint.rpartition(":")
+        cmd += [f"--nnodes={opts.nnodes}", f"--node-rank={opts.node_rank}",
+                f"--nproc-per-node={ws // opts.nnodes}", f"--master-addr={host}",
+                f"--master-port={port}"]
+    return cmd + ["-m", "mokbench.worker", "--cell", str(cell_file)]
+
+
+def placement_reason(cell: Cell, opts: LaunchOptions) -> str | None:
+    """Why this cell cannot be placed on the ranks at hand (None when it can)."""
+    ws = cell.scenario.world_size
+    if opts.nnodes > 1:
+        if ws != opts.nnodes * opts.nproc_per_node:
+            return (f"world size {ws} != nnodes x nproc-per-node "
+                    f"({opts.nnodes} x {opts.nproc_per_node}) of this multi-node launch")
+        return None
+    if opts.device != "cpu" and opts.gpus_on_node and ws > opts.gpus_on_node:
+        return f"needs {ws} GPUs; this node has {opts.gpus_on_node}"
+    return None
+
+
+def repro_command(cell: Cell) -> str:
+    """A one-line command that reruns this cell alone."""
+    s = cell.scenario
+    sh = s.shape
+    parts = ["mokbench", "run", "--backends", cell.backend, "--experts", str(sh.num_experts),
+             "--hidden", str(sh.hidden), "--intermediate", str(sh.intermediate), "--topk",
+             str(sh.topk), "--tokens", str(s.tokens_per_rank), "--world-size", str(s.world_size),
+             "--precision", s.precision, "--routing", s.routing, "--zipf-s", f"{s.zipf_s:g}",
+             "--seed", str(s.seed), "--warmup", str(s.timing.warmup), "--iters",
+             str(s.timing.iters), "--passes", ",".join(s.passes)]
+    parts.append("--shared-expert" if s.shared_expert else "--no-shared-expert")
+    return shlex.join(parts)
+
+
+def _tail(text: str) -> str:
+    """The most informative end of a worker log: the last exception line, else the tail."""
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if ("Error" in ln or "error:" in ln or "Exception" in ln) and not ln.startswith(" "):
+            return ln.strip()[:ERROR_TAIL_CHARS]
+    return " | ".join(lines[-4:])[-ERROR_TAIL_CHARS:]
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=10)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run_process(cmd: list[str], log_path: Path, timeout_s: float, env: dict) -> tuple[int, bool]:
+    """Run ``cmd`` in its own process group; returns (exit code, timed_out)."""
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+        try:
+            return proc.wait(timeout=timeout_s), False
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            return -9, True
+        except BaseException:
+            _kill_group(proc)
+            raise
+
+
+class CellRunner:
+    """Runs cells of one run folder and appends their rows."""
+
+    def __init__(self, run_dir: Path, run_id: str, opts: LaunchOptions) -> None:
+        self.run_dir, self.run_id, self.opts = Path(run_dir), run_id, opts
+        self.cells_dir = self.run_dir / "cells"
+        self.cells_dir.mkdir(parents=True, exist_ok=True)
+        self.writer = RowWriter(self.run_dir / "rows.jsonl")
+        self._backends: dict = {}
+
+    def _row(self, cell: Cell, pass_: str, **values) -> dict:
+        from mokbench.backend import registry
+
+        return new_row(run_id=self.run_id, backend=cell.backend,
+                       is_baseline=self.backend_of(cell.backend).capabilities.is_baseline,
+                       **{"pass": pass_}, gpu_name=self.gpu_name,
+                       device="cpu" if self.opts.device == "cpu" or not self.opts.gpus_on_node
+                       else "cuda", repro=repro_command(cell), registry=registry()[cell.backend],
+                       **scenario_columns(cell.scenario), **values)
+
+    @property
+    def gpu_name(self) -> str:
+        if self.opts.device == "cpu" or not self.opts.gpus_on_node:
+            return "cpu"
+        import torch
+
+        return torch.cuda.get_device_name(0)
+
+    def backend_of(self, name: str):
+        """A (not set up) backend instance, for its capability record; cached per name."""
+        from mokbench.backend import get_backend
+
+        if name not in self._backends:
+            self._backends[name] = get_backend(name)
+        return self._backends[name]
+
+    def skip(self, cell: Cell, reason: str) -> list[dict]:
+        rows = [self._row(cell, p, status="skipped", reason=reason) for p in cell.scenario.passes]
+        self._emit(rows)
+        return rows
+
+    def host_reason(self, cell: Cell) -> str | None:
+        """Reasons known before launching (package, GPU kind, world size, precision, pass)."""
+        if self.opts.device == "cpu" or not self.opts.gpus_on_node:
+            caps = self.backend_of(cell.backend).capabilities
+            if caps.needs_gpu or caps.min_cc is not None:
+                return "needs a CUDA GPU; this run is on CPU"
+        return self.backend_of(cell.backend).unavailable_reason(None, cell.scenario)
+
+    def _emit(self, rows: list[dict]) -> None:
+        if self.opts.writes_rows:
+            for r in rows:
+                self.writer.append(r)
+
+    def run(self, cell: Cell) -> list[dict]:
+        """Launch the cell, wait (bounded), and write one row per pass."""
+        reason = placement_reason(cell, self.opts) or self.host_reason(cell)
+        if reason:
+            return self.skip(cell, reason)
+        cell_file = self.cells_dir / f"{cell.stem}.json"
+        cell_file.write_text(json.dumps({"scenario": cell.scenario.to_dict(),
+                                         "backend": cell.backend, "run_id": self.run_id}))
+        for p in cell.scenario.passes:
+            self.cells_dir.joinpath(f"{cell.stem}.{p}.json").unlink(missing_ok=True)
+        env = dict(os.environ)
+        if self.opts.device == "cpu":
+            env["MOKBENCH_DEVICE"] = "cpu"
+        env.setdefault("OMP_NUM_THREADS", "1" if self.opts.device == "cpu" else "4")
+        log_path = self.cells_dir / f"{cell.stem}.log"
+        t0 = time.monotonic()
+        rc, timed_out = run_process(torchrun_command(cell, cell_file, self.opts), log_path,
+                                    self.opts.timeout_s, env)
+        wall = time.monotonic() - t0
+        log_text = log_path.read_text(errors="replace") if log_path.exists() else ""
+        rows = []
+        for p in cell.scenario.passes:
+            res_file = self.cells_dir / f"{cell.stem}.{p}.json"
+            if res_file.exists():
+                rows.append(self._row(cell, p, cell_wall_s=wall, **json.loads(res_file.read_text())))
+            elif timed_out:
+                rows.append(self._row(cell, p, status="timeout", cell_wall_s=wall,
+                                      reason=f"timeout after {self.opts.timeout_s:g} s: "
+                                             + _tail(log_text)))
+            else:
+                rows.append(self._row(cell, p, status="failed", cell_wall_s=wall,
+                                      reason=f"exit code {rc}: " + _tail(log_text)))
+        self._emit(rows)
+        return rows

@@ -1,0 +1,141 @@
+"""Sweep orchestration: run folder, resume, dry run, progress display, calibration launch."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from mokbench.launch import CellRunner, LaunchOptions, torchrun_command
+from mokbench.results import make_run_id, read_rows, write_env
+from mokbench.sweep import Sweep, expand, load_sweep
+
+CPU_DEFAULT_RANKS = 2
+
+
+def _gpus(device: str) -> int:
+    if device == "cpu":
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _options(nproc_per_node, nnodes, node_rank, rdzv_endpoint, timeout_s, device) -> LaunchOptions:
+    gpus = _gpus(device)
+    nproc = nproc_per_node or (gpus if gpus else CPU_DEFAULT_RANKS)
+    return LaunchOptions(nproc_per_node=nproc, nnodes=nnodes, node_rank=node_rank,
+                         rdzv_endpoint=rdzv_endpoint, timeout_s=timeout_s,
+                         device="cpu" if not gpus else device, gpus_on_node=gpus)
+
+
+def _finished_keys(run_dir: Path) -> set[tuple[str, str]]:
+    return {(r["scenario_id"], r["backend"]) for r in read_rows(run_dir / "rows.jsonl")}
+
+
+def _load(sweep_file, data, opts: LaunchOptions, backends) -> Sweep:
+    auto_world = opts.nproc_per_node * opts.nnodes
+    if data is not None:
+        sw = expand(data, auto_world, backends, data.get("name", "adhoc"))
+        sw.source_text = json.dumps(data, indent=2)
+        sw.source_suffix = ".json"
+        return sw
+    default = "default_gpu" if opts.gpus_on_node else "default_cpu"
+    return load_sweep(sweep_file, auto_world, backends, default_name=default)
+
+
+def _prepare_run_dir(sw: Sweep, out: Path, resume: Path | None, opts: LaunchOptions) -> Path:
+    if resume is not None:
+        return Path(resume)
+    run_dir = Path(out) / make_run_id(sw.name)
+    if opts.writes_rows:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / f"sweep{sw.source_suffix}").write_text(sw.source_text)
+        write_env(run_dir, {"sweep": sw.name, "device": opts.device,
+                            "nproc_per_node": opts.nproc_per_node, "nnodes": opts.nnodes})
+    return run_dir
+
+
+def _resume_sweep(resume: Path, opts: LaunchOptions, backends) -> Sweep:
+    copies = sorted(Path(resume).glob("sweep.*"))
+    if not copies:
+        from mokbench.scenario import ScenarioError
+
+        raise ScenarioError(f"resume={str(resume)!r} has no sweep copy: give a run folder")
+    src = copies[0]
+    if src.suffix == ".json":
+        return _load(None, json.loads(src.read_text()), opts, backends)
+    return load_sweep(src, opts.nproc_per_node * opts.nnodes, backends)
+
+
+def run_sweep(sweep_file: Path | None, *, data: dict | None = None, backends=None,
+              nproc_per_node: int | None = None, nnodes: int = 1, node_rank: int = 0,
+              rdzv_endpoint: str = "localhost:29500", out: Path = Path("results"),
+              resume: Path | None = None, dry_run: bool = False, timeout_s: float = 900.0,
+              device: str = "auto", calibrate_first: bool = False,
+              console: Console | None = None) -> Path | None:
+    """Run (or, with ``dry_run``, print) every cell of a sweep. Returns the run folder."""
+    console = console or Console()
+    opts = _options(nproc_per_node, nnodes, node_rank, rdzv_endpoint, timeout_s, device)
+    sw = (_resume_sweep(resume, opts, backends) if resume is not None
+          else _load(sweep_file, data, opts, backends))
+    if dry_run:
+        for cell in sw.cells:
+            cmd = torchrun_command(cell, Path("RUN_DIR/cells") / f"{cell.stem}.json", opts)
+            console.print(f"[bold]{cell.scenario.scenario_id}[/bold] {cell.backend}",
+                          soft_wrap=True)
+            console.print("  " + shlex.join(cmd), soft_wrap=True, markup=False)
+        console.print(f"{len(sw.cells)} cells")
+        return None
+    run_dir = _prepare_run_dir(sw, out, resume, opts)
+    run_id = run_dir.name
+    if calibrate_first:
+        run_calibrate(run_dir, nproc_per_node=opts.nproc_per_node, device=opts.device,
+                      console=console)
+    done = _finished_keys(run_dir) if resume is not None else set()
+    todo = [c for c in sw.cells if c.key not in done]
+    runner = CellRunner(run_dir, run_id, opts)
+    console.print(f"run [bold]{run_id}[/bold]: {len(todo)} cells to run"
+                  + (f" ({len(done)} already finished)" if done else ""))
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=console, transient=False) as progress:
+        task = progress.add_task("sweep", total=len(todo))
+        for cell in todo:
+            progress.update(task, description=f"{cell.backend} {cell.scenario.scenario_id}")
+            rows = runner.run(cell)
+            for r in rows:
+                ms = f"{r['median_ms']:.3f} ms" if r.get("median_ms") else ""
+                style = {"ok": "green", "skipped": "dim"}.get(r["status"], "red")
+                progress.console.print(
+                    f"[{style}]{r['status']:>7}[/{style}] {cell.backend:<20} {r['pass']:<8} "
+                    f"{ms:>12}  {cell.scenario.scenario_id}"
+                    + (f"  [dim]{r['reason'][:100]}[/dim]" if r.get("reason") else ""),
+                    soft_wrap=True, markup=True, highlight=False)
+            progress.advance(task)
+    return run_dir
+
+
+def run_calibrate(run_dir: Path | None, *, nproc_per_node: int | None = None,
+                  device: str = "auto", console: Console | None = None) -> Path:
+    """Launch ``mokbench.calibrate`` under torchrun; ceilings land in RUN_DIR/env.json."""
+    console = console or Console()
+    opts = _options(nproc_per_node, 1, 0, "localhost:29500", 900.0, device)
+    if run_dir is None:
+        run_dir = Path("results") / make_run_id("calibrate")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_env(run_dir)
+    env = dict(os.environ)
+    if opts.device == "cpu":
+        env["MOKBENCH_DEVICE"] = "cpu"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={opts.nproc_per_node}", "-m", "mokbench.calibrate", "--out",
+           str(run_dir)]
+    console.print("calibrating: " + shlex.join(cmd), markup=False, soft_wrap=True)
+    subprocess.run(cmd, env=env, check=True)
+    return Path(run_dir)
