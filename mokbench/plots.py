@@ -2,10 +2,10 @@
 
     speedup.{png,svg}         speedup over the fastest ok baseline per scenario, forward and
                               backward panels, grouped bars per backend, a dashed line at 1.0
-    time_vs_tokens.{png,svg}  median time (ms) vs tokens per rank (log2 axis), one line per
-                              backend with p10-p90 error bars; one panel per (model shape, world
-                              size, pass) group, split further by precision/routing/shared expert
-                              so that a line never mixes those
+    time_vs_tokens.{png,svg}  median time (ms, log axis) vs tokens per rank (log2 axis), one line
+                              per backend with p10-p90 error bars; one panel per (model shape,
+                              world size, pass) group, split further by precision/routing/shared
+                              expert so that a line never mixes those
 
 Only rows with status "ok" are drawn; a chart with nothing to draw is not written.
 """
@@ -21,13 +21,13 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
+from matplotlib import ticker  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 PASS_ORDER = ("forward", "backward")
 FORMATS = ("png", "svg")
 SHAPE_COLS = ["model", "num_experts", "hidden", "intermediate", "topk"]
 SPLIT_COLS = ["precision", "routing", "zipf_s", "shared_expert"]
-MAX_COLS = 3
 
 
 def _color_map(backends: list[str]) -> dict[str, tuple]:
@@ -53,9 +53,20 @@ def _ok(summary: pd.DataFrame) -> pd.DataFrame:
 # ---------------------------------------------------------------- (a) speedup bars
 
 
+def _short_labels(scenarios: list[str]) -> tuple[list[str], str]:
+    """Scenario ids without the "-"-separated parts they all share, and the shared part (so
+    that a sweep over tokens shows "T4096-ep8" under the bars and the shape once)."""
+    split = [s.split("-") for s in scenarios]
+    common = set(split[0]).intersection(*map(set, split[1:])) if len(split) > 1 else set()
+    short = ["-".join(t for t in parts if t not in common) or s
+             for parts, s in zip(split, scenarios)]
+    return short, "-".join(t for t in split[0] if t in common)
+
+
 def _speedup_panel(ax, part: pd.DataFrame, colors: dict[str, tuple], title: str) -> None:
     """Grouped bars: x = scenario, one bar per backend, height = speedup over best baseline."""
     scenarios = list(pd.unique(part["scenario_id"]))
+    labels, shared = _short_labels(scenarios)
     backends = [b for b in colors if b in set(part["backend"])]
     width = 0.8 / max(len(backends), 1)
     x = np.arange(len(scenarios))
@@ -65,7 +76,10 @@ def _speedup_panel(ax, part: pd.DataFrame, colors: dict[str, tuple], title: str)
         ax.bar(x + (i - (len(backends) - 1) / 2) * width, vals.to_numpy(dtype=float), width,
                label=b, color=colors[b])
     ax.axhline(1.0, color="black", linestyle="--", linewidth=1)
-    ax.set_xticks(x, scenarios, rotation=30, ha="right", fontsize=7)
+    ax.set_xticks(x, labels, rotation=30 if len(labels) > 4 else 0,
+                  ha="right" if len(labels) > 4 else "center", fontsize=7)
+    if shared:
+        ax.set_xlabel(f"scenario ({shared})", fontsize=8)
     ax.set_ylabel("speedup vs fastest baseline (x)")
     ax.set_title(title)
     ax.grid(axis="y", alpha=0.3)
@@ -85,7 +99,7 @@ def speedup_chart(summary: pd.DataFrame, out_dir: Path) -> list[Path]:
     for ax, p in zip(axes[:, 0], passes):
         _speedup_panel(ax, data[data["pass"] == p], colors, f"{p}: speedup over the fastest "
                        "baseline (same scenario)")
-    axes[0, 0].legend(fontsize=8, ncols=min(len(colors), 4))
+    axes[0, 0].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     return _save(fig, out_dir, "speedup")
 
@@ -98,22 +112,26 @@ def _present(data: pd.DataFrame, cols: list[str]) -> list[str]:
     return [c for c in cols if c in data.columns and data[c].notna().any()]
 
 
-def _group_title(key: tuple, cols: list[str]) -> str:
-    vals = dict(zip(cols, key))
-    shape = (f"E{vals.get('num_experts')} H{vals.get('hidden')} I{vals.get('intermediate')} "
-             f"k{vals.get('topk')}")
-    parts = [str(vals["model"]) if "model" in vals else "", shape, f"EP{vals.get('world_size')}"]
-    for c in SPLIT_COLS:
-        if c in vals and c != "zipf_s":
-            v = vals[c]
-            parts.append(("+shared" if v else "") if c == "shared_expert" else str(v))
-    if vals.get("routing") == "imbalanced" and "zipf_s" in vals:
-        parts.append(f"zipf {vals['zipf_s']:g}")
-    return " ".join(p for p in parts if p) + f" - {vals.get('pass')}"
+def _fmt(v) -> str:
+    """Whole floats without ".0" (columns holding NaN come back as floats)."""
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def _group_title(key: tuple, cols: list[str], pass_: str) -> str:
+    """e.g. "kimi-k2 E384 H7168 I2048 k8 EP8 bf16 uniform +shared - forward"."""
+    v = {c: _fmt(x) for c, x in zip(cols, key)}
+    parts = [v.get("model", ""), *(f"{p}{v[c]}" for p, c in (("E", "num_experts"), ("H", "hidden"),
+             ("I", "intermediate"), ("k", "topk")) if c in v), f"EP{v['world_size']}",
+             v.get("precision", ""), v.get("routing", "")]
+    if v.get("routing") == "imbalanced" and "zipf_s" in v:
+        parts.append(f"zipf {v['zipf_s']}")
+    if key[cols.index("shared_expert")] if "shared_expert" in cols else False:
+        parts.append("+shared")
+    return " ".join(p for p in parts if p) + f" - {pass_}"
 
 
 def _time_panel(ax, part: pd.DataFrame, colors: dict[str, tuple], title: str) -> None:
-    """One line per backend: median ms vs tokens per rank, p10-p90 as error bars."""
+    """One line per backend: median ms vs tokens per rank (log2 x, log y), p10-p90 error bars."""
     for b, line in part.groupby("backend", sort=True):
         line = line.sort_values("tokens_per_rank")
         x = line["tokens_per_rank"].to_numpy(dtype=float)
@@ -122,30 +140,37 @@ def _time_panel(ax, part: pd.DataFrame, colors: dict[str, tuple], title: str) ->
         hi = np.clip(line["p90_ms"].fillna(line["median_ms"]).to_numpy(dtype=float) - y, 0, None)
         ax.errorbar(x, y, yerr=[lo, hi], marker="o", capsize=3, label=b, color=colors[b])
     ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
     ax.set_xlabel("tokens per rank")
     ax.set_ylabel("median ms (p10-p90)")
     ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
+    ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7)
 
 
 def time_vs_tokens_chart(summary: pd.DataFrame, out_dir: Path) -> list[Path]:
-    """time_vs_tokens.{png,svg}: a grid of panels, one per shape/world size/pass group."""
+    """time_vs_tokens.{png,svg}: a grid with one row per (shape, world size, precision,
+    routing, shared expert) group and one column per pass (forward, backward)."""
     data = _ok(summary)
     data = data[data["tokens_per_rank"].notna()]
     if data.empty:
         return []
-    cols = _present(data, SHAPE_COLS) + ["world_size"] + _present(data, SPLIT_COLS) + ["pass"]
-    data = data.assign(_p=data["pass"].map({p: i for i, p in enumerate(PASS_ORDER)}))
-    groups = list(data.sort_values(["_p"], kind="stable").groupby(cols, sort=False, dropna=False))
+    cols = _present(data, SHAPE_COLS) + ["world_size"] + _present(data, SPLIT_COLS)
+    groups = list(data.groupby(cols, sort=False, dropna=False))
+    passes = [p for p in PASS_ORDER if p in set(data["pass"])]
     colors = _color_map(list(pd.unique(data["backend"])))
-    ncols = min(MAX_COLS, len(groups))
-    nrows = -(-len(groups) // ncols)
-    fig, axes = plt.subplots(nrows, ncols, squeeze=False, figsize=(5.5 * ncols, 4.0 * nrows))
-    for ax, (key, part) in zip(axes.flat, groups):
-        _time_panel(ax, part, colors, _group_title(key, cols))
-    for ax in axes.flat[len(groups):]:
-        ax.set_visible(False)
+    fig, axes = plt.subplots(len(groups), len(passes), squeeze=False,
+                             figsize=(5.5 * len(passes), 4.0 * len(groups)))
+    for row, (key, part) in zip(axes, groups):
+        key = key if isinstance(key, tuple) else (key,)
+        for ax, p in zip(row, passes):
+            panel = part[part["pass"] == p]
+            if panel.empty:
+                ax.set_visible(False)
+                continue
+            _time_panel(ax, panel, colors, _group_title(key, cols, p))
     fig.tight_layout()
     return _save(fig, out_dir, "time_vs_tokens")
 

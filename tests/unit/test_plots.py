@@ -1,0 +1,58 @@
+"""Charts are written from a small synthetic summary, and skipped when there is nothing to draw."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from mokbench import plots, report
+from mokbench.results import new_row
+
+
+def synthetic_rows() -> list[dict]:
+    rows = []
+    for world in (1, 2):
+        for tokens in (256, 512, 1024):
+            for backend, base, ms in (("nccl_torch", True, 2.0), ("te", True, 1.5),
+                                      ("mok", False, 1.0)):
+                for p, scale in (("forward", 1.0), ("backward", 2.0)):
+                    t = ms * scale * tokens / 256
+                    rows.append(new_row(
+                        run_id="r", scenario_id=f"tiny-T{tokens}-ep{world}", backend=backend,
+                        is_baseline=base, status="ok", median_ms=t, p10_ms=0.9 * t,
+                        p90_ms=1.2 * t, tflops=10.0, world_size=world, tokens_per_rank=tokens,
+                        hidden=128, intermediate=64, num_experts=8, topk=2, shared_expert=True,
+                        precision="bf16", routing="uniform", model="tiny", zipf_s=1.0,
+                        **{"pass": p}))
+    rows.append(new_row(run_id="r", scenario_id="tiny-T256-ep1", backend="deepep",
+                        is_baseline=True, status="failed", reason="x", world_size=1,
+                        tokens_per_rank=256, **{"pass": "forward"}))
+    return rows
+
+
+def test_make_plots_writes_png_and_svg(tmp_path):
+    summary = report.summarize(pd.DataFrame(synthetic_rows()), {})
+    paths = plots.make_plots(summary, tmp_path / "plots")
+    names = sorted(p.name for p in paths)
+    assert names == ["speedup.png", "speedup.svg", "time_vs_tokens.png", "time_vs_tokens.svg"]
+    for p in paths:
+        assert p.exists() and p.stat().st_size > 1000
+    assert paths[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    svg = (tmp_path / "plots" / "time_vs_tokens.svg").read_text()
+    # 2 world sizes x 2 passes = 4 panels, each titled with its group.
+    assert svg.count("EP1") >= 2 and svg.count("EP2") >= 2
+
+
+def test_no_baseline_skips_speedup_chart(tmp_path):
+    rows = [r for r in synthetic_rows() if not r["is_baseline"]]
+    summary = report.summarize(pd.DataFrame(rows), {})
+    names = sorted(p.name for p in plots.make_plots(summary, tmp_path))
+    assert names == ["time_vs_tokens.png", "time_vs_tokens.svg"]
+    assert not (tmp_path / "speedup.png").exists()
+
+
+def test_nothing_ok_writes_nothing(tmp_path):
+    rows = [r for r in synthetic_rows() if r["status"] != "ok"]
+    summary = report.summarize(pd.DataFrame(rows), {})
+    assert plots.make_plots(summary, tmp_path) == []
+    empty = report.summarize(pd.DataFrame(columns=list(report.ROW_COLUMNS)), {})
+    assert plots.make_plots(empty, tmp_path) == []
