@@ -96,8 +96,9 @@ def run(
                  ("topk", topk)):
         if v is not None:
             spec[k] = v
-    if "preset" not in spec and len(spec) < 11:
-        spec.setdefault("preset", "tiny")
+    dims = ("num_experts", "hidden", "intermediate", "topk")
+    if "preset" not in spec and not all(k in spec for k in dims):
+        spec["preset"] = "tiny"  # fills the dims not given
     data = {"name": "adhoc", "backends": _split(backends), "timing": {"warmup": warmup,
                                                                       "iters": iters},
             "world_sizes": [world_size or "auto"], "scenarios": [spec]}
