@@ -1,0 +1,252 @@
+"""DeepEP (V1 ``deep_ep.Buffer`` API) dispatch and combine + torch grouped GEMM experts.
+
+Legend: T tokens on this rank, K top-k, H hidden, W ranks, E local experts, R tokens received
+by this rank (each once, however many of its experts it routes to), M expert rows (received
+token-slots, grouped by local expert).
+
+The layer, as DeepEP's README and Megatron-Core's ``fused_a2a`` use the library:
+
+1. ``get_dispatch_layout`` then ``dispatch`` (host sync for the per-expert counts, as Megatron
+   does; ``num_worst_tokens`` is left at 0 because the grouped GEMM needs the host counts);
+2. received slots grouped by local expert; fused gate+up ``torch._grouped_mm``, SwiGLU, down;
+3. router weights applied to each slot, slots summed per received token (``combine`` sums
+   WITHOUT weights);
+4. ``combine`` back, plus the shared expert.
+
+Backward: dispatch's backward is a combine and combine's backward is a cached dispatch, both
+wrapped in ``torch.autograd.Function``. FP8 (``precision="fp8"``) sends e4m3 tokens with one fp32
+scale per 128 channels (needs a DeepEP build with SM90 kernels); experts stay bf16.
+
+Knobs: ``MOKBENCH_DEEPEP_SMS`` communication SMs (even, default 24).
+DeepEP is not on PyPI; see ``INSTALL_HINT``. The V1 API ships in tag v1.2.1 and the hybrid-ep
+branch; current main is the V2 API (ElasticBuffer).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Any
+
+import torch
+
+from baselines.common import canonical_grads, expert_params, grouped_swiglu_ffn, shared_expert
+from mokbench.backend import BackendBase, Capabilities, RunContext
+
+INSTALL_HINT = ("DeepEP is not on PyPI: git clone https://github.com/deepseek-ai/DeepEP, "
+                "git checkout v1.2.1 (or the hybrid-ep branch), then "
+                "TORCH_CUDA_ARCH_LIST=9.0 pip install --no-build-isolation .")
+WORLD_SIZES = (2, 4, 8)  # intranode kernels only
+SMS_ENV = "MOKBENCH_DEEPEP_SMS"
+DEFAULT_SMS = 24
+FP8_BLOCK = 128  # channels per fp32 scale in DeepEP's FP8 dispatch
+FP8_MAX = 448.0  # largest finite e4m3 value
+
+
+def comm_sms(env: dict[str, str] | None = None) -> int:
+    """SMs DeepEP's dispatch/combine kernels use: $MOKBENCH_DEEPEP_SMS, default 24. DeepEP
+    splits them into send/receive pairs, so the count must be even."""
+    raw = (os.environ if env is None else env).get(SMS_ENV, "")
+    n = int(raw) if raw.strip() else DEFAULT_SMS
+    if n <= 0 or n % 2:
+        raise ValueError(f"{SMS_ENV}={raw!r} is invalid: allowed a positive even integer")
+    return n
+
+
+def hidden_bytes(hidden: int, element_size: int) -> int:
+    """Bytes per token row for buffer sizing, as DeepEP's README computes it (at least 2 bytes
+    per element, so one buffer serves the bf16 combine after an FP8 dispatch)."""
+    return hidden * max(element_size, 2)
+
+
+def buffer_bytes(configs: list[Any], hidden_bytes_: int, num_ranks: int) -> tuple[int, int]:
+    """(NVLink bytes, RDMA bytes) for a Buffer: the largest size hint over the dispatch and
+    combine configs (``Buffer.get_dispatch_config(W)``, ``Buffer.get_combine_config(W)``)."""
+    nvl = max(c.get_nvl_buffer_size_hint(hidden_bytes_, num_ranks) for c in configs)
+    rdma = max(c.get_rdma_buffer_size_hint(hidden_bytes_, num_ranks) for c in configs)
+    return nvl, rdma
+
+
+def deepep_reason(world_size: int, precision: str, hidden: int, *, installed: bool,
+                  has_v1_buffer: bool = True, sm90_compiled: bool = True) -> str | None:
+    """Why DeepEP cannot run this cell (None when it can). Pure: facts are passed in."""
+    if not installed:
+        return f"package 'deep_ep' is not installed ({INSTALL_HINT})"
+    if not has_v1_buffer:
+        return "deep_ep has no V1 Buffer (V2 API installed); install v1.2.1 or the hybrid-ep branch"
+    if world_size not in WORLD_SIZES:
+        return f"needs 2, 4 or 8 GPUs (world size {world_size})"
+    if precision == "fp8":
+        if not sm90_compiled:
+            return "FP8 dispatch needs DeepEP built with SM90 kernels (Buffer.is_sm90_compiled())"
+        if hidden % FP8_BLOCK:
+            return f"FP8 dispatch needs hidden a multiple of {FP8_BLOCK}; hidden is {hidden}"
+    return None
+
+
+def per_token_cast_to_fp8(x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 tokens and fp32 scales [T, H/128] (one per 128 channels), DeepEP's FP8 input."""
+    T, H = x_TH.shape
+    x_TBC = x_TH.float().view(T, H // FP8_BLOCK, FP8_BLOCK)
+    amax_TB = x_TBC.abs().amax(dim=2).clamp(min=1e-4)
+    x_fp8 = (x_TBC * (FP8_MAX / amax_TB).unsqueeze(2)).to(torch.float8_e4m3fn).view(T, H)
+    return x_fp8, amax_TB / FP8_MAX
+
+
+def fp8_to_bf16(x_fp8_TH: torch.Tensor, scales_TB: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`per_token_cast_to_fp8` (up to e4m3 rounding)."""
+    T, H = x_fp8_TH.shape
+    x_TBC = x_fp8_TH.float().view(T, H // FP8_BLOCK, FP8_BLOCK) * scales_TB.unsqueeze(2)
+    return x_TBC.view(T, H).to(torch.bfloat16)
+
+
+def group_received(recv_idx_RK: torch.Tensor, counts: list[int]
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Received slots grouped by local expert: (token row of each slot, its k), both [M].
+
+    ``recv_idx_RK`` holds local expert ids, -1 where the slot belongs to another rank;
+    ``counts`` are DeepEP's received rows per local expert (host list; M = sum(counts))."""
+    E, K = len(counts), recv_idx_RK.shape[1]
+    flat = recv_idx_RK.reshape(-1)
+    key = torch.where(flat < 0, torch.full_like(flat, E), flat)
+    order_M = torch.argsort(key, stable=True)[:sum(counts)]
+    return order_M // K, order_M % K
+
+
+class DeepEPComm:
+    """One DeepEP V1 Buffer for this process group; dispatch/combine as autograd functions."""
+
+    def __init__(self, group: Any, num_experts: int, hidden: int, fp8: bool) -> None:
+        from deep_ep import Buffer
+
+        Buffer.set_num_sms(comm_sms())
+        W = group.size()
+        configs = [Buffer.get_dispatch_config(W), Buffer.get_combine_config(W)]
+        nvl, rdma = buffer_bytes(configs, hidden_bytes(hidden, 2), W)
+        self.buffer = Buffer(group, nvl, rdma, explicitly_destroy=True)
+        self.num_experts, self.fp8 = num_experts, fp8
+        self.counts: list[int] = []
+
+    def dispatch(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor,
+                 topk_weights_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                         Any]:
+        """(recv_x_RH bf16, recv_weights_RK fp32, recv_idx_RK local ids, handle);
+        received rows per local expert land in ``self.counts``."""
+        return _Dispatch.apply(x_TH, topk_weights_TK.float(), topk_idx_TK, self)
+
+    def combine(self, y_RH: torch.Tensor, handle: Any) -> torch.Tensor:
+        return _Combine.apply(y_RH, handle, self)
+
+    def raw_dispatch(self, x_TH, topk_idx_TK, topk_weights_TK):
+        buf = self.buffer
+        n_rank, n_rdma, n_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx_TK,
+                                                                      self.num_experts)
+        x_in = per_token_cast_to_fp8(x_TH) if self.fp8 else x_TH
+        recv_x, recv_idx, recv_w, counts, handle, _ = buf.dispatch(
+            x_in, topk_idx=topk_idx_TK, topk_weights=topk_weights_TK,
+            num_tokens_per_rank=n_rank, num_tokens_per_rdma_rank=n_rdma,
+            is_token_in_rank=in_rank, num_tokens_per_expert=n_expert)
+        if isinstance(recv_x, tuple):
+            recv_x = fp8_to_bf16(*recv_x)
+        self.counts = list(counts)
+        return recv_x, recv_idx, recv_w, handle
+
+    def teardown(self) -> None:
+        self.buffer.destroy()
+
+
+class _Dispatch(torch.autograd.Function):
+    """Forward: DeepEP dispatch. Backward: a combine of the received-token gradients."""
+
+    @staticmethod
+    def forward(ctx, x_TH, topk_weights_TK, topk_idx_TK, comm: DeepEPComm):
+        recv_x, recv_idx, recv_w, handle = comm.raw_dispatch(x_TH.contiguous(), topk_idx_TK,
+                                                             topk_weights_TK.contiguous())
+        ctx.comm, ctx.handle = comm, handle
+        ctx.mark_non_differentiable(recv_idx)
+        return recv_x, recv_w, recv_idx, handle
+
+    @staticmethod
+    def backward(ctx, g_recv_x, g_recv_w, _g_idx, _g_handle):
+        g_w = None if g_recv_w is None else g_recv_w.float().contiguous()
+        g_x, g_topk_w, _ = ctx.comm.buffer.combine(g_recv_x.contiguous(), ctx.handle,
+                                                   topk_weights=g_w)
+        return g_x, g_topk_w, None, None
+
+
+class _Combine(torch.autograd.Function):
+    """Forward: DeepEP combine (unweighted sum). Backward: a cached dispatch of the gradient."""
+
+    @staticmethod
+    def forward(ctx, y_RH, handle, comm: DeepEPComm):
+        ctx.comm, ctx.handle = comm, handle
+        y_TH, _, _ = comm.buffer.combine(y_RH.contiguous(), handle)
+        return y_TH
+
+    @staticmethod
+    def backward(ctx, g_TH):
+        g_RH, *_ = ctx.comm.buffer.dispatch(g_TH.contiguous(), handle=ctx.handle)
+        return g_RH, None, None
+
+
+def deepep_status(world_size: int, precision: str, hidden: int) -> str | None:
+    """:func:`deepep_reason` with the facts read from the installed package."""
+    installed = importlib.util.find_spec("deep_ep") is not None
+    if not installed:
+        return deepep_reason(world_size, precision, hidden, installed=False)
+    import deep_ep
+
+    buffer = getattr(deep_ep, "Buffer", None)
+    v1 = buffer is not None and hasattr(buffer, "get_dispatch_layout")
+    sm90 = buffer.is_sm90_compiled() if v1 and precision == "fp8" else True
+    return deepep_reason(world_size, precision, hidden, installed=True, has_v1_buffer=v1,
+                         sm90_compiled=bool(sm90))
+
+
+class DeepEPBackend(BackendBase):
+    """DeepEP V1 dispatch/combine around torch grouped-GEMM SwiGLU experts."""
+
+    name = "deepep"
+    capabilities = Capabilities(
+        precisions=("bf16", "fp8"), world_sizes=WORLD_SIZES, min_cc=(8, 0), needs_gpu=True,
+        notes="DeepEP V1 Buffer dispatch/combine (host-synced counts) + torch._grouped_mm; "
+              "fp8 = FP8 dispatch, bf16 experts")
+
+    def unavailable_reason(self, ctx: RunContext | None, scenario=None) -> str | None:
+        ws = scenario.world_size if scenario is not None else (ctx.world_size if ctx else 1)
+        prec = scenario.precision if scenario is not None else "bf16"
+        hidden = scenario.shape.hidden if scenario is not None else FP8_BLOCK
+        return deepep_status(ws, prec, hidden) or super().unavailable_reason(ctx, scenario)
+
+    def setup(self, scenario, ctx, weights) -> None:
+        self.ctx = ctx
+        self.params = expert_params(weights)
+        self.comm = DeepEPComm(ctx.group, scenario.shape.num_experts, scenario.shape.hidden,
+                               fp8=scenario.precision == "fp8")
+        self.variant = f"sms={comm_sms()}" + (",fp8_dispatch" if self.comm.fp8 else "")
+
+    def forward(self, x_TH, topk_idx_TK, topk_weights_TK):
+        recv_x_RH, recv_w_RK, recv_idx_RK, handle = self.comm.dispatch(x_TH, topk_idx_TK,
+                                                                       topk_weights_TK)
+        counts = self.comm.counts
+        rows_M, k_M = group_received(recv_idx_RK, counts)
+        counts_E = torch.tensor(counts, dtype=torch.int64, device=x_TH.device)
+        out_MH = grouped_swiglu_ffn(recv_x_RH[rows_M], counts_E, self.params["w1_EFH"],
+                                    self.params["w2_EHI"], None if x_TH.is_cuda else counts)
+        out_MH = out_MH * recv_w_RK[rows_M, k_M].unsqueeze(1).to(out_MH.dtype)
+        y_RH = torch.zeros_like(recv_x_RH).index_add(0, rows_M, out_MH)
+        y_TH = self.comm.combine(y_RH, handle)
+        if "ws1_FH" in self.params:
+            y_TH = y_TH + shared_expert(x_TH, self.params["ws1_FH"], self.params["ws2_HI"])
+        return y_TH
+
+    def weight_grads(self):
+        return canonical_grads(self.params)
+
+    def teardown(self) -> None:
+        comm = getattr(self, "comm", None)
+        if comm is not None:
+            torch.cuda.synchronize()
+            comm.teardown()
+            self.comm = None
+        super().teardown()
