@@ -246,7 +246,8 @@ class DeepEPBackend(BackendBase):
     def teardown(self) -> None:
         comm = getattr(self, "comm", None)
         if comm is not None:
-            torch.cuda.synchronize()
+            if self.ctx.is_cuda:
+                torch.cuda.synchronize()  # no kernel may still use the buffer
             comm.teardown()
             self.comm = None
         super().teardown()

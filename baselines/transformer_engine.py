@@ -269,7 +269,7 @@ class TEBackend(BackendBase):
 
     def teardown(self) -> None:
         if getattr(self, "comm_name", "") == "deepep":
-            torch.cuda.synchronize()
+            torch.cuda.synchronize()  # no kernel may still use DeepEP's buffer
             self.comm.teardown()
         self.comm = None
         self.fc1 = self.fc2 = self.shared = None
