@@ -1,0 +1,294 @@
+"""Megatron-Core MoELayer baselines: HybridEP flex dispatcher, and the alltoall dispatcher.
+
+Legend: T tokens on this rank, K top-k, H hidden, I intermediate, F = 2*I, W ranks (= EP size),
+E local experts, G = W*E global experts.
+
+Built standalone as Megatron's own MoE unit tests build it: ``initialize_model_parallel(
+expert_model_parallel_size=W)`` on the existing default process group,
+``model_parallel_cuda_manual_seed``, a ``TransformerConfig`` (SwiGLU, no bias, bf16, fp32 router,
+no load-balancing loss, fused permute, no capacity factor: dropless), and the layer from
+``get_moe_module_spec(use_te=True, num_experts=G, moe_grouped_gemm=True)`` (TEGroupedMLP
+experts). Input is [seq=T, batch=1, H].
+
+Routing: Megatron computes its router from a learned gate; every backend here must see the
+scenario's seeded routing, so ``layer.router`` is replaced by :class:`PresetRouter`, which
+returns Megatron's router output format, dense probs [T, G] (fp32, zero off the top-k) and a
+routing map [T, G] (bool), built from the given top-k. Gradients reach the router weights
+through those probs.
+
+Weights: TEGroupedMLP ``linear_fc1.weight{e}`` is [F, H] with the gate rows first (Megatron's
+GLU splits fc1's output with ``chunk(2)``: gate, then linear), ``linear_fc2.weight{e}`` is [H, I];
+the shared expert's ``linear_fc1.weight`` / ``linear_fc2.weight`` likewise.
+
+``check()`` (called by the worker outside the timed region) asserts that no token was dropped:
+the rows Megatron handed the experts equal the routed slots of all ranks for this rank's experts.
+Megatron's parallel state is global: set up once per process, destroyed in ``teardown``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+from typing import Any
+
+import torch
+
+from mokbench.backend import BackendBase, Capabilities, RunContext
+
+INSTALL_HINT = "pip install 'mokbench[megatron]'"
+HYBRIDEP_HINT = ("HybridEP ships in DeepEP's hybrid-ep branch, not on PyPI: git clone "
+                 "https://github.com/deepseek-ai/DeepEP -b hybrid-ep, then "
+                 "TORCH_CUDA_ARCH_LIST=9.0 pip install --no-build-isolation .")
+SMS_ENV = "MOKBENCH_HYBRIDEP_SMS"
+
+
+def installed(module: str) -> bool:
+    """Whether ``module`` (dotted names too) can be imported, without importing it."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def megatron_reason(world_size: int, *, hybridep: bool, has_megatron: bool, has_te: bool,
+                    has_hybridep: bool = False) -> str | None:
+    """Why a Megatron baseline cannot run this cell (None when it can). Pure: facts passed in."""
+    if not has_megatron:
+        return f"package 'megatron.core' is not installed ({INSTALL_HINT})"
+    if not has_te:
+        return ("package 'transformer_engine' is not installed (Megatron's grouped experts need "
+                f"it; {INSTALL_HINT})")
+    if hybridep:
+        if not has_hybridep:
+            return f"package 'deep_ep' with HybridEPBuffer is not installed ({HYBRIDEP_HINT})"
+        if world_size < 2:
+            return f"HybridEP needs at least 2 GPUs (world size {world_size})"
+    return None
+
+
+def config_kwargs(scenario: Any, dispatcher: str, num_sms: int | None = None) -> dict[str, Any]:
+    """TransformerConfig arguments for one scenario. ``dispatcher``: "hybridep" (flex) or
+    "alltoall". Dropless (no capacity factors), no aux loss, bf16 with an fp32 router."""
+    import torch.nn.functional as F
+
+    s = scenario.shape
+    kw: dict[str, Any] = dict(
+        num_layers=1, hidden_size=s.hidden, num_attention_heads=1, ffn_hidden_size=s.intermediate,
+        tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+        expert_model_parallel_size=scenario.world_size,
+        num_moe_experts=s.num_experts, moe_router_topk=s.topk, moe_ffn_hidden_size=s.intermediate,
+        moe_grouped_gemm=True, moe_permute_fusion=True, moe_router_dtype="fp32",
+        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+        moe_expert_capacity_factor=None, moe_pad_expert_input_to_capacity=False,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        bf16=True, params_dtype=torch.bfloat16, hidden_dropout=0.0, attention_dropout=0.0,
+        moe_shared_expert_intermediate_size=s.intermediate if scenario.shared_expert else None,
+        moe_shared_expert_overlap=False,
+    )
+    if dispatcher == "hybridep":
+        kw.update(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="hybridep",
+                  moe_expert_rank_capacity_factor=None)
+        if num_sms is not None:
+            kw["moe_flex_dispatcher_num_sms"] = num_sms
+    elif dispatcher == "alltoall":
+        kw["moe_token_dispatcher_type"] = "alltoall"
+    else:
+        raise ValueError(f"dispatcher={dispatcher!r} is invalid: allowed hybridep | alltoall")
+    return kw
+
+
+def known_kwargs(kwargs: dict[str, Any], field_names: set[str]) -> tuple[dict[str, Any], list[str]]:
+    """Split ``kwargs`` into those TransformerConfig has and the names it lacks (fields move
+    between Megatron releases; a missing optional knob is dropped rather than fatal)."""
+    kept = {k: v for k, v in kwargs.items() if k in field_names}
+    return kept, sorted(set(kwargs) - set(kept))
+
+
+def preset_router_outputs(topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+                          num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Megatron's router output from a given top-k: (probs_TG fp32 dense, routing_map_TG bool).
+    Differentiable in ``topk_weights_TK``."""
+    T = topk_idx_TK.shape[0]
+    zeros = torch.zeros(T, num_experts, dtype=torch.float32, device=topk_idx_TK.device)
+    probs_TG = zeros.scatter(1, topk_idx_TK, topk_weights_TK.float())
+    routing_map_TG = torch.zeros(T, num_experts, dtype=torch.bool, device=topk_idx_TK.device)
+    return probs_TG, routing_map_TG.scatter_(1, topk_idx_TK, True)
+
+
+def megatron_expert_weights(w1_EHF: torch.Tensor, w2_EIH: torch.Tensor
+                            ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Canonical -> TEGroupedMLP per-expert weights: fc1 [F, H] (gate rows, then up rows),
+    fc2 [H, I]. The inverse (also for grads) is :func:`canonical_expert_weights`."""
+    return [w.t().contiguous() for w in w1_EHF], [w.t().contiguous() for w in w2_EIH]
+
+
+def canonical_expert_weights(fc1_FH: list[torch.Tensor], fc2_HI: list[torch.Tensor]
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.stack(fc1_FH).transpose(1, 2), torch.stack(fc2_HI).transpose(1, 2)
+
+
+def dropped_tokens(expected_E: list[int], got_E: list[int]) -> int:
+    """Routed slots the experts did not receive (0 when dropless); a mismatch in the number of
+    experts or extra rows is an error too, reported as a ValueError."""
+    if len(expected_E) != len(got_E) or any(g > e for e, g in zip(expected_E, got_E)):
+        raise ValueError(f"rows per local expert {got_E} do not match the routing {expected_E}")
+    return sum(e - g for e, g in zip(expected_E, got_E))
+
+
+class PresetRouter(torch.nn.Module):
+    """Stands in for Megatron's TopKRouter: returns the probs/routing map set by ``set``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.out: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def set(self, probs_TG: torch.Tensor, routing_map_TG: torch.Tensor) -> None:
+        self.out = (probs_TG, routing_map_TG)
+
+    def forward(self, hidden_states: torch.Tensor, padding_mask: Any = None):
+        assert self.out is not None and self.out[0].shape[0] == hidden_states.numel() // \
+            hidden_states.shape[-1], "routing was not set for this input"
+        return self.out
+
+    def set_layer_number(self, layer_number: int) -> None:
+        self.layer_number = layer_number
+
+
+def _build_layer(config: Any, num_experts: int) -> Any:
+    """The MoELayer from Megatron's TE MoE spec (a partial in 0.19, a ModuleSpec before)."""
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+
+    spec = get_moe_module_spec(use_te=True, num_experts=num_experts, moe_grouped_gemm=True)
+    if callable(spec):
+        return spec(config=config)
+    from megatron.core.transformer.spec_utils import build_module
+
+    return build_module(spec, config=config)
+
+
+class HybridEPMegatronBackend(BackendBase):
+    """Megatron-Core MoELayer, flex dispatcher with the HybridEP backend."""
+
+    name = "hybridep_megatron"
+    dispatcher = "hybridep"
+    capabilities = Capabilities(
+        world_sizes=None, min_cc=(9, 0), needs_gpu=True,
+        notes="Megatron-Core MoELayer, flex/HybridEP dispatcher, TEGroupedMLP; preset routing")
+
+    def unavailable_reason(self, ctx: RunContext | None, scenario=None) -> str | None:
+        ws = scenario.world_size if scenario is not None else (ctx.world_size if ctx else 1)
+        has_hybridep = False
+        if self.dispatcher == "hybridep" and installed("deep_ep"):
+            import deep_ep
+
+            has_hybridep = hasattr(deep_ep, "HybridEPBuffer")
+        why = megatron_reason(ws, hybridep=self.dispatcher == "hybridep",
+                              has_megatron=installed("megatron.core"),
+                              has_te=installed("transformer_engine"), has_hybridep=has_hybridep)
+        return why or super().unavailable_reason(ctx, scenario)
+
+    def setup(self, scenario, ctx, weights) -> None:
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        if not parallel_state.model_parallel_is_initialized():
+            parallel_state.initialize_model_parallel(
+                tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                expert_model_parallel_size=ctx.world_size)
+        model_parallel_cuda_manual_seed(scenario.seed)
+        raw_sms = os.environ.get(SMS_ENV, "")
+        kw = config_kwargs(scenario, self.dispatcher, int(raw_sms) if raw_sms else None)
+        kw, dropped = known_kwargs(kw, {f.name for f in dataclasses.fields(TransformerConfig)})
+        G = scenario.shape.num_experts
+        self.layer = _build_layer(TransformerConfig(**kw), G)
+        self.layer.router = PresetRouter()
+        self.G, self.E, self.first = G, scenario.local_experts, weights.first_expert
+        self._copy_weights(weights)
+        self.rows_E: Any = None
+        self.last_idx: torch.Tensor | None = None
+        self.layer.experts.register_forward_pre_hook(self._record_rows)
+        self.variant = f"dispatcher={self.dispatcher}" + (
+            f",dropped_config={'/'.join(dropped)}" if dropped else "")
+
+    def _record_rows(self, module: Any, args: tuple) -> None:
+        """Keep the experts' tokens_per_expert (no host sync here; read in ``check``)."""
+        self.rows_E = args[1]
+
+    def _copy_weights(self, weights) -> None:
+        fc1, fc2 = megatron_expert_weights(weights.w1_EHF, weights.w2_EIH)
+        ex = self.layer.experts
+        with torch.no_grad():
+            for e in range(self.E):
+                getattr(ex.linear_fc1, f"weight{e}").copy_(fc1[e])
+                getattr(ex.linear_fc2, f"weight{e}").copy_(fc2[e])
+            if weights.ws1_HF is not None:
+                self.layer.shared_experts.linear_fc1.weight.copy_(weights.ws1_HF.t())
+                self.layer.shared_experts.linear_fc2.weight.copy_(weights.ws2_IH.t())
+
+    def forward(self, x_TH, topk_idx_TK, topk_weights_TK):
+        T, H = x_TH.shape
+        self.layer.router.set(*preset_router_outputs(topk_idx_TK, topk_weights_TK, self.G))
+        self.last_idx = topk_idx_TK
+        out_SBH, _bias = self.layer(x_TH.view(T, 1, H))
+        return out_SBH.view(T, H)
+
+    def check(self) -> None:
+        """Raise if Megatron dropped any routed token-slot on this rank's experts."""
+        import torch.distributed as dist
+
+        if self.last_idx is None or self.rows_E is None:
+            return
+        counts_G = torch.bincount(self.last_idx.reshape(-1), minlength=self.G)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(counts_G)
+        expected = counts_G[self.first:self.first + self.E].tolist()
+        rows = self.rows_E
+        got = rows.tolist() if isinstance(rows, torch.Tensor) else [int(r) for r in rows]
+        n = dropped_tokens(expected, got)
+        if n:
+            raise RuntimeError(f"Megatron dropped {n} routed token-slots on rank's experts")
+
+    def weight_grads(self) -> dict[str, torch.Tensor]:
+        ex = self.layer.experts
+        g1 = [getattr(ex.linear_fc1, f"weight{e}").grad for e in range(self.E)]
+        g2 = [getattr(ex.linear_fc2, f"weight{e}").grad for e in range(self.E)]
+        out: dict[str, torch.Tensor] = {}
+        if all(g is not None for g in g1 + g2):
+            out["w1_EHF"], out["w2_EIH"] = canonical_expert_weights(g1, g2)
+        shared = getattr(self.layer, "shared_experts", None)
+        if shared is not None and shared.linear_fc1.weight.grad is not None:
+            out["ws1_HF"] = shared.linear_fc1.weight.grad.t()
+            out["ws2_IH"] = shared.linear_fc2.weight.grad.t()
+        return out
+
+    def zero_grad(self) -> None:
+        for p in self.layer.parameters():
+            p.grad = None
+
+    def teardown(self) -> None:
+        from megatron.core import parallel_state
+
+        if self.dispatcher == "hybridep":
+            try:
+                from megatron.core.transformer.moe.fused_a2a import reset_hybrid_ep_buffer
+            except ImportError:
+                reset_hybrid_ep_buffer = None
+            if reset_hybrid_ep_buffer is not None:
+                torch.cuda.synchronize()
+                reset_hybrid_ep_buffer()
+        self.layer = None
+        parallel_state.destroy_model_parallel()
+        super().teardown()
+
+
+class MegatronAlltoallBackend(HybridEPMegatronBackend):
+    """The same MoELayer with Megatron's alltoall dispatcher: runs on any world size, one GPU
+    included, and where HybridEP is not installed."""
+
+    name = "megatron_alltoall"
+    dispatcher = "alltoall"
+    capabilities = Capabilities(
+        min_cc=(8, 0), needs_gpu=True,
+        notes="Megatron-Core MoELayer, alltoall dispatcher, TEGroupedMLP; preset routing")
