@@ -36,7 +36,8 @@ import torch
 
 from mokbench.backend import BackendBase, Capabilities, RunContext
 
-INSTALL_HINT = "pip install 'mokbench[mok]'"
+INSTALL_HINT = ("pip install 'mokbench[mok]', i.e. "
+                "git+https://github.com/cursor/mixture-of-kittens")
 EP_SIZES = (4, 8, 16, 32, 64)
 CCS = ((10, 0), (10, 3))
 API_NAMES = ("MoKConfig", "get_workspace", "build_schedule", "forward", "backward",
@@ -46,10 +47,13 @@ _MOK = ("w_gate_EIH", "w_up_EIH", "w_down_EHI", "ws_gate_IH", "ws_up_IH", "ws_do
 
 def mok_reason(world_size: int, precision: str, tokens: int, hidden: int, inter: int,
                topk: int, shared_expert: bool, cc: tuple[int, int] | None, *,
-               installed: bool) -> str | None:
-    """Why upstream MoK cannot run this cell (None when it can). Pure: facts passed in."""
+               installed: bool, upstream: bool = True) -> str | None:
+    """Why upstream MoK cannot run this cell (None when it can). Pure: facts passed in.
+    ``upstream``: the importable ``mok`` has ``mok.functional`` (PyPI's "mok" is unrelated)."""
     if not installed:
         return f"package 'mok' is not installed ({INSTALL_HINT})"
+    if not upstream:
+        return f"the installed 'mok' is not upstream MoK (no mok.functional; {INSTALL_HINT})"
     if cc not in CCS:
         have = "no GPU is visible" if cc is None else f"GPU has {cc[0]}.{cc[1]}"
         return f"needs compute capability 10.0/10.3 (Blackwell); {have}"
@@ -157,13 +161,14 @@ class MoKUpstreamBackend(BackendBase):
     def unavailable_reason(self, ctx: RunContext | None, scenario=None) -> str | None:
         cc = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
         installed = importlib.util.find_spec("mok") is not None
+        facts = {"installed": installed,
+                 "upstream": installed and importlib.util.find_spec("mok.functional") is not None}
         if scenario is None:
             ws = ctx.world_size if ctx else 1
-            return mok_reason(ws, "bf16", 512, 256, 256, 1, True, cc, installed=installed)
+            return mok_reason(ws, "bf16", 512, 256, 256, 1, True, cc, **facts)
         s = scenario.shape
         return mok_reason(scenario.world_size, scenario.precision, scenario.tokens_per_rank,
-                          s.hidden, s.intermediate, s.topk, scenario.shared_expert, cc,
-                          installed=installed)
+                          s.hidden, s.intermediate, s.topk, scenario.shared_expert, cc, **facts)
 
     def setup(self, scenario, ctx, weights) -> None:
         self.api = resolve_api(importlib.import_module("mok"))
