@@ -1,0 +1,92 @@
+"""An sbatch script that runs one sweep across several nodes: one srun task per node, each
+running ``mokbench sweep`` with torchrun's multi-node arguments, all meeting at a rendezvous on
+the first node of the allocation.
+
+The sweep and the results folder must be on a file system every node sees; rank 0 (on the
+first node) writes the rows.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+DEFAULT_PORT = 29500
+_TIME = re.compile(r"^(\d+-)?\d{1,2}(:\d{2}){0,2}$")  # MM, HH:MM:SS, D-HH:MM:SS, ...
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _check(nodes: int, gpus_per_node: int, time: str, extra_env: dict[str, str]) -> None:
+    """One-line errors naming the field and what is allowed."""
+    for name, v in (("nodes", nodes), ("gpus_per_node", gpus_per_node)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name}={v!r} is invalid: allowed a positive integer")
+    if not _TIME.match(time):
+        raise ValueError(f"time={time!r} is invalid: allowed HH:MM:SS, MM or D-HH:MM:SS")
+    for key in extra_env:
+        if not _ENV_NAME.match(key):
+            raise ValueError(f"extra_env key {key!r} is invalid: allowed a shell variable name")
+
+
+def _sbatch_lines(nodes: int, gpus_per_node: int, partition: str | None, time: str,
+                  account: str | None) -> list[str]:
+    """#SBATCH directives (Slurm's log stays in the submit folder: an --output folder must
+    exist before the job starts)."""
+    lines = [
+        "#SBATCH --job-name=mokbench",
+        f"#SBATCH --nodes={nodes}",
+        "#SBATCH --ntasks-per-node=1",
+        f"#SBATCH --gpus-per-node={gpus_per_node}",
+        "#SBATCH --exclusive",
+        f"#SBATCH --time={time}",
+    ]
+    if partition:
+        lines.append(f"#SBATCH --partition={partition}")
+    if account:
+        lines.append(f"#SBATCH --account={account}")
+    return lines
+
+
+def render_sbatch(sweep_file: str | Path, nodes: int, gpus_per_node: int,
+                  partition: str | None = None, time: str = "02:00:00",
+                  account: str | None = None, out_dir: str | Path = "results",
+                  extra_env: dict[str, str] | None = None) -> str:
+    """The text of an sbatch script running ``sweep_file`` on ``nodes`` x ``gpus_per_node`` GPUs.
+
+    Each node runs one task (``--ntasks-per-node=1``):
+    ``mokbench sweep SWEEP --nnodes $SLURM_NNODES --node-rank $SLURM_NODEID
+    --nproc-per-node G --rdzv-endpoint $MASTER_ADDR:$MASTER_PORT --out DIR``, where
+    MASTER_ADDR is the first host of the allocation. The world size is nodes * gpus_per_node.
+    Only the variables in ``extra_env`` are exported (no NCCL tuning is added by default).
+    """
+    extra_env = dict(extra_env or {})
+    _check(nodes, gpus_per_node, time, extra_env)
+    sweep, out = shlex.quote(str(sweep_file)), shlex.quote(str(out_dir))
+    world = nodes * gpus_per_node
+    lines = [
+        "#!/bin/bash",
+        f"# mokbench: sweep {sweep_file} on {nodes} node(s) x {gpus_per_node} GPU(s) "
+        f"= {world} ranks.",
+        "# One srun task per node; each starts torchrun with --nproc-per-node GPUs.",
+        "# A GB300 NVL72 rack is 18 nodes x 4 GPUs: --nodes 18 --gpus-per-node 4 (72 ranks).",
+        *_sbatch_lines(nodes, gpus_per_node, partition, time, account),
+        "",
+        "set -euo pipefail",
+        f"mkdir -p {out}",
+        'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)',
+        f"MASTER_PORT=${{MASTER_PORT:-{DEFAULT_PORT}}}",
+        "export MASTER_ADDR MASTER_PORT",
+    ]
+    lines += [f"export {k}={shlex.quote(str(v))}" for k, v in sorted(extra_env.items())]
+    # Single quotes: $SLURM_NODEID must expand inside each task, not once in the batch step.
+    task = (f"exec mokbench sweep {sweep} --nnodes $SLURM_NNODES --node-rank $SLURM_NODEID "
+            f"--nproc-per-node {gpus_per_node} --rdzv-endpoint $MASTER_ADDR:$MASTER_PORT "
+            f"--out {out}")
+    lines += [
+        "",
+        f"srun --nodes={nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 \\",
+        f"    bash -c {shlex.quote(task)}",
+        "",
+    ]
+    return "\n".join(lines)
