@@ -1,0 +1,69 @@
+"""The reference layer against an independent per-token float64 computation, and the
+single-rank nccl_torch baseline against the reference."""
+
+import torch
+import torch.nn.functional as F
+
+from mokbench.backend import RunContext, get_backend
+from mokbench.check import check_backward, check_forward
+from mokbench.inputs import make_inputs, make_weights
+from mokbench.reference import checked_expert_ids, reference_layer
+from mokbench.scenario import Scenario, preset
+
+CPU = torch.device("cpu")
+
+
+def _naive(x, idx, p, w):
+    """Per-token, per-k loop in float64 (no sorting, no index tricks)."""
+    x, p = x.double(), p.double()
+    y = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for k in range(idx.shape[1]):
+            e = int(idx[t, k])
+            h = x[t] @ w.w1_EHF[e].double()
+            inter = w.w2_EIH.shape[1]
+            y[t] += p[t, k] * ((F.silu(h[:inter]) * h[inter:]) @ w.w2_EIH[e].double())
+        hs = x[t] @ w.ws1_HF.double()
+        y[t] += (F.silu(hs[: w.ws2_IH.shape[0]]) * hs[w.ws2_IH.shape[0]:]) @ w.ws2_IH.double()
+    return y
+
+
+def test_reference_forward_and_grads_match_naive():
+    s = Scenario(preset("tiny"), 24, 1, routing="imbalanced")
+    w, inp = make_weights(s, 0, CPU), make_inputs(s, 0, CPU)
+    ref = reference_layer(inp, w)
+    x = inp.x_TH.double().requires_grad_()
+    p = inp.topk_weights_TK.double().requires_grad_()
+    y = _naive(x, inp.topk_idx_TK, p, w)
+    assert torch.allclose(ref.y_TH.double(), y, rtol=1e-4, atol=1e-4)
+    y.backward(inp.dy_TH.double())
+    assert torch.allclose(ref.dx_TH.double(), x.grad, rtol=1e-4, atol=1e-4)
+    assert torch.allclose(ref.dprobs_TK.double(), p.grad, rtol=1e-4, atol=1e-4)
+
+
+def test_checked_experts_spread():
+    assert checked_expert_ids(4, 16) == [0, 1, 2, 3]
+    ids = checked_expert_ids(384, 16)
+    assert ids[0] == 0 and ids[-1] == 383 and len(ids) == 16
+
+
+def test_nccl_torch_single_rank_passes_check_and_a_wrong_layer_fails():
+    s = Scenario(preset("tiny"), 64, 1)
+    w, inp = make_weights(s, 0, CPU), make_inputs(s, 0, CPU)
+    ref = reference_layer(inp, w)
+    b = get_backend("nccl_torch")
+    b.setup(s, RunContext(), w)
+    x = inp.x_TH.clone().requires_grad_()
+    p = inp.topk_weights_TK.clone().requires_grad_()
+    y = b.forward(x, inp.topk_idx_TK, p)
+    assert check_forward(y, ref, "bf16").ok
+    y.backward(inp.dy_TH)
+    res = check_backward(x.grad, p.grad, b.weight_grads(), ref, "bf16")
+    assert res.ok, res.reason()
+    assert 0 < res.max_rel_err < 1e-2
+    # a layer that forgets the router weights, or leaves rows unwritten, must fail
+    assert not check_forward(y.detach() * 1.05, ref, "bf16").ok
+    y_nan = y.detach().clone()
+    y_nan[3] = float("nan")
+    bad = check_forward(y_nan, ref, "bf16")
+    assert not bad.ok and "non-finite" in bad.reason()
