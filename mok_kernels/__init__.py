@@ -1,0 +1,55 @@
+"""MoK-style MoE forward megakernel in Triton (BF16), on one GPU, in loopback, or over EP.
+
+Legend: L logical ranks of one launch (1 in real EP, R in loopback), T tokens per rank,
+H hidden, I expert intermediate, E local experts, K top-k.
+
+Use::
+
+    cfg = MoKConfig.for_shape(H, I, minibatch=2048, macrobatch=6144)
+    ws = get_workspace(cfg, tokens=T, hidden=H, intermediate=I, local_experts=E, topk=K,
+                       shared=True, device="cuda", group=ep_group)   # or loopback_ranks=R
+    sched = build_schedule(ws, topk_idx_TK)                          # no host sync
+    y_TH = forward(cfg, ws, sched, x_TH, topk_weights_TK, w1_EHF, w2_EIH, ws1_HF, ws2_IH)
+    check_errors(ws)                                                 # the one host sync
+
+Weights are in the canonical math layout: w1_EHF [E, H, 2I] (gate columns then up columns),
+w2_EIH [E, I, H]; in loopback they hold all L*E experts, rank-major. This package never
+imports mokbench.
+"""
+
+from mok_kernels._details.config import MoKConfig, MoKConfigError, Plan, plan
+from mok_kernels._details.errors import (
+    MoKCapacityError,
+    MoKError,
+    MoKTimeoutError,
+)
+from mok_kernels._details.forward import (
+    WITHHOLD_DISPATCH,
+    WITHHOLD_NONE,
+    WITHHOLD_ROWBLOCK,
+    Schedule,
+    build_schedule,
+    check_errors,
+    forward,
+)
+from mok_kernels._details.workspace import Workspace, clear_workspace_cache, get_workspace
+
+__all__ = [
+    "MoKCapacityError",
+    "MoKConfig",
+    "MoKConfigError",
+    "MoKError",
+    "MoKTimeoutError",
+    "Plan",
+    "Schedule",
+    "WITHHOLD_DISPATCH",
+    "WITHHOLD_NONE",
+    "WITHHOLD_ROWBLOCK",
+    "Workspace",
+    "build_schedule",
+    "check_errors",
+    "clear_workspace_cache",
+    "forward",
+    "get_workspace",
+    "plan",
+]

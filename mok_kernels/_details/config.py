@@ -1,0 +1,166 @@
+"""Knobs of the MoK forward megakernel, their validation, and the minibatch planner.
+
+Legend: H hidden, I expert intermediate, F = 2*I (gate then up columns), BM/BN/BK tile sizes
+(rows, output columns, reduction depth) of the grouped GEMMs.
+
+Every check raises :class:`MoKConfigError` with one line naming the field, its value and what
+is allowed, so a bad sweep fails before any buffer is allocated.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+class MoKConfigError(ValueError):
+    """A bad MoK knob; the message is one line: field, value, what is allowed."""
+
+
+def _check(cond: bool, field_name: str, value: object, allowed: str) -> None:
+    if not cond:
+        raise MoKConfigError(f"{field_name}={value!r} is invalid: allowed {allowed}")
+
+
+def _is_pow2(v: int) -> bool:
+    return isinstance(v, int) and v > 0 and (v & (v - 1)) == 0
+
+
+@dataclass(frozen=True)
+class MoKConfig:
+    """Forward knobs.
+
+    fwd_comm_sms: programs (one per SM) per EP rank that run pull dispatch and push combine;
+        0 = no communication programs: the GEMM programs gather their rows straight from the
+        (peer) token buffers and scatter results straight into the (peer) combine buffers.
+    minibatch: schedule rows (tokens x k, padded per expert to block_m) handed to the experts
+        at once; a multiple of block_m.
+    macrobatch: ring capacity in rows; a multiple of minibatch (ring slots = macrobatch /
+        minibatch; dispatch runs up to slots - 1 minibatches ahead of compute).
+    capacity_mult: worst-case fraction of all (token, k) slots of the EP group that one rank
+        receives. It sizes only the schedule (4 bytes per row), so the default 1.0 never
+        drops a token; a smaller value that routing exceeds sets the device error word.
+    block_m/block_n/block_k: GEMM tile (block_n gate+up columns = block_n/2 gate + block_n/2
+        up; the down GEMM uses the same block_n over H).
+    num_warps/num_stages: Triton launch knobs of the megakernel.
+    spin_budget: polls a bounded wait makes before it records a timeout and exits (about
+        0.5-1 us each on H200).
+    """
+
+    fwd_comm_sms: int = 0
+    minibatch: int = 2048
+    macrobatch: int = 6144
+    capacity_mult: float = 1.0
+    block_m: int = 128
+    block_n: int = 256
+    block_k: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+    spin_budget: int = 1 << 22
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.fwd_comm_sms, int) and 0 <= self.fwd_comm_sms <= 64,
+               "fwd_comm_sms", self.fwd_comm_sms, "an integer in 0..64")
+        _check(self.block_m in (16, 32, 64, 128, 256), "block_m", self.block_m,
+               "16 | 32 | 64 | 128 | 256")
+        _check(_is_pow2(self.block_n) and 32 <= self.block_n <= 256, "block_n", self.block_n,
+               "a power of two in 32..256")
+        _check(_is_pow2(self.block_k) and 16 <= self.block_k <= 128, "block_k", self.block_k,
+               "a power of two in 16..128")
+        _check(isinstance(self.minibatch, int) and self.minibatch > 0
+               and self.minibatch % self.block_m == 0, "minibatch", self.minibatch,
+               f"a positive multiple of block_m ({self.block_m})")
+        _check(isinstance(self.macrobatch, int) and self.macrobatch > 0
+               and self.macrobatch % self.minibatch == 0, "macrobatch", self.macrobatch,
+               f"a positive multiple of minibatch ({self.minibatch})")
+        _check(isinstance(self.capacity_mult, (int, float)) and 0 < self.capacity_mult <= 1,
+               "capacity_mult", self.capacity_mult, "a number in (0, 1]")
+        _check(self.num_warps in (4, 8), "num_warps", self.num_warps, "4 | 8")
+        _check(isinstance(self.num_stages, int) and 1 <= self.num_stages <= 6, "num_stages",
+               self.num_stages, "an integer in 1..6")
+        _check(isinstance(self.spin_budget, int) and self.spin_budget >= 1, "spin_budget",
+               self.spin_budget, "an integer >= 1")
+
+    @property
+    def ring_slots(self) -> int:
+        return self.macrobatch // self.minibatch
+
+    def check_shape(self, hidden: int, intermediate: int) -> None:
+        """Tile alignment against a layer shape (the kernels have no ragged column tiles)."""
+        half = self.block_n // 2
+        _check(intermediate % half == 0, "block_n", self.block_n,
+               f"2 * a divisor of intermediate ({intermediate}) (gate/up halves)")
+        _check(hidden % self.block_n == 0, "block_n", self.block_n,
+               f"a divisor of hidden ({hidden}) (down GEMM column tiles)")
+        _check(hidden % self.block_k == 0 and intermediate % self.block_k == 0, "block_k",
+               self.block_k, f"a divisor of hidden ({hidden}) and intermediate ({intermediate})")
+
+    @staticmethod
+    def for_shape(hidden: int, intermediate: int, **overrides) -> MoKConfig:
+        """Defaults that fit the shape: the largest block_n <= 256 and block_k <= 64 that
+        divide it; explicit ``overrides`` win (and are validated)."""
+        bn = 256
+        while bn > 32 and (hidden % bn or intermediate % (bn // 2)):
+            bn //= 2
+        bk = 64
+        while bk > 16 and (hidden % bk or intermediate % bk):
+            bk //= 2
+        fields = {"block_n": bn, "block_k": bk}
+        fields.update(overrides)
+        cfg = MoKConfig(**fields)
+        cfg.check_shape(hidden, intermediate)
+        return cfg
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The two-waves minibatch bound and the ring memory for one shape and SM split."""
+
+    hidden: int
+    intermediate: int
+    num_sms: int
+    comm_sms: int
+    block_m: int
+    block_n: int
+    min_tokens: int  # two full waves of gate+up tiles (unrounded)
+    minibatch: int  # min_tokens rounded up to block_m
+    ring_slots: int
+    macrobatch: int
+    ring_bytes: int  # token ring + SwiGLU ring + output ring for one macrobatch
+
+    def __str__(self) -> str:
+        compute = self.num_sms - self.comm_sms
+        tiles = 2 * self.intermediate // self.block_n
+        return "\n".join([
+            f"shape: hidden {self.hidden}, intermediate {self.intermediate} "
+            f"({tiles} gate+up column tiles of {self.block_n})",
+            f"SMs: {self.num_sms} = {compute} compute + {self.comm_sms} communication",
+            f"two-waves bound: 2 x {compute} x {self.block_m} x {self.block_n} / "
+            f"{2 * self.intermediate} = {self.min_tokens} tokens",
+            f"minibatch >= {self.minibatch} rows (rounded to block_m {self.block_m})",
+            f"macrobatch = {self.ring_slots} x minibatch = {self.macrobatch} rows; ring memory "
+            f"{self.ring_bytes / 2**20:.1f} MiB per rank",
+        ])
+
+
+def plan(hidden: int, intermediate: int, num_sms: int, comm_sms: int = 0, block_m: int = 128,
+         block_n: int = 256, ring_slots: int = 3, dtype_bytes: int = 2) -> Plan:
+    """Minibatch lower bound from the two-waves rule and ring memory for a macrobatch.
+
+    One minibatch must give the compute SMs two full waves of gate+up tiles:
+    tokens >= 2 * compute_sms * block_m * block_n / (2 * intermediate). Ring memory per row:
+    the dispatched token (H), its SwiGLU output (I) and its expert output (H), ``dtype_bytes``
+    each (bf16: 2).
+    """
+    _check(isinstance(num_sms, int) and num_sms > 0, "num_sms", num_sms, "a positive integer")
+    _check(isinstance(comm_sms, int) and 0 <= comm_sms < num_sms, "comm_sms", comm_sms,
+           f"an integer in 0..{num_sms - 1}")
+    _check(isinstance(ring_slots, int) and ring_slots >= 1, "ring_slots", ring_slots,
+           "an integer >= 1")
+    compute = num_sms - comm_sms
+    min_tokens = math.ceil(2 * compute * block_m * block_n / (2 * intermediate))
+    minibatch = math.ceil(min_tokens / block_m) * block_m
+    macrobatch = ring_slots * minibatch
+    ring_bytes = macrobatch * (2 * hidden + intermediate) * dtype_bytes
+    return Plan(hidden, intermediate, num_sms, comm_sms, block_m, block_n, min_tokens,
+                minibatch, ring_slots, macrobatch, ring_bytes)

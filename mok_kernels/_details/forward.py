@@ -1,0 +1,148 @@
+"""Host side of the forward: schedule, launches, barriers, error check. No host sync from the
+schedule to the output (graph capturable); ``check_errors`` is the one sync, called by the user.
+
+Legend: L logical ranks in the launch, T tokens per rank, H hidden, I intermediate, E local
+experts, K top-k, S combine slots per token, F = 2*I.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from mok_kernels._details.config import MoKConfig
+from mok_kernels._details.errors import raise_if_errors
+from mok_kernels._details.schedule import (
+    ScheduleTensors,
+    build_schedule_tensors,
+    flag_capacity_errors,
+)
+from mok_kernels._details.workspace import Workspace
+
+# Test-only switch: withhold one signal so a bounded wait must expire (0 = off).
+WITHHOLD_NONE, WITHHOLD_DISPATCH, WITHHOLD_ROWBLOCK = 0, 1, 2
+
+
+@dataclass
+class Schedule:
+    """A built schedule (device tensors, no host values) bound to its workspace."""
+
+    workspace: Workspace
+    tensors: ScheduleTensors
+
+
+def build_schedule(ws: Workspace, topk_idx_TK: torch.Tensor) -> Schedule:
+    """Publish this rank's routing, barrier, and build the schedule of its local experts from
+    the whole group's routing. ``topk_idx_TK``: global expert ids [L*T, K] (rank-major in
+    loopback). On the GPU, no host synchronisation."""
+    L, T, K = ws.L, ws.T, ws.K
+    if tuple(topk_idx_TK.shape) != (L * T, K):
+        raise ValueError(f"topk_idx shape {tuple(topk_idx_TK.shape)} != {(L * T, K)} "
+                         "(workspace tokens x topk)")
+    ws.idx_LTK.view(L * T, K).copy_(topk_idx_TK)
+    ws.barrier()
+    st = build_schedule_tensors(ws.gather_idx(), ws.ranks_L, tokens=T, local_experts=ws.E,
+                                shared=ws.shared, block_m=ws.config.block_m, capacity=ws.P)
+    flag_capacity_errors(ws.errors_L4, st, ws.P)
+    ws.sched = st
+    return Schedule(ws, st)
+
+
+def _programs(ws: Workspace) -> tuple[int, int]:
+    """(programs per logical rank, communication programs per logical rank)."""
+    if ws.device.type == "cuda":
+        sms = torch.cuda.get_device_properties(ws.device).multi_processor_count
+    else:  # TRITON_INTERPRET on CPU: programs run one after another
+        sms = 4 * ws.L
+    progs = sms // ws.L
+    comm = 0 if ws.config.fwd_comm_sms == 0 else max(1, ws.config.fwd_comm_sms // ws.L)
+    if progs - comm < 1:
+        raise ValueError(f"fwd_comm_sms={ws.config.fwd_comm_sms} leaves no compute SM for "
+                         f"{ws.L} loopback ranks on {sms} SMs")
+    return progs, comm
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def launch_megakernel(ws: Workspace, st: ScheduleTensors, w1: torch.Tensor, w2: torch.Tensor,
+                      ws1: torch.Tensor | None, ws2: torch.Tensor | None, withhold: int = 0,
+                      programs: tuple[int, int] | None = None) -> None:
+    """One persistent launch for all L logical ranks (grid = SMs, split among them)."""
+    from mok_kernels._details.tl_mega import mok_forward_kernel
+
+    cfg = ws.config
+    progs, comm = programs or _programs(ws)
+    extra = {} if _interpreting() else {"launch_cooperative_grid": True}
+    ch = min(1024, 1 << (ws.H - 1).bit_length())
+    mok_forward_kernel[(ws.L * progs,)](
+        ws.x_LTH, ws.x_tab_R, ws.comb_LTSH, ws.comb_tab_R,
+        st.src_LP, st.group_LB, st.total_L,
+        ws.ring_LQH, ws.h_LQI, ws.out_LQH, ws.counters_LC, ws.errors_L4,
+        w1, w2, ws1 if ws1 is not None else w1, ws2 if ws2 is not None else w2,
+        ws.T, ws.E, ws.P, ws.Q, ws.counters_LC.shape[1], ws.mmax, cfg.spin_budget, withhold,
+        H=ws.H, I=ws.I, S=ws.S, PROGS=progs, COMM=comm, HAS_SHARED=ws.shared,
+        MB=cfg.minibatch, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
+        CR=max(1, 4096 // ch), CH=ch, QUANT=0, F32_DOT=_interpreting(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra)
+
+
+def weighted_sum(ws: Workspace, topk_weights_TK: torch.Tensor) -> torch.Tensor:
+    """y = sum_k p_k * comb[:, k] (+ shared slot), fixed order; [L*T, H] bf16."""
+    from mok_kernels._details.tl_mega import weighted_sum_kernel
+
+    n = ws.L * ws.T
+    y = torch.empty(n, ws.H, dtype=torch.bfloat16, device=ws.device)
+    bh = min(1024, 1 << (ws.H - 1).bit_length())
+    p = topk_weights_TK.to(torch.float32).contiguous()
+    weighted_sum_kernel[(n, -(-ws.H // bh))](ws.comb_LTSH, p, y, H=ws.H, K=ws.K, S=ws.S, BH=bh,
+                                             num_warps=4)
+    return y
+
+
+def _check_weights(ws: Workspace, w1: torch.Tensor, w2: torch.Tensor,
+                   ws1: torch.Tensor | None, ws2: torch.Tensor | None) -> None:
+    n_exp, H, I = ws.L * ws.E, ws.H, ws.I
+    want = {"w_gate_up": (w1, (n_exp, H, 2 * I)), "w_down": (w2, (n_exp, I, H))}
+    if ws.shared:
+        if ws1 is None or ws2 is None:
+            raise ValueError("workspace has the shared expert on: pass shared_gate_up/down")
+        want["shared_gate_up"] = (ws1, (H, 2 * I))
+        want["shared_down"] = (ws2, (I, H))
+    for name, (t, shape) in want.items():
+        if tuple(t.shape) != shape or t.dtype != torch.bfloat16 or not t.is_contiguous():
+            raise ValueError(f"{name}: want contiguous bf16 {shape}, got {t.dtype} "
+                             f"{tuple(t.shape)}")
+
+
+def forward(config: MoKConfig, ws: Workspace, schedule: Schedule, x_TH: torch.Tensor,
+            topk_weights_TK: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+            shared_gate_up: torch.Tensor | None = None,
+            shared_down: torch.Tensor | None = None, *, _withhold: int = 0) -> torch.Tensor:
+    """The MoE layer forward for this rank (or all loopback ranks): y [L*T, H] bf16."""
+    if config != ws.config:
+        raise ValueError("config differs from the one the workspace was built for")
+    if schedule.workspace is not ws:
+        raise ValueError("schedule was built on another workspace")
+    L, T, H = ws.L, ws.T, ws.H
+    if tuple(x_TH.shape) != (L * T, H) or tuple(topk_weights_TK.shape) != (L * T, ws.K):
+        raise ValueError(f"x {tuple(x_TH.shape)} / router weights "
+                         f"{tuple(topk_weights_TK.shape)}: want {(L * T, H)} / {(L * T, ws.K)}")
+    _check_weights(ws, w_gate_up, w_down, shared_gate_up, shared_down)
+    ws.x_LTH.view(L * T, H).copy_(x_TH)
+    ws.counters_LC.zero_()
+    ws.barrier()
+    launch_megakernel(ws, schedule.tensors, w_gate_up, w_down, shared_gate_up, shared_down,
+                      _withhold)
+    ws.barrier()
+    return weighted_sum(ws, topk_weights_TK)
+
+
+def check_errors(ws: Workspace) -> None:
+    """Read the device error words (one host sync), clear them, raise the first error."""
+    words = ws.errors_L4.tolist()
+    ws.errors_L4.zero_()
+    raise_if_errors(words, ws.rank_base)

@@ -1,0 +1,86 @@
+"""GEMM tiles of the expert FFN: gate+up with SwiGLU fused in the epilogue, and down.
+
+Legend: BM rows of one row block (one expert), H hidden, I intermediate, F = 2*I, BN output
+columns of a tile, BK reduction step. Weights are in the canonical math layout (y = x @ w):
+w1 [H, F] with gate columns [0, I) and up columns [I, 2I); w2 [I, H].
+
+A gate+up tile covers BN/2 gate columns c..c+BN/2 and the *matching* up columns I+c..: two
+dots share the A tile, so one tile holds everything SwiGLU needs and the F-wide
+pre-activation never reaches memory. Row pointers come in as a [BM] tensor, so the same tile
+reads either contiguous ring rows or rows gathered from (peer) token buffers.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def mma(a, b, acc, F32_DOT: tl.constexpr):
+    """acc += a @ b. F32_DOT only for TRITON_INTERPRET on CPU, whose bf16 dot multiplies the
+    raw 16-bit integers (Triton 3.6 interpreter); on GPUs bf16 operands go to the tensor cores."""
+    if F32_DOT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def quant_hook(v, QUANT: tl.constexpr):
+    """Fused-quantisation hook on the data path (dispatch, after SwiGLU). QUANT=0 passes the
+    bf16 values through; an FP8 path (block scales on Hopper, MXFP8 on Blackwell) goes here."""
+    tl.static_assert(QUANT == 0, "fused FP8 quantisation is not implemented yet")
+    return v
+
+
+@triton.jit
+def gate_up_swiglu_tile(a_row_ptrs, a_mask, w1, j, h_row_ptrs,
+                        H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr,
+                        BN: tl.constexpr, BK: tl.constexpr, QUANT: tl.constexpr,
+                        MASK_A: tl.constexpr, F32_DOT: tl.constexpr):
+    """h[rows, j*BN/2 : (j+1)*BN/2] = silu(A @ Wg) * (A @ Wu) for one BM-row block.
+
+    a_row_ptrs: [BM] pointers to the first element of each A row (H elements, bf16);
+    a_mask: [BM] rows to read (others read as 0; used when MASK_A);
+    h_row_ptrs: [BM] pointers to h rows (I wide).
+    """
+    HALF: tl.constexpr = BN // 2
+    F: tl.constexpr = 2 * I
+    offs_k = tl.arange(0, BK)
+    cols = j * HALF + tl.arange(0, HALF)
+    a_ptrs = a_row_ptrs[:, None] + offs_k[None, :]
+    b_ptrs = w1 + offs_k[:, None].to(tl.int64) * F + cols[None, :]
+    acc_g = tl.zeros((BM, HALF), dtype=tl.float32)
+    acc_u = tl.zeros((BM, HALF), dtype=tl.float32)
+    for _ in range(0, H, BK):
+        if MASK_A:
+            a = tl.load(a_ptrs, mask=a_mask[:, None], other=0.0)
+        else:
+            a = tl.load(a_ptrs)
+        bg = tl.load(b_ptrs)
+        bu = tl.load(b_ptrs + I)
+        acc_g = mma(a, bg, acc_g, F32_DOT)
+        acc_u = mma(a, bu, acc_u, F32_DOT)
+        a_ptrs += BK
+        b_ptrs += BK * F
+    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    h = quant_hook(h.to(tl.bfloat16), QUANT)
+    tl.store(h_row_ptrs[:, None] + cols[None, :], h)
+
+
+@triton.jit
+def down_tile(h_row_ptrs, w2, j, I: tl.constexpr, H: tl.constexpr, BM: tl.constexpr,
+              BN: tl.constexpr, BK: tl.constexpr, F32_DOT: tl.constexpr):
+    """Returns the fp32 tile (h[rows, :] @ w2)[:, j*BN : (j+1)*BN]; h rows are I wide."""
+    offs_k = tl.arange(0, BK)
+    cols = j * BN + tl.arange(0, BN)
+    a_ptrs = h_row_ptrs[:, None] + offs_k[None, :]
+    b_ptrs = w2 + offs_k[:, None].to(tl.int64) * H + cols[None, :]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for _ in range(0, I, BK):
+        a = tl.load(a_ptrs)
+        b = tl.load(b_ptrs)
+        acc = mma(a, b, acc, F32_DOT)
+        a_ptrs += BK
+        b_ptrs += BK * H
+    return acc

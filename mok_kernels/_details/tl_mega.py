@@ -1,0 +1,292 @@
+"""The persistent forward megakernel: pull dispatch, grouped SwiGLU FFN, push combine.
+
+Legend: L logical ranks in the launch (program l // PROGS serves logical rank l), R EP ranks,
+T tokens per rank, S combine slots per token, P schedule rows, Q ring rows (macrobatch),
+MB minibatch rows, BM/BN/BK tiles, N1 = I/(BN/2) gate+up tiles and N2 = H/BN down tiles per
+row block, NBM = MB/BM row blocks per minibatch, MMAX = P/MB minibatches at most.
+
+Counters of one logical rank (int32, zeroed before the launch):
+    [0]                   compute ticket
+    [1 + m]               dispatch_done[m]  (+1 per communication program)
+    [1 + MMAX + m]        out_ready[m]      (+1 per down tile)
+    [1 + 2*MMAX + m]      combine_done[m]   (+1 per communication program)
+    [1 + 3*MMAX + b]      rowblock_ready[b] (+1 per gate+up tile)
+
+Work order (deadlock freedom): compute programs claim tickets in the global order
+[gate+up tiles of minibatch 0][down tiles of 0][gate+up of 1][down of 1]...; a ticket waits only
+on dispatch (which waits only on combines of older minibatches) or on smaller tickets.
+Communication program c runs steps s = 0, 1, ...: dispatch minibatch s (after the combine of
+minibatch s - slots released its ring slot), then combine minibatch s - (slots - 1).
+With no communication programs (COMM = 0) the gate+up tiles gather their rows straight from
+the (peer) token buffers and the down tiles scatter straight into the (peer) combine
+buffers; the SwiGLU ring slot is then released by the down tiles of the older minibatch.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from mok_kernels._details.tl_gemm import down_tile, gate_up_swiglu_tile
+from mok_kernels._details.tl_sync import no_error, signal, wait_geq
+
+# Error codes (mirror of errors.py, as constexprs for the kernel).
+_E_RING_FREE: tl.constexpr = tl.constexpr(1)
+_E_DISPATCHED: tl.constexpr = tl.constexpr(2)
+_E_ROWBLOCK: tl.constexpr = tl.constexpr(3)
+_E_OUTPUT: tl.constexpr = tl.constexpr(4)
+_E_HSLOT_FREE: tl.constexpr = tl.constexpr(5)
+
+
+@triton.jit
+def _slot_rows(src, rows, rmask, T, S: tl.constexpr, off_tab, base, H: tl.constexpr):
+    """Pointers to the (peer) buffer rows of schedule rows: base + off_tab[rank] + rem*H,
+    with rem = t*S + k for combine slots or t for tokens (S = 1). Returns (ptrs, valid)."""
+    s = tl.load(src + rows, mask=rmask, other=-1)
+    valid = s >= 0
+    s64 = tl.maximum(s, 0).to(tl.int64)
+    rank = s64 // (T * S)
+    rem = s64 % (T * S)
+    off = tl.multiple_of(tl.load(off_tab + rank, mask=valid, other=0), 8)
+    return base + off + rem * H, valid
+
+
+@triton.jit
+def _token_rows(src, rows, rmask, T, S: tl.constexpr, x_tab, x_base, H: tl.constexpr):
+    """Pointers to the (peer) token rows of schedule rows: slot id // S = r*T + t (rank-major
+    tokens), row = x_base + x_tab[r] + t*H. Returns (ptrs, valid); padding rows are invalid."""
+    s = tl.load(src + rows, mask=rmask, other=-1)
+    valid = s >= 0
+    tok = (tl.maximum(s, 0) // S).to(tl.int64)
+    off = tl.multiple_of(tl.load(x_tab + tok // T, mask=valid, other=0), 8)
+    return x_base + off + (tok % T) * H, valid
+
+
+@triton.jit
+def _copy_rows(src_rows, smask, dst_rows, dmask, H: tl.constexpr, CR: tl.constexpr,
+               CH: tl.constexpr):
+    """Copy CR rows of H bf16 elements in CH-column chunks (16-byte vectors per thread)."""
+    for h0 in range(0, H, CH):
+        cols = h0 + tl.arange(0, CH)
+        cm = cols < H
+        v = tl.load(src_rows[:, None] + cols[None, :], mask=smask[:, None] & cm[None, :],
+                    other=0.0)
+        tl.store(dst_rows[:, None] + cols[None, :], v, mask=dmask[:, None] & cm[None, :])
+
+
+@triton.jit
+def _dispatch(m, c, src, total, ring, ctr, err, x_base, x_tab, T, Q, MMAX, budget, withhold,
+              H: tl.constexpr, S: tl.constexpr, C: tl.constexpr, MB: tl.constexpr,
+              CR: tl.constexpr, CH: tl.constexpr):
+    """Pull the token rows of minibatch m into its ring slot (this program's share)."""
+    ok = 1
+    slots = Q // MB
+    if m >= slots:
+        ok = wait_geq(ctr + 1 + 2 * MMAX + m - slots, C, err, budget, _E_RING_FREE, m)
+    if ok != 0:
+        row0 = m * MB
+        nrows = tl.minimum(total - row0, MB)
+        for r0 in range(c * CR, nrows, C * CR):
+            rr = r0 + tl.arange(0, CR)
+            rmask = rr < nrows
+            rows = row0 + rr
+            x_rows, valid = _token_rows(src, rows, rmask, T, S, x_tab, x_base, H)
+            _copy_rows(x_rows, valid, ring + (rows % Q).to(tl.int64) * H, rmask, H, CR, CH)
+        if (withhold != 1) | (m != 0):
+            signal(ctr + 1 + m)
+    return ok
+
+
+@triton.jit
+def _combine(m, c, src, total, outb, ctr, err, comb_base, comb_tab, T, Q, MMAX, budget,
+             H: tl.constexpr, S: tl.constexpr, C: tl.constexpr, MB: tl.constexpr,
+             BM: tl.constexpr, BN: tl.constexpr, CR: tl.constexpr, CH: tl.constexpr):
+    """Push the expert outputs of minibatch m to their (token, k) combine slots."""
+    row0 = m * MB
+    nrows = tl.minimum(total - row0, MB)
+    want = (nrows // BM) * (H // BN)
+    ok = wait_geq(ctr + 1 + MMAX + m, want, err, budget, _E_OUTPUT, m)
+    if ok != 0:
+        for r0 in range(c * CR, nrows, C * CR):
+            rr = r0 + tl.arange(0, CR)
+            rmask = rr < nrows
+            rows = row0 + rr
+            dst, valid = _slot_rows(src, rows, rmask, T, S, comb_tab, comb_base, H)
+            _copy_rows(outb + (rows % Q).to(tl.int64) * H, valid, dst, valid, H, CR, CH)
+        signal(ctr + 1 + 2 * MMAX + m)
+    return ok
+
+
+@triton.jit
+def _comm_loop(c, src, total, ring, outb, ctr, err, x_base, x_tab, comb_base, comb_tab,
+               T, Q, MMAX, budget, withhold, H: tl.constexpr, S: tl.constexpr,
+               C: tl.constexpr, MB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+               CR: tl.constexpr, CH: tl.constexpr):
+    lag = Q // MB - 1
+    num_mb = (total + MB - 1) // MB
+    ok = 1
+    for step in range(0, num_mb + lag):
+        if (ok != 0) & (step < num_mb):
+            ok = _dispatch(step, c, src, total, ring, ctr, err, x_base, x_tab, T, Q, MMAX,
+                           budget, withhold, H, S, C, MB, CR, CH)
+        if (ok != 0) & (step >= lag):
+            ok = _combine(step - lag, c, src, total, outb, ctr, err, comb_base, comb_tab, T, Q,
+                          MMAX, budget, H, S, C, MB, BM, BN, CR, CH)
+
+
+@triton.jit
+def _weights(lr, g, E, w_ptr, ws_ptr, size: tl.constexpr, HAS_SHARED: tl.constexpr):
+    """Base of group g's weight matrix: routed expert lr*E + g, or the shared one (g == E)."""
+    w = w_ptr + (lr * E + g).to(tl.int64) * size
+    if HAS_SHARED:
+        if g == E:
+            w = ws_ptr
+    return w
+
+
+@triton.jit
+def _gate_up_item(m, b, j, lr, src, grp, total, ring, hbuf, ctr, err, x_base, x_tab, w1_ptr,
+                  ws1_ptr, T, E, Q, MMAX, budget, withhold, H: tl.constexpr, I: tl.constexpr,
+                  S: tl.constexpr, COMM: tl.constexpr, HAS_SHARED: tl.constexpr,
+                  MB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                  QUANT: tl.constexpr, F32_DOT: tl.constexpr):
+    ok = 1
+    slots = Q // MB
+    if COMM > 0:
+        ok = wait_geq(ctr + 1 + m, COMM, err, budget, _E_DISPATCHED, m)
+    else:
+        if m >= slots:  # the down tiles of minibatch m - slots still read this SwiGLU slot
+            ok = wait_geq(ctr + 1 + MMAX + m - slots, (MB // BM) * (H // BN), err, budget,
+                          _E_HSLOT_FREE, m)
+    if ok != 0:
+        g = tl.load(grp + b)
+        rows = b * BM + tl.arange(0, BM)
+        qrows = (rows % Q).to(tl.int64)
+        w1 = _weights(lr, g, E, w1_ptr, ws1_ptr, H * 2 * I, HAS_SHARED)
+        if COMM > 0:
+            gate_up_swiglu_tile(ring + qrows * H, rows >= 0, w1, j, hbuf + qrows * I,
+                                H, I, BM, BN, BK, QUANT, False, F32_DOT)
+        else:
+            x_rows, valid = _token_rows(src, rows, rows >= 0, T, S, x_tab, x_base, H)
+            gate_up_swiglu_tile(x_rows, valid, w1, j, hbuf + qrows * I, H, I, BM, BN, BK,
+                                QUANT, True, F32_DOT)
+        if (withhold != 2) | (b != 0):
+            signal(ctr + 1 + 3 * MMAX + b)
+    return ok
+
+
+@triton.jit
+def _down_item(m, b, j, lr, src, grp, hbuf, outb, ctr, err, comb_base, comb_tab, w2_ptr,
+               ws2_ptr, T, E, Q, MMAX, budget, H: tl.constexpr, I: tl.constexpr,
+               S: tl.constexpr, COMM: tl.constexpr, HAS_SHARED: tl.constexpr,
+               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, F32_DOT: tl.constexpr):
+    ok = wait_geq(ctr + 1 + 3 * MMAX + b, I // (BN // 2), err, budget, _E_ROWBLOCK, b)
+    if ok != 0:
+        g = tl.load(grp + b)
+        rows = b * BM + tl.arange(0, BM)
+        qrows = (rows % Q).to(tl.int64)
+        w2 = _weights(lr, g, E, w2_ptr, ws2_ptr, I * H, HAS_SHARED)
+        out = down_tile(hbuf + qrows * I, w2, j, I, H, BM, BN, BK, F32_DOT).to(tl.bfloat16)
+        cols = j * BN + tl.arange(0, BN)
+        if COMM > 0:
+            tl.store(outb + qrows[:, None] * H + cols[None, :], out)
+        else:
+            dst, valid = _slot_rows(src, rows, rows >= 0, T, S, comb_tab, comb_base, H)
+            tl.store(dst[:, None] + cols[None, :], out, mask=valid[:, None])
+        signal(ctr + 1 + MMAX + m)
+    return ok
+
+
+@triton.jit
+def _compute_loop(lr, src, grp, total, ring, hbuf, outb, ctr, err, x_base, x_tab, comb_base,
+                  comb_tab, w1_ptr, w2_ptr, ws1_ptr, ws2_ptr, T, E, Q, MMAX, budget, withhold,
+                  H: tl.constexpr, I: tl.constexpr, S: tl.constexpr, COMM: tl.constexpr,
+                  HAS_SHARED: tl.constexpr, MB: tl.constexpr, BM: tl.constexpr,
+                  BN: tl.constexpr, BK: tl.constexpr, QUANT: tl.constexpr,
+                  F32_DOT: tl.constexpr):
+    """Claim tickets until the work of this logical rank is done (or an error is set)."""
+    N1: tl.constexpr = I // (BN // 2)
+    N2: tl.constexpr = H // BN
+    NBM: tl.constexpr = MB // BM
+    PER_MB: tl.constexpr = NBM * (N1 + N2)
+    n_items = (total + MB - 1) // MB * PER_MB
+    ok = no_error(err)
+    tk = tl.atomic_add(ctr, 1, sem="relaxed", scope="gpu")
+    while (tk < n_items) & (ok != 0):
+        m = tk // PER_MB
+        i = tk % PER_MB
+        if i < NBM * N1:
+            b = m * NBM + i // N1
+            if b * BM < total:
+                ok = _gate_up_item(m, b, i % N1, lr, src, grp, total, ring, hbuf, ctr, err,
+                                   x_base, x_tab, w1_ptr, ws1_ptr, T, E, Q, MMAX, budget,
+                                   withhold, H, I, S, COMM, HAS_SHARED, MB, BM, BN, BK, QUANT,
+                                   F32_DOT)
+        else:
+            i2 = i - NBM * N1
+            b = m * NBM + i2 // N2
+            if b * BM < total:
+                ok = _down_item(m, b, i2 % N2, lr, src, grp, hbuf, outb, ctr, err, comb_base,
+                                comb_tab, w2_ptr, ws2_ptr, T, E, Q, MMAX, budget, H, I, S,
+                                COMM, HAS_SHARED, BM, BN, BK, F32_DOT)
+        ok = ok & no_error(err)
+        tk = tl.atomic_add(ctr, 1, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def mok_forward_kernel(
+        x_base, x_tab, comb_base, comb_tab,  # own token / combine buffer; [R] int64 offsets
+        src_ptr, group_ptr, total_ptr,  # schedule: [L, P] int32, [L, P/BM] int32, [L] int32
+        ring_ptr, h_ptr, out_ptr,  # [L, Q, H], [L, Q, I], [L, Q, H] bf16
+        ctr_ptr, err_ptr,  # [L, NCTR] int32 counters, [L, 4] int32 error words
+        w1_ptr, w2_ptr, ws1_ptr, ws2_ptr,  # [L*E, H, 2I], [L*E, I, H], [H, 2I], [I, H] bf16
+        T, E, P, Q, NCTR, MMAX, budget, withhold,
+        H: tl.constexpr, I: tl.constexpr, S: tl.constexpr, PROGS: tl.constexpr,
+        COMM: tl.constexpr, HAS_SHARED: tl.constexpr, MB: tl.constexpr, BM: tl.constexpr,
+        BN: tl.constexpr, BK: tl.constexpr, CR: tl.constexpr, CH: tl.constexpr,
+        QUANT: tl.constexpr, F32_DOT: tl.constexpr):
+    """One persistent program per SM. x_tab/comb_tab hold, for every EP rank r, the element
+    offset of rank r's token / combine buffer from x_base / comb_base (peer memory)."""
+    pid = tl.program_id(0)
+    lr = pid // PROGS
+    lp = pid % PROGS
+    ctr = ctr_ptr + lr * NCTR
+    err = err_ptr + lr * 4
+    src = src_ptr + lr.to(tl.int64) * P
+    grp = group_ptr + lr * (P // BM)
+    total = tl.load(total_ptr + lr)
+    ring = ring_ptr + lr.to(tl.int64) * Q * H
+    hbuf = h_ptr + lr.to(tl.int64) * Q * I
+    outb = out_ptr + lr.to(tl.int64) * Q * H
+    if COMM > 0:
+        if lp < COMM:
+            _comm_loop(lp, src, total, ring, outb, ctr, err, x_base, x_tab, comb_base, comb_tab,
+                       T, Q, MMAX, budget, withhold, H, S, COMM, MB, BM, BN, CR, CH)
+        else:
+            _compute_loop(lr, src, grp, total, ring, hbuf, outb, ctr, err, x_base, x_tab,
+                          comb_base, comb_tab, w1_ptr, w2_ptr, ws1_ptr, ws2_ptr, T, E, Q,
+                          MMAX, budget, withhold, H, I, S, COMM, HAS_SHARED, MB, BM, BN, BK,
+                          QUANT, F32_DOT)
+    else:
+        _compute_loop(lr, src, grp, total, ring, hbuf, outb, ctr, err, x_base, x_tab,
+                      comb_base, comb_tab, w1_ptr, w2_ptr, ws1_ptr, ws2_ptr, T, E, Q, MMAX,
+                      budget, withhold, H, I, S, COMM, HAS_SHARED, MB, BM, BN, BK, QUANT,
+                      F32_DOT)
+
+
+@triton.jit
+def weighted_sum_kernel(comb_ptr, p_ptr, y_ptr, H: tl.constexpr, K: tl.constexpr,
+                        S: tl.constexpr, BH: tl.constexpr):
+    """y[n, :] = sum_k p[n, k] * comb[n, k, :] (+ comb[n, K, :], the shared expert), fp32
+    accumulation in fixed k order: bitwise reproducible."""
+    n = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BH + tl.arange(0, BH)
+    cm = cols < H
+    base = comb_ptr + n * S * H
+    acc = tl.zeros((BH,), dtype=tl.float32)
+    for k in tl.static_range(K):
+        p = tl.load(p_ptr + n * K + k)
+        acc += p * tl.load(base + k * H + cols, mask=cm, other=0.0).to(tl.float32)
+    if S > K:
+        acc += tl.load(base + K * H + cols, mask=cm, other=0.0).to(tl.float32)
+    tl.store(y_ptr + n * H + cols, acc.to(tl.bfloat16), mask=cm)

@@ -1,0 +1,59 @@
+"""Counters in GPU memory: bounded acquire-waits, release-signals and the device error word.
+
+Protocol (see docs/megakernel-notes): a producer writes its data, ``_signal`` makes every
+thread's stores happen-before a release increment; a consumer polls with volatile loads
+(cheap, L2 only), then issues one acquire on the counter and a CTA barrier so that all its
+threads read after the observed value. Every wait is bounded by ``budget`` polls and also
+stops as soon as the rank's error word is set, so one failure unwinds the whole kernel fast.
+
+All counters here are read only by programs of the same kernel on the same GPU, hence scope
+"gpu". Cross-GPU visibility (peer token buffers read by dispatch, peer combine buffers written
+by combine) is ordered by the system-scope barriers before and after the kernel.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def record_error(err_ptr, code, detail):
+    """First error wins: compare-and-swap the code from 0, then store the detail."""
+    old = tl.atomic_cas(err_ptr, 0, code, sem="acq_rel", scope="gpu")
+    if old == 0:
+        tl.store(err_ptr + 1, detail)
+
+
+@triton.jit
+def wait_geq(ctr_ptr, target, err_ptr, budget, code, detail):
+    """Spin until ``*ctr_ptr >= target``; returns 1 on success, 0 on timeout or when another
+    program already recorded an error. A timeout records ``(code, detail)``."""
+    v = tl.load(ctr_ptr, volatile=True)
+    e = tl.load(err_ptr, volatile=True)
+    it = 0
+    while (v < target) & (e == 0) & (it < budget):
+        v = tl.load(ctr_ptr, volatile=True)
+        e = tl.load(err_ptr, volatile=True)
+        it += 1
+    ok = (v >= target).to(tl.int32)
+    # Acquire: order every later read of this program after the counter value it saw.
+    tl.atomic_add(ctr_ptr, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+    if ok == 0:
+        if e == 0:
+            record_error(err_ptr, code, detail)
+    return ok
+
+
+@triton.jit
+def signal(ctr_ptr):
+    """Release-increment after all threads of the program issued their stores."""
+    tl.debug_barrier()
+    tl.atomic_add(ctr_ptr, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def no_error(err_ptr):
+    """1 while the rank's error word is clear."""
+    return (tl.load(err_ptr, volatile=True) == 0).to(tl.int32)
