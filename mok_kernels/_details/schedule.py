@@ -134,7 +134,7 @@ def reference_schedule(idx_NK: torch.Tensor, rank: int, *, tokens: int, local_ex
         mine = []
         for n in range(N):
             for k in range(S):
-                if k < K and ids[n][k] - rank * E == g:
+                if k < K and g < E and ids[n][k] - rank * E == g:
                     mine.append(n * S + k)
                 elif k == K and g == E and n // tokens == rank:
                     mine.append(n * S + k)

@@ -1,0 +1,103 @@
+"""The ``mok`` backend: our MoK-style Triton megakernel forward (BF16), one rank of the EP group.
+
+Legend: T tokens on this rank, H hidden, I intermediate, E local experts, K top-k.
+
+Knobs: defaults fit the shape (``MoKConfig.for_shape``: minibatch / macrobatch sized from the
+two-waves rule on this GPU's SM count); override any field with the JSON in
+$MOKBENCH_MOK_CONFIG, e.g. ``{"minibatch": 4096, "fwd_comm_sms": 8}``. Forward only: the
+output does not require grad (the backward is a later piece of work).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from mokbench.backend import BackendBase, Capabilities
+
+CONFIG_ENV = "MOKBENCH_MOK_CONFIG"
+
+
+def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int,
+                          num_sms: int, world_size: int = 1) -> dict:
+    """Minibatch from the two-waves rule (at least 2048 rows, at most the rows one rank can
+    hold), three ring slots. One rank: no communication programs (the GEMM tiles gather and
+    scatter rows themselves); several: 8 programs pull and push over the peer links, so each
+    token row crosses the link once instead of once per column tile."""
+    from mok_kernels import plan
+
+    bound = plan(hidden, intermediate, num_sms, 0).minibatch
+    rows = tokens * (topk + 1)
+    mb = max(2048, bound)
+    mb = min(mb, -(-rows // 128) * 128)
+    return {"minibatch": mb, "macrobatch": 3 * mb, "fwd_comm_sms": 0 if world_size == 1 else 8}
+
+
+def config_from_env(hidden: int, intermediate: int, defaults: dict):
+    """MoKConfig from shape defaults plus $MOKBENCH_MOK_CONFIG (JSON object)."""
+    from mok_kernels import MoKConfig, MoKConfigError
+
+    fields = dict(defaults)
+    raw = os.environ.get(CONFIG_ENV, "").strip()
+    if raw:
+        try:
+            over = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise MoKConfigError(f"{CONFIG_ENV}={raw!r} is invalid: allowed a JSON object "
+                                 f"({exc.msg})") from None
+        if not isinstance(over, dict):
+            raise MoKConfigError(f"{CONFIG_ENV}={raw!r} is invalid: allowed a JSON object")
+        if "minibatch" in over and "macrobatch" not in over:
+            fields["macrobatch"] = 3 * over["minibatch"]
+        fields.update(over)
+    return MoKConfig.for_shape(hidden, intermediate, **fields)
+
+
+class MoKBackend(BackendBase):
+    """Pull dispatch, fused SwiGLU grouped GEMM and push combine in one persistent kernel."""
+
+    name = "mok"
+    capabilities = Capabilities(
+        passes=("forward",), precisions=("bf16",), needs_gpu=True, min_cc=(9, 0),
+        packages=("triton",), is_baseline=False,
+        notes="Triton persistent megakernel; forward only for now")
+
+    def setup(self, scenario, ctx, weights) -> None:
+        import mok_kernels
+
+        s = scenario.shape
+        dev = torch.device(ctx.device)
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        defaults = default_config_fields(s.hidden, s.intermediate, scenario.tokens_per_rank,
+                                         s.topk, sms, ctx.world_size)
+        self.config = config_from_env(s.hidden, s.intermediate, defaults)
+        group = ctx.group if ctx.world_size > 1 else None
+        self.ws = mok_kernels.get_workspace(
+            self.config, tokens=scenario.tokens_per_rank, hidden=s.hidden,
+            intermediate=s.intermediate, local_experts=scenario.local_experts, topk=s.topk,
+            shared=weights.ws1_HF is not None, device=dev, group=group)
+        self.w = (weights.w1_EHF.contiguous(), weights.w2_EIH.contiguous(),
+                  None if weights.ws1_HF is None else weights.ws1_HF.contiguous(),
+                  None if weights.ws2_IH is None else weights.ws2_IH.contiguous())
+        self.params = {}
+
+    def forward(self, x_TH, topk_idx_TK, topk_weights_TK):
+        import mok_kernels
+
+        with torch.no_grad():
+            sched = mok_kernels.build_schedule(self.ws, topk_idx_TK)
+            return mok_kernels.forward(self.config, self.ws, sched, x_TH.detach(),
+                                       topk_weights_TK.detach(), *self.w)
+
+    def check(self) -> None:
+        """Raise the first error the kernels recorded on the device (one host sync)."""
+        import mok_kernels
+
+        mok_kernels.check_errors(self.ws)
+
+    def teardown(self) -> None:
+        self.ws = None
+        self.w = ()
+        self.params = {}

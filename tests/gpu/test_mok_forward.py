@@ -1,0 +1,161 @@
+"""mok forward on one GPU: against the float32 reference layer, edge routings, loopback EP,
+determinism, CUDA-graph replay, and the bounded-wait timeout. Sizes are small (the file runs
+in well under two minutes, most of it Triton compilation)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+triton = pytest.importorskip("triton")
+
+import mok_kernels as mk  # noqa: E402
+from mokbench.reference import swiglu_ffn  # noqa: E402
+
+DEV = "cuda"
+
+
+def make_layer(L, T, H, I, E, K, shared=True, seed=0, idx=None):
+    """Random bf16 inputs and weights for L loopback ranks (E experts each)."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    NE = L * E
+    x = torch.randn(L * T, H, generator=g, device=DEV).bfloat16()
+    if idx is None:
+        idx = torch.rand(L * T, NE, generator=g, device=DEV).topk(K, dim=1).indices
+    p = torch.softmax(torch.randn(L * T, K, generator=g, device=DEV), 1)
+    w1 = (torch.randn(NE, H, 2 * I, generator=g, device=DEV) * H ** -0.5).bfloat16()
+    w2 = (torch.randn(NE, I, H, generator=g, device=DEV) * I ** -0.5).bfloat16()
+    ws1 = (torch.randn(H, 2 * I, generator=g, device=DEV) * H ** -0.5).bfloat16() if shared \
+        else None
+    ws2 = (torch.randn(I, H, generator=g, device=DEV) * I ** -0.5).bfloat16() if shared \
+        else None
+    return x, idx, p, (w1, w2, ws1, ws2)
+
+
+def reference(x, idx, p, w):
+    """Float32 layer over all tokens and all experts (= loopback EP of any size)."""
+    w1, w2, ws1, ws2 = w
+    xf = x.float()
+    y = torch.zeros_like(xf)
+    for e in range(w1.shape[0]):
+        t, k = (idx == e).nonzero(as_tuple=True)
+        if len(t):
+            out = swiglu_ffn(xf[t], w1[e].float(), w2[e].float()) * p[t, k].unsqueeze(1)
+            y.index_add_(0, t, out)
+    if ws1 is not None:
+        y += swiglu_ffn(xf, ws1.float(), ws2.float())
+    return y
+
+
+def run_mok(cfg, L, x, idx, p, w, E, withhold=0):
+    T = x.shape[0] // L
+    ws = mk.get_workspace(cfg, tokens=T, hidden=x.shape[1], intermediate=w[1].shape[1],
+                          local_experts=E, topk=idx.shape[1], shared=w[2] is not None,
+                          device=DEV, loopback_ranks=L)
+    sched = mk.build_schedule(ws, idx)
+    y = mk.forward(cfg, ws, sched, x, p, *w, _withhold=withhold)
+    return y, ws
+
+
+def rel_err(y, ref):
+    return ((y.float() - ref).norm() / ref.norm()).item()
+
+
+def check(cfg, L, T, H, I, E, K, shared=True, idx=None, seed=0):
+    x, idx, p, w = make_layer(L, T, H, I, E, K, shared, seed, idx)
+    y, ws = run_mok(cfg, L, x, idx, p, w, E)
+    mk.check_errors(ws)
+    assert y.shape == (L * T, H) and y.dtype == torch.bfloat16
+    err = rel_err(y, reference(x, idx, p, w))
+    assert err < 1e-2, err
+    return y
+
+
+CFG = mk.MoKConfig.for_shape(2048, 256, minibatch=256, macrobatch=768)
+
+
+@pytest.mark.parametrize("comm", [0, 8])
+def test_matches_reference(comm):
+    check(mk.MoKConfig.for_shape(2048, 256, minibatch=256, macrobatch=768, fwd_comm_sms=comm),
+          1, 512, 2048, 256, 8, 4)
+
+
+@pytest.mark.parametrize("hidden", [4096, 6144, 7168])
+def test_hidden_sizes(hidden):
+    check(mk.MoKConfig.for_shape(hidden, 256, minibatch=256, macrobatch=768), 1, 256, hidden,
+          256, 4, 2)
+
+
+@pytest.mark.parametrize("topk", [1, 10])
+def test_topk(topk):
+    check(CFG, 1, 256, 2048, 256, 16, topk, shared=(topk == 1))
+
+
+def test_empty_experts_and_one_hot_expert():
+    T, E, K = 384, 8, 4
+    idx = torch.tensor([0, 5, 6, 7], device=DEV).repeat(T, 1)  # experts 1-4 get nothing
+    check(CFG, 1, T, 2048, 256, E, K, idx=idx)
+
+
+def test_tokens_not_a_multiple_of_minibatch():
+    check(mk.MoKConfig.for_shape(2048, 256, minibatch=384, macrobatch=768), 1, 301, 2048,
+          256, 8, 4)
+
+
+@pytest.mark.parametrize("ranks", [2, 4, 8])
+def test_loopback_ranks(ranks):
+    check(CFG, ranks, 128, 2048, 256, 2, 4)
+
+
+def test_loopback_with_comm_programs():
+    cfg = mk.MoKConfig.for_shape(2048, 256, minibatch=256, macrobatch=512, fwd_comm_sms=8)
+    check(cfg, 2, 256, 2048, 256, 4, 4)
+
+
+@pytest.mark.parametrize("comm", [0, 8])
+def test_two_runs_bitwise_equal(comm):
+    cfg = mk.MoKConfig.for_shape(2048, 256, minibatch=256, macrobatch=768, fwd_comm_sms=comm)
+    x, idx, p, w = make_layer(1, 512, 2048, 256, 8, 4, seed=3)
+    y1, ws = run_mok(cfg, 1, x, idx, p, w, 8)
+    y2, _ = run_mok(cfg, 1, x, idx, p, w, 8)
+    mk.check_errors(ws)
+    assert torch.equal(y1, y2)
+
+
+def test_cuda_graph_replay_equals_eager():
+    L, T, E, K = 2, 256, 4, 4
+    x, idx, p, w = make_layer(L, T, 2048, 256, E, K, seed=4)
+    eager, ws = run_mok(CFG, L, x, idx, p, w, E)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run_mok(CFG, L, x, idx, p, w, E)  # warm-up on the capture stream
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, _ = run_mok(CFG, L, x, idx, p, w, E)
+    x2, idx2, p2, _ = make_layer(L, T, 2048, 256, E, K, seed=5)
+    x.copy_(x2), idx.copy_(idx2), p.copy_(p2)
+    graph.replay()
+    fresh, _ = run_mok(CFG, L, x, idx, p, w, E)
+    torch.cuda.synchronize()
+    mk.check_errors(ws)
+    assert torch.equal(out, fresh) and not torch.equal(out, eager)
+
+
+@pytest.mark.parametrize("comm, withhold, wait", [
+    (0, mk.WITHHOLD_ROWBLOCK, "row block ready"),
+    (8, mk.WITHHOLD_DISPATCH, "minibatch in the ring"),
+])
+def test_withheld_signal_times_out(comm, withhold, wait):
+    cfg = mk.MoKConfig.for_shape(2048, 256, minibatch=256, macrobatch=768, fwd_comm_sms=comm,
+                                 spin_budget=20_000)
+    x, idx, p, w = make_layer(1, 512, 2048, 256, 8, 4, seed=6)
+    run_mok(cfg, 1, x, idx, p, w, 8, withhold=withhold)
+    torch.cuda.synchronize()  # returns: the kernel exits instead of hanging
+    with pytest.raises(mk.MoKTimeoutError, match=wait):
+        mk.check_errors(mk.get_workspace(cfg, tokens=512, hidden=2048, intermediate=256,
+                                         local_experts=8, topk=4, shared=True, device=DEV,
+                                         loopback_ranks=1))

@@ -1,0 +1,58 @@
+"""MoK knobs: one-line validation errors, shape defaults, and the two-waves planner."""
+
+from __future__ import annotations
+
+import pytest
+
+from mok_kernels import MoKConfig, MoKConfigError, plan
+
+
+@pytest.mark.parametrize("fields, name", [
+    ({"minibatch": 100}, "minibatch"),
+    ({"macrobatch": 3000}, "macrobatch"),
+    ({"block_m": 96}, "block_m"),
+    ({"block_n": 384}, "block_n"),
+    ({"block_k": 8}, "block_k"),
+    ({"capacity_mult": 0.0}, "capacity_mult"),
+    ({"capacity_mult": 1.5}, "capacity_mult"),
+    ({"fwd_comm_sms": -1}, "fwd_comm_sms"),
+    ({"num_warps": 2}, "num_warps"),
+    ({"num_stages": 0}, "num_stages"),
+    ({"spin_budget": 0}, "spin_budget"),
+])
+def test_bad_field_names_field_and_allowed(fields, name):
+    with pytest.raises(MoKConfigError) as info:
+        MoKConfig(**fields)
+    msg = str(info.value)
+    assert msg.startswith(f"{name}=") and "allowed" in msg and "\n" not in msg
+
+
+def test_minibatch_must_align_to_block_m():
+    MoKConfig(minibatch=512, macrobatch=1024, block_m=64)
+    with pytest.raises(MoKConfigError, match="multiple of block_m"):
+        MoKConfig(minibatch=96, macrobatch=192, block_m=64)
+
+
+def test_shape_check_and_defaults():
+    cfg = MoKConfig.for_shape(7168, 2048)
+    assert (cfg.block_n, cfg.block_k) == (256, 64)
+    tiny = MoKConfig.for_shape(128, 64, minibatch=256, macrobatch=512)
+    assert tiny.block_n == 128 and 128 % tiny.block_n == 0 and 64 % (tiny.block_n // 2) == 0
+    with pytest.raises(MoKConfigError, match="block_n"):
+        MoKConfig(block_n=256).check_shape(7168, 96)
+
+
+def test_plan_reproduces_published_minibatch():
+    p = plan(7168, 2048, num_sms=148, comm_sms=0, block_m=128, block_n=256)
+    assert p.min_tokens == 2368
+    assert p.minibatch % 128 == 0 and p.minibatch >= 2368
+    text = str(p)
+    assert "2368" in text and "148" in text
+
+
+def test_plan_ring_memory_and_comm_split():
+    p = plan(7168, 2048, num_sms=132, comm_sms=8, ring_slots=3)
+    assert p.min_tokens == 1984  # 2 * 124 * 128 * 256 / 4096
+    assert p.ring_bytes == p.macrobatch * (2 * 7168 + 2048) * 2
+    with pytest.raises(MoKConfigError, match="comm_sms"):
+        plan(7168, 2048, num_sms=132, comm_sms=132)

@@ -1,0 +1,65 @@
+"""The megakernel's data path on CPU through TRITON_INTERPRET (skipped without triton).
+
+The interpreter runs programs one after another, so only the mode without communication
+programs can run there (program 0 claims every ticket in order, so each wait is already met).
+The interpreter truncates fp32 -> bf16 (the GPU rounds to nearest), hence the looser bound.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+SCRIPT = textwrap.dedent("""
+    import torch
+    import mok_kernels as mk
+    from mokbench.reference import swiglu_ffn
+
+    def ref(x, idx, p, w1, w2, ws1, ws2):
+        xf, y = x.float(), torch.zeros(x.shape, dtype=torch.float32)
+        for e in range(w1.shape[0]):
+            t, k = (idx == e).nonzero(as_tuple=True)
+            if len(t):
+                y.index_add_(0, t, swiglu_ffn(xf[t], w1[e].float(), w2[e].float())
+                             * p[t, k].unsqueeze(1))
+        if ws1 is not None:
+            y += swiglu_ffn(xf, ws1.float(), ws2.float())
+        return y
+
+    for L, T, E, K, shared in [(1, 24, 4, 2, True), (2, 13, 3, 2, True), (3, 8, 2, 1, False)]:
+        torch.manual_seed(L)
+        H, I = 64, 32
+        cfg = mk.MoKConfig(minibatch=32, macrobatch=64, block_m=16, block_n=32, block_k=16,
+                           num_warps=4, num_stages=1, spin_budget=1000)
+        ws = mk.get_workspace(cfg, tokens=T, hidden=H, intermediate=I, local_experts=E,
+                              topk=K, shared=shared, device="cpu", loopback_ranks=L)
+        x = torch.randn(L * T, H).bfloat16()
+        idx = torch.stack([torch.randperm(L * E)[:K] for _ in range(L * T)])
+        p = torch.softmax(torch.randn(L * T, K), 1)
+        w1 = (torch.randn(L * E, H, 2 * I) * H ** -0.5).bfloat16()
+        w2 = (torch.randn(L * E, I, H) * I ** -0.5).bfloat16()
+        ws1 = (torch.randn(H, 2 * I) * H ** -0.5).bfloat16() if shared else None
+        ws2 = (torch.randn(I, H) * I ** -0.5).bfloat16() if shared else None
+        y = mk.forward(cfg, ws, mk.build_schedule(ws, idx), x, p, w1, w2, ws1, ws2)
+        mk.check_errors(ws)
+        r = ref(x, idx, p, w1, w2, ws1, ws2)
+        err = ((y.float() - r).norm() / r.norm()).item()
+        assert err < 2e-2, (L, err)
+        print("ok", L, err)
+""")
+
+
+def test_forward_in_interpreter_matches_reference():
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(repo))
+    out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("ok") == 3

@@ -1,0 +1,100 @@
+"""The expert schedule on CPU against a plain-Python model of it (same torch ops as on GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mok_kernels._details.errors import ERR_CAPACITY, MoKCapacityError, raise_if_errors
+from mok_kernels._details.schedule import (
+    build_schedule_tensors,
+    flag_capacity_errors,
+    reference_schedule,
+    schedule_capacity,
+)
+
+
+def _routing(n: int, num_experts: int, k: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(num_experts, generator=gen)[:k] for _ in range(n)])
+
+
+@pytest.mark.parametrize("ranks, tokens, experts, k, shared, bm", [
+    (1, 37, 4, 2, True, 8),
+    (2, 19, 3, 2, False, 4),
+    (4, 11, 2, 3, True, 16),
+    (3, 9, 5, 1, True, 4),
+])
+def test_schedule_matches_model(ranks, tokens, experts, k, shared, bm):
+    idx_NK = _routing(ranks * tokens, ranks * experts, k, seed=ranks * 7 + k)
+    cap = schedule_capacity(tokens, ranks, k, shared, experts, bm, 4 * bm, 1.0)
+    st = build_schedule_tensors(idx_NK, torch.arange(ranks), tokens=tokens,
+                                local_experts=experts, shared=shared, block_m=bm, capacity=cap)
+    G = experts + (1 if shared else 0)
+    for r in range(ranks):
+        want = reference_schedule(idx_NK, r, tokens=tokens, local_experts=experts,
+                                  shared=shared, block_m=bm)
+        total = int(st.total_L[r])
+        assert total == len(want) and total % bm == 0 and total <= cap
+        assert st.src_LP[r, :total].tolist() == want
+        assert (st.src_LP[r, total:] == -1).all()
+        # every block belongs to one group, in ascending group order
+        S = k + (1 if shared else 0)
+        for b in range(total // bm):
+            g = int(st.group_LB[r, b])
+            for s in st.src_LP[r, b * bm:(b + 1) * bm].tolist():
+                if s >= 0:
+                    n, kk = divmod(s, S)
+                    assert (kk == k and g == experts) or int(idx_NK[n, kk]) - r * experts == g
+        assert int(st.counts_LG[r].sum()) == sum(1 for s in want if s >= 0)
+        assert st.counts_LG.shape == (ranks, G)
+
+
+def test_every_slot_scheduled_once_over_ranks():
+    ranks, tokens, experts, k = 4, 13, 3, 2
+    idx_NK = _routing(ranks * tokens, ranks * experts, k, seed=5)
+    st = build_schedule_tensors(idx_NK, torch.arange(ranks), tokens=tokens,
+                                local_experts=experts, shared=True, block_m=8, capacity=512)
+    slots = st.src_LP[st.src_LP >= 0].tolist()
+    assert sorted(slots) == list(range(ranks * tokens * (k + 1)))
+
+
+def test_empty_experts_and_all_to_one_expert():
+    tokens, experts = 20, 4
+    idx_NK = torch.stack([torch.tensor([0, 3])] * tokens)  # experts 1 and 2 get nothing
+    st = build_schedule_tensors(idx_NK, torch.arange(1), tokens=tokens, local_experts=experts,
+                                shared=False, block_m=8, capacity=64)
+    assert st.counts_LG[0].tolist() == [20, 0, 0, 20]
+    assert int(st.total_L[0]) == 48
+    assert st.group_LB[0, :6].tolist() == [0, 0, 0, 3, 3, 3]
+
+
+def test_schedule_is_deterministic():
+    idx_NK = _routing(64, 8, 2, seed=3)
+    kw = dict(tokens=32, local_experts=4, shared=True, block_m=8, capacity=512)
+    a = build_schedule_tensors(idx_NK, torch.arange(2), **kw)
+    b = build_schedule_tensors(idx_NK, torch.arange(2), **kw)
+    assert torch.equal(a.src_LP, b.src_LP) and torch.equal(a.group_LB, b.group_LB)
+
+
+def test_capacity_exceeded_sets_error_word_not_dropped_rows():
+    ranks, tokens, experts, k = 2, 16, 2, 2
+    idx_NK = torch.tensor([[0, 1]] * (ranks * tokens))  # every slot goes to rank 0
+    cap = schedule_capacity(tokens, ranks, k, False, experts, 8, 8, 0.5)
+    st = build_schedule_tensors(idx_NK, torch.arange(ranks), tokens=tokens,
+                                local_experts=experts, shared=False, block_m=8, capacity=cap)
+    assert int(st.needed_L[0]) > cap and int(st.total_L[0]) == 0  # kernel does nothing
+    err = torch.zeros(ranks, 4, dtype=torch.int32)
+    flag_capacity_errors(err, st, cap)
+    assert int(err[0, 0]) == ERR_CAPACITY and int(err[1, 0]) == 0
+    with pytest.raises(MoKCapacityError, match="capacity_mult"):
+        raise_if_errors(err.tolist(), 0)
+
+
+def test_default_capacity_always_fits():
+    ranks, tokens, experts, k = 4, 10, 2, 3
+    idx_NK = torch.tensor([[0, 1, 2]] * (ranks * tokens))
+    cap = schedule_capacity(tokens, ranks, k, True, experts, 8, 8, 1.0)
+    st = build_schedule_tensors(idx_NK, torch.arange(ranks), tokens=tokens,
+                                local_experts=experts, shared=True, block_m=8, capacity=cap)
+    assert (st.needed_L <= cap).all() and (st.total_L == st.needed_L).all()
