@@ -1,0 +1,79 @@
+"""Faults: a backend that raises, one that hangs, one that kills its process, one whose
+backward runs out of memory. The sweep completes and records each; Ctrl-C keeps finished rows
+and --resume completes the run without redoing them."""
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from mokbench.results import read_rows
+from tests.dist.helpers import REPO, cli_env, mokbench, only_run_dir, rows_by_key
+
+pytestmark = pytest.mark.dist
+
+SWEEP = """
+name = "faults"
+backends = [{backends}]
+world_sizes = [2]
+[timing]
+warmup = 1
+iters = 2
+[[scenarios]]
+preset = "tiny"
+tokens_per_rank = [32]
+"""
+
+
+def test_faults_are_recorded_and_the_sweep_goes_on(tmp_path):
+    f = tmp_path / "s.toml"
+    f.write_text(SWEEP.format(backends='"fault_raise", "fault_hang", "fault_kill", '
+                                       '"fault_backward", "nccl_torch"'))
+    r = mokbench("sweep", str(f), "--device", "cpu", "--timeout-s", "25", "--out",
+                 str(tmp_path / "out"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = {(b, p): r for (b, p, _), r in rows_by_key(only_run_dir(tmp_path / "out")).items()}
+    assert rows[("fault_raise", "forward")]["status"] == "failed"
+    assert "deliberate failure" in rows[("fault_raise", "forward")]["reason"]
+    assert rows[("fault_hang", "forward")]["status"] == "timeout"
+    assert rows[("fault_kill", "forward")]["status"] == "failed"
+    assert "exit code" in rows[("fault_kill", "backward")]["reason"]
+    assert rows[("fault_backward", "forward")]["status"] == "ok"
+    assert rows[("fault_backward", "backward")]["status"] == "failed"
+    assert "out of memory" in rows[("fault_backward", "backward")]["reason"]
+    assert rows[("nccl_torch", "forward")]["status"] == "ok"
+    assert rows[("nccl_torch", "backward")]["status"] == "ok"
+
+
+def test_ctrl_c_then_resume(tmp_path):
+    f = tmp_path / "s.toml"
+    f.write_text(SWEEP.format(backends='"nccl_torch", "fault_hang", "nccl_torch_compile"'))
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "mokbench.cli", "sweep", str(f), "--device",
+                             "cpu", "--timeout-s", "300", "--out", str(out)], cwd=REPO,
+                            env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline:  # wait for the first cell's two rows
+        dirs = list(out.glob("*/rows.jsonl")) if out.exists() else []
+        if dirs and len(read_rows(dirs[0])) >= 2:
+            break
+        time.sleep(0.5)
+    time.sleep(3)  # now inside the hanging cell
+    proc.send_signal(signal.SIGINT)
+    text = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 130, text
+    assert "--resume" in text
+    run_dir = only_run_dir(out)
+    first = read_rows(run_dir / "rows.jsonl")
+    assert [r["backend"] for r in first] == ["nccl_torch", "nccl_torch"]
+
+    r = mokbench("sweep", "--resume", str(run_dir), "--device", "cpu", "--timeout-s", "20",
+                 "--backends", "nccl_torch,fault_hang")
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = read_rows(run_dir / "rows.jsonl")
+    assert rows[:2] == first, "finished rows must be kept as they were"
+    assert sum(r["backend"] == "nccl_torch" for r in rows) == 2, "finished cell not redone"
+    assert [r["status"] for r in rows if r["backend"] == "fault_hang"] == ["timeout", "timeout"]

@@ -1,0 +1,90 @@
+"""The real launcher and torchrun over gloo: nccl_torch at world sizes 2 and 4 against the
+reference, the CLI's default sweep, and the two-node path on localhost."""
+
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from mokbench.results import ROW_COLUMNS, read_rows
+from tests.dist.helpers import REPO, cli_env, mokbench, only_run_dir
+
+pytestmark = pytest.mark.dist
+
+SWEEP = """
+name = "dist"
+backends = ["nccl_torch"]
+world_sizes = [{ws}]
+[timing]
+warmup = 1
+iters = 3
+[[scenarios]]
+preset = "tiny"
+num_experts = 16
+tokens_per_rank = [96]
+routing = ["uniform", "imbalanced"]
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_nccl_torch_over_gloo_world_2_and_4(tmp_path):
+    f = tmp_path / "s.toml"
+    f.write_text(SWEEP.format(ws="2, 4"))
+    r = mokbench("sweep", str(f), "--device", "cpu", "--nproc-per-node", "4", "--out",
+                 str(tmp_path / "out"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    run_dir = only_run_dir(tmp_path / "out")
+    rows = read_rows(run_dir / "rows.jsonl")
+    assert len(rows) == 2 * 2 * 2  # world sizes x routings x passes
+    for row in rows:
+        assert set(ROW_COLUMNS) <= set(row)
+        assert row["status"] == "ok", row["reason"]
+        assert 0 < row["max_rel_err"] < 1e-2 and row["median_ms"] > 0
+        assert row["p10_ms"] <= row["median_ms"] <= row["p90_ms"]
+    assert {r["world_size"] for r in rows} == {2, 4}
+    assert (run_dir / "env.json").exists() and (run_dir / "sweep.toml").exists()
+
+
+def test_default_sweep_runs_on_cpu(tmp_path):
+    r = mokbench("sweep", "--device", "cpu", "--out", str(tmp_path / "out"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = read_rows(only_run_dir(tmp_path / "out") / "rows.jsonl")
+    ok = [x for x in rows if x["backend"] == "nccl_torch"]
+    assert ok and all(x["status"] == "ok" and x["world_size"] == 2 for x in ok)
+    mok = [x for x in rows if x["backend"] == "mok"]
+    assert mok and all(x["status"] == "skipped" and "GPU" in x["reason"] for x in mok)
+    assert "forward pass" in r.stdout and "backward pass" in r.stdout
+
+
+def test_two_nodes_on_localhost(tmp_path):
+    f = tmp_path / "s.toml"
+    f.write_text(SWEEP.format(ws=2))
+    port = str(_free_port())
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "mokbench.cli", "sweep", str(f), "--device", "cpu", "--nnodes", "2",
+         "--node-rank", str(i), "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}",
+         "--out", str(tmp_path / f"out{i}")], cwd=REPO, env=cli_env(),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in (0, 1)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    rows = read_rows(only_run_dir(tmp_path / "out0") / "rows.jsonl")
+    assert len(rows) == 4 and all(r["status"] == "ok" and r["world_size"] == 2 for r in rows)
+    assert not (tmp_path / "out1").exists() or not list((tmp_path / "out1").rglob("rows.jsonl"))
+
+
+def test_dry_run_and_bad_input(tmp_path):
+    f = tmp_path / "s.toml"
+    f.write_text(SWEEP.format(ws=2))
+    r = mokbench("sweep", str(f), "--dry-run", "--device", "cpu")
+    assert r.returncode == 0 and "torch.distributed.run" in r.stdout and "2 cells" in r.stdout
+    f.write_text(SWEEP.format(ws=2).replace('"nccl_torch"', '"ncll"'))
+    r = mokbench("sweep", str(f), "--device", "cpu")
+    assert r.returncode == 2
+    assert "backend='ncll' is unknown: allowed nccl_torch" in r.stdout
+    assert "Traceback" not in r.stdout + r.stderr
