@@ -26,7 +26,7 @@ from baselines.common import canonical_grads, expert_params, grouped_swiglu_ffn,
 from mokbench.backend import BackendBase, Capabilities, RunContext
 
 
-def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
+def all_to_all_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
                 group: dist.ProcessGroup | None) -> torch.Tensor:
     """Differentiable all_to_all_single of rows (identity on one rank)."""
     if group is None or dist.get_world_size(group) == 1:
@@ -55,7 +55,7 @@ def moe_alltoall_forward(x_TH, topk_idx_TK, topk_weights_TK, params, ctx: RunCon
 
     order_S = torch.argsort(topk_idx_TK.reshape(-1), stable=True)
     x_sent_SH = x_TH[order_S // K]
-    x_recv_RH = _all_to_all(x_sent_SH, recv_splits, send_splits, group)
+    x_recv_RH = all_to_all_rows(x_sent_SH, recv_splits, send_splits, group)
 
     # Received rows are ordered [source rank][local expert]; group them by local expert.
     expert_of_row_R = torch.repeat_interleave(
@@ -66,7 +66,7 @@ def moe_alltoall_forward(x_TH, topk_idx_TK, topk_weights_TK, params, ctx: RunCon
     out_RH = grouped_swiglu_ffn(x_recv_RH[perm_R], counts_E, params["w1_EFH"], params["w2_EHI"],
                                 host_counts)
     out_back_RH = torch.empty_like(out_RH).index_copy(0, perm_R, out_RH)
-    out_SH = _all_to_all(out_back_RH, send_splits, recv_splits, group)
+    out_SH = all_to_all_rows(out_back_RH, send_splits, recv_splits, group)
     out_TKH = torch.empty_like(out_SH).index_copy(0, order_S, out_SH).view(T, K, -1)
     y_TH = torch.bmm(topk_weights_TK.to(out_TKH.dtype).unsqueeze(1), out_TKH).squeeze(1)
     if "ws1_FH" in params:

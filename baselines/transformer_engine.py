@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from baselines.common import swiglu
-from baselines.nccl_torch import _all_to_all
+from baselines.nccl_torch import all_to_all_rows
 from mokbench.backend import BackendBase, Capabilities, RunContext
 
 INSTALL_HINT = "pip install 'mokbench[te]'"
@@ -121,15 +121,15 @@ class NcclA2A:
         send = counts_G.view(W, E).sum(1).tolist()
         recv = recv_WE.sum(1).tolist()
         order_S = torch.argsort(topk_idx_TK.reshape(-1), stable=True)
-        x_RH = _all_to_all(x_TH[order_S // K], recv, send, group)
-        w_R1 = _all_to_all(topk_weights_TK.float().reshape(-1, 1)[order_S], recv, send, group)
+        x_RH = all_to_all_rows(x_TH[order_S // K], recv, send, group)
+        w_R1 = all_to_all_rows(topk_weights_TK.float().reshape(-1, 1)[order_S], recv, send, group)
         local_R1 = torch.repeat_interleave(
             torch.arange(E, device=x_TH.device).repeat(W), recv_WE.reshape(-1)).unsqueeze(1)
         return x_RH, w_R1, local_R1, (order_S, send, recv, T, K)
 
     def combine(self, y_RH, handle):
         order_S, send, recv, T, K = handle
-        y_SH = _all_to_all(y_RH, send, recv, self.ctx.group)
+        y_SH = all_to_all_rows(y_RH, send, recv, self.ctx.group)
         y_TKH = torch.empty_like(y_SH).index_copy(0, order_S, y_SH).view(T, K, -1)
         return y_TKH.sum(1)
 

@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
-    import torch.distributed as dist
 
     from mokbench.inputs import MoEWeights
     from mokbench.scenario import Scenario
@@ -104,9 +103,11 @@ def capability_reason(caps: Capabilities, ctx: RunContext | None,
         if ngpu == 0:
             return "needs a CUDA GPU; none is visible"
         if caps.min_cc is not None and cc is not None and cc < caps.min_cc:
-            return f"needs compute capability >= {caps.min_cc[0]}.{caps.min_cc[1]}; GPU has {cc[0]}.{cc[1]}"
+            need = ".".join(map(str, caps.min_cc))
+            return f"needs compute capability >= {need}; GPU has {cc[0]}.{cc[1]}"
         if caps.max_cc is not None and cc is not None and cc > caps.max_cc:
-            return f"needs compute capability <= {caps.max_cc[0]}.{caps.max_cc[1]}; GPU has {cc[0]}.{cc[1]}"
+            need = ".".join(map(str, caps.max_cc))
+            return f"needs compute capability <= {need}; GPU has {cc[0]}.{cc[1]}"
     ws = scenario.world_size if scenario is not None else (ctx.world_size if ctx else None)
     if ws is not None and caps.world_sizes is not None and ws not in caps.world_sizes:
         return f"world size {ws} not supported: allowed {', '.join(map(str, caps.world_sizes))}"

@@ -139,7 +139,10 @@ def report_cmd(
     if format == "table":
         _print_report(run_dir)
     else:
-        console.print(f"wrote {report.write_report(run_dir, format)}")
+        try:
+            console.print(f"wrote {report.write_report(run_dir, format)}")
+        except report.ReportError as exc:
+            _fail(str(exc))
     if plots:
         from mokbench.plots import make_plots
 
@@ -153,6 +156,7 @@ def backends(
     world_size: int = typer.Option(None, help="EP size to judge (default: local GPUs, or 2)"),
 ) -> None:
     """Every registered backend, available or not, and why not."""
+    from rich.markup import escape
     from rich.table import Table
 
     from mokbench.backend import RunContext, get_backend, registry
@@ -170,7 +174,7 @@ def backends(
         except Exception as exc:  # noqa: BLE001 - a broken adapter is listed, not fatal
             reason, kind, notes = f"adapter failed to load: {exc}", "?", ""
         table.add_row(name, kind, "[red]no[/red]" if reason else "[green]yes[/green]",
-                      reason or notes)
+                      escape(reason or notes))
     console.print(table)
 
 

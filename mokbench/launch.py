@@ -217,7 +217,8 @@ class CellRunner:
         for p in cell.scenario.passes:
             res_file = self.cells_dir / f"{cell.stem}.{p}.json"
             if res_file.exists():
-                rows.append(self._row(cell, p, cell_wall_s=wall, **json.loads(res_file.read_text())))
+                result = json.loads(res_file.read_text())
+                rows.append(self._row(cell, p, cell_wall_s=wall, **result))
             elif timed_out:
                 rows.append(self._row(cell, p, status="timeout", cell_wall_s=wall,
                                       reason=f"timeout after {self.opts.timeout_s:g} s: "

@@ -13,11 +13,11 @@ from dataclasses import asdict, dataclass, field, fields, replace
 PASSES = ("forward", "backward")
 PRECISIONS = ("bf16", "fp8")
 ROUTINGS = ("uniform", "imbalanced")
-DIM_ALIGN = 16  # hidden and intermediate must be multiples of this (16-byte rows, tensor-core tiles)
+DIM_ALIGN = 16  # hidden / intermediate multiple of this (16-byte rows, tensor-core tiles)
 
 
 class ScenarioError(ValueError):
-    """A bad field in a scenario or sweep; the message is one line: field, value, what is allowed."""
+    """A bad field in a scenario or sweep; one-line message: field, value, what is allowed."""
 
 
 def _check(cond: bool, field_name: str, value: object, allowed: str) -> None:

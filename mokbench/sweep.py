@@ -73,7 +73,8 @@ class Sweep:
 def _unknown(keys: set[str], allowed: set[str], where: str) -> None:
     bad = sorted(set(keys) - allowed)
     if bad:
-        raise ScenarioError(f"{where} key {bad[0]!r} is unknown: allowed {', '.join(sorted(allowed))}")
+        allowed_txt = ", ".join(sorted(allowed))
+        raise ScenarioError(f"{where} key {bad[0]!r} is unknown: allowed {allowed_txt}")
 
 
 def _as_list(v) -> list:
