@@ -14,8 +14,9 @@ import os
 import platform
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 STATUSES = ("ok", "failed", "timeout", "skipped")
 
