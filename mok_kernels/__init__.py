@@ -12,6 +12,8 @@ Use::
     y_TH = forward(cfg, ws, sched, x_TH, topk_weights_TK, w1_EHF, w2_EIH, ws1_HF, ws2_IH)
     check_errors(ws)                                                 # the one host sync
 
+``GraphedForward(cfg, ws, weights)`` captures schedule + forward in one CUDA graph.
+
 Weights are in the canonical math layout: w1_EHF [E, H, 2I] (gate columns then up columns),
 w2_EIH [E, I, H]; in loopback they hold all L*E experts, rank-major. This package never
 imports mokbench.
@@ -32,9 +34,11 @@ from mok_kernels._details.forward import (
     check_errors,
     forward,
 )
+from mok_kernels._details.graph import GraphedForward
 from mok_kernels._details.workspace import Workspace, clear_workspace_cache, get_workspace
 
 __all__ = [
+    "GraphedForward",
     "MoKCapacityError",
     "MoKConfig",
     "MoKConfigError",

@@ -4,8 +4,9 @@ Legend: T tokens on this rank, H hidden, I intermediate, E local experts, K top-
 
 Knobs: defaults fit the shape (``MoKConfig.for_shape``: minibatch / macrobatch sized from the
 two-waves rule on this GPU's SM count); override any field with the JSON in
-$MOKBENCH_MOK_CONFIG, e.g. ``{"minibatch": 4096, "fwd_comm_sms": 8}``. Forward only: the
-output does not require grad (the backward is a later piece of work).
+$MOKBENCH_MOK_CONFIG, e.g. ``{"minibatch": 4096, "fwd_comm_sms": 8}``; the extra key
+``"cuda_graph"`` (default true on one rank) replays schedule + forward as one CUDA graph.
+Forward only: the output does not require grad (the backward is a later piece of work).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ CONFIG_ENV = "MOKBENCH_MOK_CONFIG"
 
 def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int,
                           num_sms: int, world_size: int = 1) -> dict:
-    """Minibatch from the two-waves rule (at least 2048 rows, at most the rows one rank can
+    """Minibatch from the two-waves rule (at least 4096 rows, the best measured on H200, at most the rows one rank can
     hold), three ring slots. One rank: no communication programs (the GEMM tiles gather and
     scatter rows themselves); several: 8 programs pull and push over the peer links, so each
     token row crosses the link once instead of once per column tile."""
@@ -30,9 +31,17 @@ def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int
 
     bound = plan(hidden, intermediate, num_sms, 0).minibatch
     rows = tokens * (topk + 1)
-    mb = max(2048, bound)
+    mb = max(4096, bound)
     mb = min(mb, -(-rows // 128) * 128)
     return {"minibatch": mb, "macrobatch": 3 * mb, "fwd_comm_sms": 0 if world_size == 1 else 8}
+
+
+def graph_option(world_size: int) -> bool:
+    """Replay the forward as one CUDA graph: "cuda_graph" in $MOKBENCH_MOK_CONFIG; default on
+    for one rank (multi-GPU capture of the symmetric-memory barriers is not tested yet)."""
+    raw = os.environ.get(CONFIG_ENV, "").strip()
+    over = json.loads(raw) if raw.startswith("{") else {}
+    return bool(over.get("cuda_graph", world_size == 1))
 
 
 def config_from_env(hidden: int, intermediate: int, defaults: dict):
@@ -49,6 +58,7 @@ def config_from_env(hidden: int, intermediate: int, defaults: dict):
                                  f"({exc.msg})") from None
         if not isinstance(over, dict):
             raise MoKConfigError(f"{CONFIG_ENV}={raw!r} is invalid: allowed a JSON object")
+        over.pop("cuda_graph", None)  # a backend option, not a kernel knob
         if "minibatch" in over and "macrobatch" not in over:
             fields["macrobatch"] = 3 * over["minibatch"]
         fields.update(over)
@@ -82,11 +92,15 @@ class MoKBackend(BackendBase):
                   None if weights.ws1_HF is None else weights.ws1_HF.contiguous(),
                   None if weights.ws2_IH is None else weights.ws2_IH.contiguous())
         self.params = {}
+        self.graphed = (mok_kernels.GraphedForward(self.config, self.ws, self.w)
+                        if graph_option(ctx.world_size) else None)
 
     def forward(self, x_TH, topk_idx_TK, topk_weights_TK):
         import mok_kernels
 
         with torch.no_grad():
+            if self.graphed is not None:
+                return self.graphed(x_TH.detach(), topk_idx_TK, topk_weights_TK.detach())
             sched = mok_kernels.build_schedule(self.ws, topk_idx_TK)
             return mok_kernels.forward(self.config, self.ws, sched, x_TH.detach(),
                                        topk_weights_TK.detach(), *self.w)
@@ -98,6 +112,7 @@ class MoKBackend(BackendBase):
         mok_kernels.check_errors(self.ws)
 
     def teardown(self) -> None:
+        self.graphed = None
         self.ws = None
         self.w = ()
         self.params = {}

@@ -45,6 +45,8 @@ class MoKConfig:
     num_warps/num_stages: Triton launch knobs of the megakernel.
     spin_budget: polls a bounded wait makes before it records a timeout and exits (about
         0.5-1 us each on H200).
+    down_tiles: down-GEMM column tiles per work item (one wait and one signal for all);
+        falls back to 1 where it does not divide hidden / block_n.
     """
 
     fwd_comm_sms: int = 0
@@ -57,6 +59,7 @@ class MoKConfig:
     num_warps: int = 8
     num_stages: int = 3
     spin_budget: int = 1 << 22
+    down_tiles: int = 2
 
     def __post_init__(self) -> None:
         _check(isinstance(self.fwd_comm_sms, int) and 0 <= self.fwd_comm_sms <= 64,
@@ -80,6 +83,7 @@ class MoKConfig:
                self.num_stages, "an integer in 1..6")
         _check(isinstance(self.spin_budget, int) and self.spin_budget >= 1, "spin_budget",
                self.spin_budget, "an integer >= 1")
+        _check(self.down_tiles in (1, 2, 4), "down_tiles", self.down_tiles, "1 | 2 | 4")
 
     @property
     def ring_slots(self) -> int:

@@ -86,6 +86,7 @@ def launch_megakernel(ws: Workspace, st: ScheduleTensors, w1: torch.Tensor, w2: 
         ws.T, ws.E, ws.P, ws.Q, ws.counters_LC.shape[1], ws.mmax, cfg.spin_budget, withhold,
         H=ws.H, I=ws.I, S=ws.S, PROGS=progs, COMM=comm, HAS_SHARED=ws.shared,
         MB=cfg.minibatch, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
+        DT=cfg.down_tiles if (ws.H // cfg.block_n) % cfg.down_tiles == 0 else 1,
         CR=max(1, 4096 // ch), CH=ch, QUANT=0, F32_DOT=_interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra)
 

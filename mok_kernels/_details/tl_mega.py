@@ -8,7 +8,7 @@ row block, NBM = MB/BM row blocks per minibatch, MMAX = P/MB minibatches at most
 Counters of one logical rank (int32, zeroed before the launch):
     [0]                   compute ticket
     [1 + m]               dispatch_done[m]  (+1 per communication program)
-    [1 + MMAX + m]        out_ready[m]      (+1 per down tile)
+    [1 + MMAX + m]        out_ready[m]      (+1 per down tile, added DT at a time)
     [1 + 2*MMAX + m]      combine_done[m]   (+1 per communication program)
     [1 + 3*MMAX + b]      rowblock_ready[b] (+1 per gate+up tile)
 
@@ -176,24 +176,31 @@ def _gate_up_item(m, b, j, lr, src, grp, total, ring, hbuf, ctr, err, x_base, x_
 
 
 @triton.jit
-def _down_item(m, b, j, lr, src, grp, hbuf, outb, ctr, err, comb_base, comb_tab, w2_ptr,
+def _down_item(m, b, jd, lr, src, grp, hbuf, outb, ctr, err, comb_base, comb_tab, w2_ptr,
                ws2_ptr, T, E, Q, MMAX, budget, H: tl.constexpr, I: tl.constexpr,
                S: tl.constexpr, COMM: tl.constexpr, HAS_SHARED: tl.constexpr,
-               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, F32_DOT: tl.constexpr):
+               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr,
+               F32_DOT: tl.constexpr):
+    """DT consecutive down tiles (column tiles jd*DT ..) of row block b: one wait, one
+    signal for all of them (the fixed per-item cost is a few L2 round trips)."""
     ok = wait_geq(ctr + 1 + 3 * MMAX + b, I // (BN // 2), err, budget, _E_ROWBLOCK, b)
     if ok != 0:
         g = tl.load(grp + b)
         rows = b * BM + tl.arange(0, BM)
         qrows = (rows % Q).to(tl.int64)
         w2 = _weights(lr, g, E, w2_ptr, ws2_ptr, I * H, HAS_SHARED)
-        out = down_tile(hbuf + qrows * I, w2, j, I, H, BM, BN, BK, F32_DOT).to(tl.bfloat16)
-        cols = j * BN + tl.arange(0, BN)
-        if COMM > 0:
-            tl.store(outb + qrows[:, None] * H + cols[None, :], out)
-        else:
+        if COMM == 0:
             dst, valid = _slot_rows(src, rows, rows >= 0, T, S, comb_tab, comb_base, H)
-            tl.store(dst[:, None] + cols[None, :], out, mask=valid[:, None])
-        signal(ctr + 1 + MMAX + m)
+        for jj in tl.static_range(DT):
+            j = jd * DT + jj
+            out = down_tile(hbuf + qrows * I, w2, j, I, H, BM, BN, BK, F32_DOT)
+            out = out.to(tl.bfloat16)
+            cols = j * BN + tl.arange(0, BN)
+            if COMM > 0:
+                tl.store(outb + qrows[:, None] * H + cols[None, :], out)
+            else:
+                tl.store(dst[:, None] + cols[None, :], out, mask=valid[:, None])
+        signal(ctr + 1 + MMAX + m, DT)
     return ok
 
 
@@ -202,11 +209,11 @@ def _compute_loop(lr, src, grp, total, ring, hbuf, outb, ctr, err, x_base, x_tab
                   comb_tab, w1_ptr, w2_ptr, ws1_ptr, ws2_ptr, T, E, Q, MMAX, budget, withhold,
                   H: tl.constexpr, I: tl.constexpr, S: tl.constexpr, COMM: tl.constexpr,
                   HAS_SHARED: tl.constexpr, MB: tl.constexpr, BM: tl.constexpr,
-                  BN: tl.constexpr, BK: tl.constexpr, QUANT: tl.constexpr,
+                  BN: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, QUANT: tl.constexpr,
                   F32_DOT: tl.constexpr):
     """Claim tickets until the work of this logical rank is done (or an error is set)."""
     N1: tl.constexpr = I // (BN // 2)
-    N2: tl.constexpr = H // BN
+    N2: tl.constexpr = H // BN // DT  # down items (DT tiles each) per row block
     NBM: tl.constexpr = MB // BM
     PER_MB: tl.constexpr = NBM * (N1 + N2)
     n_items = (total + MB - 1) // MB * PER_MB
@@ -228,8 +235,7 @@ def _compute_loop(lr, src, grp, total, ring, hbuf, outb, ctr, err, x_base, x_tab
             if b * BM < total:
                 ok = _down_item(m, b, i2 % N2, lr, src, grp, hbuf, outb, ctr, err, comb_base,
                                 comb_tab, w2_ptr, ws2_ptr, T, E, Q, MMAX, budget, H, I, S,
-                                COMM, HAS_SHARED, BM, BN, BK, F32_DOT)
-        ok = ok & no_error(err)
+                                COMM, HAS_SHARED, BM, BN, BK, DT, F32_DOT)
         tk = tl.atomic_add(ctr, 1, sem="relaxed", scope="gpu")
 
 
@@ -243,8 +249,8 @@ def mok_forward_kernel(
         T, E, P, Q, NCTR, MMAX, budget, withhold,
         H: tl.constexpr, I: tl.constexpr, S: tl.constexpr, PROGS: tl.constexpr,
         COMM: tl.constexpr, HAS_SHARED: tl.constexpr, MB: tl.constexpr, BM: tl.constexpr,
-        BN: tl.constexpr, BK: tl.constexpr, CR: tl.constexpr, CH: tl.constexpr,
-        QUANT: tl.constexpr, F32_DOT: tl.constexpr):
+        BN: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, CR: tl.constexpr,
+        CH: tl.constexpr, QUANT: tl.constexpr, F32_DOT: tl.constexpr):
     """One persistent program per SM. x_tab/comb_tab hold, for every EP rank r, the element
     offset of rank r's token / combine buffer from x_base / comb_base (peer memory)."""
     pid = tl.program_id(0)
@@ -266,11 +272,11 @@ def mok_forward_kernel(
             _compute_loop(lr, src, grp, total, ring, hbuf, outb, ctr, err, x_base, x_tab,
                           comb_base, comb_tab, w1_ptr, w2_ptr, ws1_ptr, ws2_ptr, T, E, Q,
                           MMAX, budget, withhold, H, I, S, COMM, HAS_SHARED, MB, BM, BN, BK,
-                          QUANT, F32_DOT)
+                          DT, QUANT, F32_DOT)
     else:
         _compute_loop(lr, src, grp, total, ring, hbuf, outb, ctr, err, x_base, x_tab,
                       comb_base, comb_tab, w1_ptr, w2_ptr, ws1_ptr, ws2_ptr, T, E, Q, MMAX,
-                      budget, withhold, H, I, S, COMM, HAS_SHARED, MB, BM, BN, BK, QUANT,
+                      budget, withhold, H, I, S, COMM, HAS_SHARED, MB, BM, BN, BK, DT, QUANT,
                       F32_DOT)
 
 

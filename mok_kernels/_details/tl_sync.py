@@ -26,9 +26,9 @@ def record_error(err_ptr, code, detail):
 
 
 @triton.jit
-def wait_geq(ctr_ptr, target, err_ptr, budget, code, detail):
-    """Spin until ``*ctr_ptr >= target``; returns 1 on success, 0 on timeout or when another
-    program already recorded an error. A timeout records ``(code, detail)``."""
+def _spin(ctr_ptr, target, err_ptr, budget, code, detail):
+    """Slow path of ``wait_geq``: volatile polls (L2 only) until the target, an error, or the
+    budget; then one acquire. A timeout records ``(code, detail)``."""
     v = tl.load(ctr_ptr, volatile=True)
     e = tl.load(err_ptr, volatile=True)
     it = 0
@@ -37,9 +37,7 @@ def wait_geq(ctr_ptr, target, err_ptr, budget, code, detail):
         e = tl.load(err_ptr, volatile=True)
         it += 1
     ok = (v >= target).to(tl.int32)
-    # Acquire: order every later read of this program after the counter value it saw.
     tl.atomic_add(ctr_ptr, 0, sem="acquire", scope="gpu")
-    tl.debug_barrier()
     if ok == 0:
         if e == 0:
             record_error(err_ptr, code, detail)
@@ -47,10 +45,23 @@ def wait_geq(ctr_ptr, target, err_ptr, budget, code, detail):
 
 
 @triton.jit
-def signal(ctr_ptr):
-    """Release-increment after all threads of the program issued their stores."""
+def wait_geq(ctr_ptr, target, err_ptr, budget, code, detail):
+    """Wait until ``*ctr_ptr >= target``; returns 1 on success, 0 on timeout or when another
+    program already recorded an error. Fast path (already signalled): one acquire read."""
+    v = tl.atomic_add(ctr_ptr, 0, sem="acquire", scope="gpu")
+    ok = 1
+    if v < target:
+        ok = _spin(ctr_ptr, target, err_ptr, budget, code, detail)
+    # All threads read after the acquire of the thread that saw the counter.
     tl.debug_barrier()
-    tl.atomic_add(ctr_ptr, 1, sem="release", scope="gpu")
+    return ok
+
+
+@triton.jit
+def signal(ctr_ptr, inc=1):
+    """Release-add ``inc`` after all threads of the program issued their stores."""
+    tl.debug_barrier()
+    tl.atomic_add(ctr_ptr, inc, sem="release", scope="gpu")
 
 
 @triton.jit

@@ -1,0 +1,46 @@
+"""mok backend knobs on CPU: shape defaults and the $MOKBENCH_MOK_CONFIG override."""
+
+from __future__ import annotations
+
+import pytest
+
+from mok_kernels import MoKConfigError
+from mokbench.backend import get_backend
+from mokbench.mok_backend import (
+    CONFIG_ENV,
+    config_from_env,
+    default_config_fields,
+    graph_option,
+)
+
+
+def test_defaults_follow_two_waves_and_cap_at_rows():
+    big = default_config_fields(7168, 2048, 16384, 8, 132)
+    assert big["minibatch"] >= 2176 and big["minibatch"] % 128 == 0
+    assert big["macrobatch"] == 3 * big["minibatch"] and big["fwd_comm_sms"] == 0
+    small = default_config_fields(2048, 256, 100, 2, 132)
+    assert small["minibatch"] == 384  # 100 tokens x (2 + 1) rows, rounded to 128
+    assert default_config_fields(7168, 2048, 4096, 8, 132, world_size=4)["fwd_comm_sms"] == 8
+
+
+def test_env_override(monkeypatch):
+    monkeypatch.setenv(CONFIG_ENV, '{"minibatch": 1024, "fwd_comm_sms": 4, "cuda_graph": false}')
+    cfg = config_from_env(7168, 2048, default_config_fields(7168, 2048, 16384, 8, 132))
+    assert (cfg.minibatch, cfg.macrobatch, cfg.fwd_comm_sms) == (1024, 3072, 4)
+    assert graph_option(1) is False
+
+
+def test_env_override_errors(monkeypatch):
+    monkeypatch.setenv(CONFIG_ENV, "{minibatch: 3}")
+    with pytest.raises(MoKConfigError, match=CONFIG_ENV):
+        config_from_env(7168, 2048, {})
+    monkeypatch.setenv(CONFIG_ENV, '{"minibatch": 100}')
+    with pytest.raises(MoKConfigError, match="minibatch=100"):
+        config_from_env(7168, 2048, {})
+
+
+def test_capabilities():
+    b = get_backend("mok")
+    caps = b.capabilities
+    assert b.name == "mok" and caps.passes == ("forward",) and caps.min_cc == (9, 0)
+    assert caps.needs_gpu and not caps.is_baseline and caps.packages == ("triton",)
