@@ -1,4 +1,4 @@
-"""Test tiers: unit (no process group), dist (torchrun over gloo on CPU), gpu (marked `gpu`,
+"""Test tiers: unit (no process group), distributed (torchrun over gloo on CPU), gpu (marked `gpu`,
 skipped cleanly where no CUDA GPU is visible; run them on the GPU machine)."""
 
 from __future__ import annotations

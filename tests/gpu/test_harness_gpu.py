@@ -10,7 +10,7 @@ from mokbench.inputs import make_inputs, make_weights
 from mokbench.reference import reference_layer
 from mokbench.results import read_rows
 from mokbench.scenario import Scenario, preset
-from tests.dist.helpers import mokbench, only_run_dir
+from tests.distributed.helpers import mokbench, only_run_dir
 
 pytestmark = pytest.mark.gpu
 

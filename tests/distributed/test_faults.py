@@ -10,7 +10,7 @@ import time
 import pytest
 
 from mokbench.results import read_rows
-from tests.dist.helpers import REPO, cli_env, mokbench, only_run_dir, rows_by_key
+from tests.distributed.helpers import REPO, cli_env, mokbench, only_run_dir, rows_by_key
 
 pytestmark = pytest.mark.dist
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from mokbench.results import ROW_COLUMNS, read_rows
-from tests.dist.helpers import REPO, cli_env, mokbench, only_run_dir
+from tests.distributed.helpers import REPO, cli_env, mokbench, only_run_dir
 
 pytestmark = pytest.mark.dist
 
