@@ -118,8 +118,11 @@ def capture_env() -> dict[str, Any]:
         "host": platform.node(), "platform": platform.platform(),
         "python": platform.python_version(), "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ",
                                                                        time.gmtime()),
-        "git_sha": _git("rev-parse", "HEAD"),
-        "git_dirty": bool(_git("status", "--porcelain")),
+        # A copy of the tree without .git (e.g. shipped to a remote machine) can name its
+        # commit through MOKBENCH_GIT_SHA / MOKBENCH_GIT_DIRTY.
+        "git_sha": os.environ.get("MOKBENCH_GIT_SHA") or _git("rev-parse", "HEAD"),
+        "git_dirty": (os.environ["MOKBENCH_GIT_DIRTY"] == "1" if "MOKBENCH_GIT_DIRTY" in os.environ
+                      else bool(_git("status", "--porcelain"))),
         "cuda": torch.version.cuda, "gpu_count": torch.cuda.device_count(),
         "libraries": {lib: _version(lib) for lib in LIBRARIES},
     }
