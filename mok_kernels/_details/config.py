@@ -46,7 +46,8 @@ class MoKConfig:
     spin_budget: polls a bounded wait makes before it records a timeout and exits (about
         0.5-1 us each on H200).
     down_tiles: down-GEMM column tiles per work item (one wait and one signal for all);
-        falls back to 1 where it does not divide hidden / block_n.
+        falls back to 1 where it does not divide hidden / block_n. 1 measured no slower than
+        2 on H200 (notes/mok-kernel.md) and needs fewer registers.
     """
 
     fwd_comm_sms: int = 0
@@ -59,7 +60,7 @@ class MoKConfig:
     num_warps: int = 8
     num_stages: int = 3
     spin_budget: int = 1 << 22
-    down_tiles: int = 2
+    down_tiles: int = 1
 
     def __post_init__(self) -> None:
         _check(isinstance(self.fwd_comm_sms, int) and 0 <= self.fwd_comm_sms <= 64,
