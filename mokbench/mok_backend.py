@@ -25,8 +25,9 @@ def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int
                           num_sms: int, world_size: int = 1) -> dict:
     """Minibatch from the two-waves rule (at least 4096 rows, measured better than 2176 on
     H200; at most the rows one rank can hold), three ring slots. One rank: no communication
-    programs (the GEMM tiles gather and scatter rows themselves); several: 8 programs pull and push over the peer links, so each
-    token row crosses the link once instead of once per column tile."""
+    programs (the GEMM tiles gather and scatter rows themselves); several: 8 programs pull
+    and push over the peer links, so each token row crosses the link once instead of once
+    per column tile."""
     from mok_kernels import plan
 
     bound = plan(hidden, intermediate, num_sms, 0).minibatch
