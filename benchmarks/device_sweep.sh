@@ -7,8 +7,8 @@ sweep=$1; shift
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 COLUMNS=200
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 out=${OUT:-/tmp/out}
-python -m mokbench.cli sweep "$sweep" --calibrate --out /tmp/mb "$@" 2>&1 | tee "$out/sweep.log" \
+timeout -s INT "${SWEEP_LIMIT_S:-540}" python -m mokbench.cli sweep "$sweep" --calibrate --out /tmp/mb "$@" 2>&1 | tee "$out/sweep.log" \
   | grep -v "━" | tail -60
-run=$(ls -d /tmp/mb/*/ | tail -1)
+run=$(ls -d /tmp/mb/*/ | tail -1)  # a run stopped by the limit can be completed with --resume
 cp "$run"/rows.jsonl "$run"/env.json "$run"/sweep.* "$out"/
 tar czf "$out/cells.tgz" -C "$run" cells
