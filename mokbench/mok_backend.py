@@ -95,6 +95,9 @@ class MoKBackend(BackendBase):
         self.params = {}
         self.graphed = (mok_kernels.GraphedForward(self.config, self.ws, self.w)
                         if graph_option(ctx.world_size) else None)
+        c = self.config
+        self.variant = (f"comm_sms={c.fwd_comm_sms},minibatch={c.minibatch},"
+                        f"macrobatch={c.macrobatch},graph={int(self.graphed is not None)}")
 
     def forward(self, x_TH, topk_idx_TK, topk_weights_TK):
         import mok_kernels
