@@ -25,16 +25,18 @@ def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int
                           num_sms: int, world_size: int = 1) -> dict:
     """Minibatch from the two-waves rule (at least 4096 rows, measured better than 2176 on
     H200; at most the rows one rank can hold), three ring slots. One rank: no communication
-    programs (the GEMM tiles gather and scatter rows themselves); several: 8 programs pull
+    programs (the GEMM tiles gather and scatter rows themselves); several: 16 programs pull
     and push over the peer links, so each token row crosses the link once instead of once
-    per column tile."""
+    per column tile. 16, not 8: at EP 2 on two H200s (Kimi shape, 12 experts, 8192 tokens
+    per rank) the forward took 24.8 ms with 8, 13.9 with 16, 14.0 with 32 and 30.5 with 0
+    (results/20261129-mok-knobs-ep2)."""
     from mok_kernels import plan
 
     bound = plan(hidden, intermediate, num_sms, 0).minibatch
     rows = tokens * (topk + 1)
     mb = max(4096, bound)
     mb = min(mb, -(-rows // 128) * 128)
-    return {"minibatch": mb, "macrobatch": 3 * mb, "fwd_comm_sms": 0 if world_size == 1 else 8}
+    return {"minibatch": mb, "macrobatch": 3 * mb, "fwd_comm_sms": 0 if world_size == 1 else 16}
 
 
 def graph_option(world_size: int) -> bool:

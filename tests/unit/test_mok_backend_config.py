@@ -20,7 +20,7 @@ def test_defaults_follow_two_waves_and_cap_at_rows():
     assert big["macrobatch"] == 3 * big["minibatch"] and big["fwd_comm_sms"] == 0
     small = default_config_fields(2048, 256, 100, 2, 132)
     assert small["minibatch"] == 384  # 100 tokens x (2 + 1) rows, rounded to 128
-    assert default_config_fields(7168, 2048, 4096, 8, 132, world_size=4)["fwd_comm_sms"] == 8
+    assert default_config_fields(7168, 2048, 4096, 8, 132, world_size=4)["fwd_comm_sms"] == 16
 
 
 def test_env_override(monkeypatch):
