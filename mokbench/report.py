@@ -307,7 +307,8 @@ def _parquet_safe(summary: pd.DataFrame) -> pd.DataFrame:
     """Object columns holding mixed types (None and bool, numbers and strings) become strings so
     pyarrow can store them; numeric and bool columns keep their types."""
     out = summary.copy()
-    for col in out.select_dtypes(include=["object"]).columns:
+    mixed = [c for c in out.columns if out[c].dtype == object]
+    for col in mixed:
         kinds = {type(v) for v in out[col] if v is not None and not
                  (isinstance(v, float) and math.isnan(v))}
         if len(kinds) > 1 or kinds & {dict, list}:

@@ -32,5 +32,6 @@ def only_run_dir(out: Path) -> Path:
     return dirs[0]
 
 
-def rows_by_key(run_dir: Path) -> dict[tuple[str, str], dict]:
-    return {(r["backend"], r["pass"], r["scenario_id"]): r for r in read_rows(run_dir / "rows.jsonl")}
+def rows_by_key(run_dir: Path) -> dict[tuple[str, str, str], dict]:
+    rows = read_rows(run_dir / "rows.jsonl")
+    return {(r["backend"], r["pass"], r["scenario_id"]): r for r in rows}
