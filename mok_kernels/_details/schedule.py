@@ -1,6 +1,6 @@
 """The expert schedule: which (source rank, token, k) rows each local expert pulls, in order.
 
-Pure PyTorch, the same ops on CPU and GPU, with no host synchronisation (no ``.item()``, no
+Pure PyTorch, the same ops on CPU and GPU, with no host synchronisation (no scalar reads to the host, no
 boolean-mask indexing, no ``bincount``), so it is CUDA-graph capturable and its logic is tested
 on CPU.
 
@@ -124,24 +124,3 @@ def flag_capacity_errors(errors_L4: torch.Tensor, sched: ScheduleTensors, capaci
                                   errors_L4[:, 2])
     errors_L4[:, 0] = torch.where(over_L, torch.full_like(errors_L4[:, 0], ERR_CAPACITY),
                                   errors_L4[:, 0])
-
-
-def reference_schedule(idx_NK: torch.Tensor, rank: int, *, tokens: int, local_experts: int,
-                       shared: bool, block_m: int) -> list[int]:
-    """Plain-Python model of one rank's schedule (rows in order, -1 = padding): for each
-    group in order, its slots in ascending slot id, padded to block_m. For tests."""
-    N, K = idx_NK.shape
-    S = K + (1 if shared else 0)
-    E = local_experts
-    rows: list[int] = []
-    ids = idx_NK.tolist()
-    for g in range(E + (1 if shared else 0)):
-        mine = []
-        for n in range(N):
-            for k in range(S):
-                if k < K and g < E and ids[n][k] - rank * E == g:
-                    mine.append(n * S + k)
-                elif k == K and g == E and n // tokens == rank:
-                    mine.append(n * S + k)
-        rows += mine + [-1] * ((-len(mine)) % block_m)
-    return rows

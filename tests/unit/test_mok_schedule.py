@@ -9,9 +9,29 @@ from mok_kernels._details.errors import ERR_CAPACITY, MoKCapacityError, raise_if
 from mok_kernels._details.schedule import (
     build_schedule_tensors,
     flag_capacity_errors,
-    reference_schedule,
     schedule_capacity,
 )
+
+
+def reference_schedule(idx_NK: torch.Tensor, rank: int, *, tokens: int, local_experts: int,
+                       shared: bool, block_m: int) -> list[int]:
+    """Plain-Python model of one rank's schedule (rows in order, -1 = padding): for each
+    group in order, its slots in ascending slot id, padded to block_m. For tests."""
+    N, K = idx_NK.shape
+    S = K + (1 if shared else 0)
+    E = local_experts
+    rows: list[int] = []
+    ids = idx_NK.tolist()
+    for g in range(E + (1 if shared else 0)):
+        mine = []
+        for n in range(N):
+            for k in range(S):
+                if k < K and g < E and ids[n][k] - rank * E == g:
+                    mine.append(n * S + k)
+                elif k == K and g == E and n // tokens == rank:
+                    mine.append(n * S + k)
+        rows += mine + [-1] * ((-len(mine)) % block_m)
+    return rows
 
 
 def _routing(n: int, num_experts: int, k: int, seed: int) -> torch.Tensor:
