@@ -1,6 +1,6 @@
 """The expert schedule: which (source rank, token, k) rows each local expert pulls, in order.
 
-Pure PyTorch, the same ops on CPU and GPU, with no host synchronisation (no scalar reads to the host, no
+Pure PyTorch, the same ops on CPU and GPU, with no host synchronisation (no host reads, no
 boolean-mask indexing, no ``bincount``), so it is CUDA-graph capturable and its logic is tested
 on CPU.
 

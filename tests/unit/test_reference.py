@@ -4,11 +4,11 @@ single-rank nccl_torch baseline against the reference."""
 import torch
 import torch.nn.functional as F
 
-from mokbench.backend import RunContext, get_backend
-from mokbench.check import check_backward, check_forward
+from mokbench.check import check_forward
 from mokbench.inputs import make_inputs, make_weights
 from mokbench.reference import checked_expert_ids, reference_layer
 from mokbench.scenario import Scenario, preset
+from tests.layer_check import check_single_rank
 
 CPU = torch.device("cpu")
 
@@ -48,22 +48,13 @@ def test_checked_experts_spread():
 
 
 def test_nccl_torch_single_rank_passes_check_and_a_wrong_layer_fails():
-    s = Scenario(preset("tiny"), 64, 1)
-    w, inp = make_weights(s, 0, CPU), make_inputs(s, 0, CPU)
-    ref = reference_layer(inp, w)
-    b = get_backend("nccl_torch")
-    b.setup(s, RunContext(), w)
-    x = inp.x_TH.clone().requires_grad_()
-    p = inp.topk_weights_TK.clone().requires_grad_()
-    y = b.forward(x, inp.topk_idx_TK, p)
-    assert check_forward(y, ref, "bf16").ok
-    y.backward(inp.dy_TH)
-    res = check_backward(x.grad, p.grad, b.weight_grads(), ref, "bf16")
-    assert res.ok, res.reason()
-    assert 0 < res.max_rel_err < 1e-2
+    res = check_single_rank("nccl_torch", Scenario(preset("tiny"), 64, 1), CPU)
+    assert res.forward.ok, res.forward.reason()
+    assert res.backward.ok, res.backward.reason()
+    assert 0 < res.backward.max_rel_err < 1e-2
     # a layer that forgets the router weights, or leaves rows unwritten, must fail
-    assert not check_forward(y.detach() * 1.05, ref, "bf16").ok
-    y_nan = y.detach().clone()
+    assert not check_forward(res.y_TH * 1.05, res.ref, "bf16").ok
+    y_nan = res.y_TH.clone()
     y_nan[3] = float("nan")
-    bad = check_forward(y_nan, ref, "bf16")
+    bad = check_forward(y_nan, res.ref, "bf16")
     assert not bad.ok and "non-finite" in bad.reason()
