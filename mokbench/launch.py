@@ -10,6 +10,7 @@ that status and the tail of its error; the sweep goes on, rows already written s
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shlex
@@ -146,7 +147,7 @@ class CellRunner:
                        else "cuda", repro=repro_command(cell), registry=registry()[cell.backend],
                        **scenario_columns(cell.scenario), **values)
 
-    @property
+    @functools.cached_property
     def gpu_name(self) -> str:
         if self.opts.device == "cpu" or not self.opts.gpus_on_node:
             return "cpu"
