@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -169,18 +170,44 @@ def backend_names() -> list[str]:
     return list(registry())
 
 
-def check_backend_names(names: list[str]) -> None:
-    """One-line error for an unknown backend name."""
+def split_label(label: str) -> tuple[str, dict]:
+    """``"mok@minibatch=2048,fwd_comm_sms=16"`` -> ``("mok", {"minibatch": 2048, ...})``.
+
+    A backend label is a registry name, optionally followed by ``@`` and comma-separated
+    ``key=value`` options (values read as JSON where they parse: numbers, true/false; else
+    strings). Each variant is its own backend in rows, tables and charts; the options reach the
+    backend as ``ctx.extra["options"]``.
+    """
+    from mokbench.scenario import ScenarioError
+
+    name, _, rest = label.partition("@")
+    options: dict = {}
+    for item in filter(None, (i.strip() for i in rest.split(","))):
+        key, eq, raw = item.partition("=")
+        if not eq or not key.strip():
+            raise ScenarioError(f"backend={label!r} is invalid: allowed name@key=value,key=value")
+        try:
+            options[key.strip()] = json.loads(raw)
+        except json.JSONDecodeError:
+            options[key.strip()] = raw.strip()
+    return name.strip(), options
+
+
+def check_backend_names(labels: list[str]) -> None:
+    """One-line error for an unknown backend name (options after ``@`` are checked by the
+    backend's ``validate_options`` where it has one, see mokbench.sweep)."""
     from mokbench.scenario import ScenarioError
 
     known = registry()
-    for n in names:
+    for label in labels:
+        n, _ = split_label(label)
         if n not in known:
             raise ScenarioError(f"backend={n!r} is unknown: allowed {', '.join(known)}")
 
 
-def get_backend(name: str) -> Backend:
-    """Import and instantiate a backend by registry name."""
-    check_backend_names([name])
-    module, _, attr = registry()[name].partition(":")
+def get_backend(label: str) -> Backend:
+    """Import and instantiate a backend by registry name (options after ``@`` are ignored
+    here; the worker hands them over through the run context)."""
+    check_backend_names([label])
+    module, _, attr = registry()[split_label(label)[0]].partition(":")
     return getattr(importlib.import_module(module), attr)()

@@ -146,8 +146,9 @@ def report_cmd(
     if plots:
         from mokbench.plots import make_plots
 
-        summary = report.summarize(report.load_rows(run_dir), read_env(run_dir))
-        for p in make_plots(summary, run_dir / "plots"):
+        env = read_env(run_dir)
+        summary = report.summarize(report.load_rows(run_dir), env)
+        for p in make_plots(summary, run_dir / "plots", env):
             console.print(f"wrote {p}")
 
 

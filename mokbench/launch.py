@@ -138,13 +138,14 @@ class CellRunner:
         self._backends: dict = {}
 
     def _row(self, cell: Cell, pass_: str, **values) -> dict:
-        from mokbench.backend import registry
+        from mokbench.backend import registry, split_label
 
         return new_row(run_id=self.run_id, backend=cell.backend,
                        is_baseline=self._is_baseline(cell.backend),
                        **{"pass": pass_}, gpu_name=self.gpu_name,
                        device="cpu" if self.opts.device == "cpu" or not self.opts.gpus_on_node
-                       else "cuda", repro=repro_command(cell), registry=registry()[cell.backend],
+                       else "cuda", repro=repro_command(cell),
+                       registry=registry()[split_label(cell.backend)[0]],
                        **scenario_columns(cell.scenario), **values)
 
     @functools.cached_property

@@ -39,32 +39,42 @@ def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int
     return {"minibatch": mb, "macrobatch": 3 * mb, "fwd_comm_sms": 0 if world_size == 1 else 16}
 
 
-def graph_option(world_size: int) -> bool:
-    """Replay the forward as one CUDA graph: "cuda_graph" in $MOKBENCH_MOK_CONFIG; default on
-    for one rank (multi-GPU capture of the symmetric-memory barriers is not tested yet)."""
-    raw = os.environ.get(CONFIG_ENV, "").strip()
-    over = json.loads(raw) if raw.startswith("{") else {}
+def graph_option(world_size: int, options: dict | None = None) -> bool:
+    """Replay the forward as one CUDA graph: "cuda_graph" in the options or
+    $MOKBENCH_MOK_CONFIG; default on for one rank."""
+    over = {**env_overrides(), **(options or {})}
     return bool(over.get("cuda_graph", world_size == 1))
 
 
-def config_from_env(hidden: int, intermediate: int, defaults: dict):
-    """MoKConfig from shape defaults plus $MOKBENCH_MOK_CONFIG (JSON object)."""
-    from mok_kernels import MoKConfig, MoKConfigError
+def env_overrides() -> dict:
+    """The JSON object in $MOKBENCH_MOK_CONFIG ({} when unset)."""
+    from mok_kernels import MoKConfigError
+
+    raw = os.environ.get(CONFIG_ENV, "").strip()
+    if not raw:
+        return {}
+    try:
+        over = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise MoKConfigError(f"{CONFIG_ENV}={raw!r} is invalid: allowed a JSON object "
+                             f"({exc.msg})") from None
+    if not isinstance(over, dict):
+        raise MoKConfigError(f"{CONFIG_ENV}={raw!r} is invalid: allowed a JSON object")
+    return over
+
+
+def config_from_env(hidden: int, intermediate: int, defaults: dict,
+                    options: dict | None = None):
+    """MoKConfig from shape defaults, then $MOKBENCH_MOK_CONFIG, then the backend label's
+    options (``mok@minibatch=2048``); a minibatch without a macrobatch gets 3 ring slots."""
+    from mok_kernels import MoKConfig
 
     fields = dict(defaults)
-    raw = os.environ.get(CONFIG_ENV, "").strip()
-    if raw:
-        try:
-            over = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise MoKConfigError(f"{CONFIG_ENV}={raw!r} is invalid: allowed a JSON object "
-                                 f"({exc.msg})") from None
-        if not isinstance(over, dict):
-            raise MoKConfigError(f"{CONFIG_ENV}={raw!r} is invalid: allowed a JSON object")
-        over.pop("cuda_graph", None)  # a backend option, not a kernel knob
-        if "minibatch" in over and "macrobatch" not in over:
-            fields["macrobatch"] = 3 * over["minibatch"]
-        fields.update(over)
+    over = {**env_overrides(), **(options or {})}
+    over.pop("cuda_graph", None)  # a backend option, not a kernel knob
+    if "minibatch" in over and "macrobatch" not in over:
+        fields["macrobatch"] = 3 * over["minibatch"]
+    fields.update(over)
     return MoKConfig.for_shape(hidden, intermediate, **fields)
 
 
@@ -85,7 +95,8 @@ class MoKBackend(BackendBase):
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
         defaults = default_config_fields(s.hidden, s.intermediate, scenario.tokens_per_rank,
                                          s.topk, sms, ctx.world_size)
-        self.config = config_from_env(s.hidden, s.intermediate, defaults)
+        options = ctx.extra.get("options", {})
+        self.config = config_from_env(s.hidden, s.intermediate, defaults, options)
         group = ctx.group if ctx.world_size > 1 else None
         self.ws = mok_kernels.get_workspace(
             self.config, tokens=scenario.tokens_per_rank, hidden=s.hidden,
@@ -96,10 +107,18 @@ class MoKBackend(BackendBase):
                   None if weights.ws2_IH is None else weights.ws2_IH.contiguous())
         self.params = {}
         self.graphed = (mok_kernels.GraphedForward(self.config, self.ws, self.w)
-                        if graph_option(ctx.world_size) else None)
+                        if graph_option(ctx.world_size, options) else None)
         c = self.config
         self.variant = (f"comm_sms={c.fwd_comm_sms},minibatch={c.minibatch},"
                         f"macrobatch={c.macrobatch},graph={int(self.graphed is not None)}")
+
+    def validate_options(self, scenario, options: dict) -> None:
+        """Build the configuration a variant asks for (``mok@minibatch=512``) on the host, so
+        a bad knob is a one-line error before launch (SM count assumed 132 when no GPU)."""
+        s = scenario.shape
+        defaults = default_config_fields(s.hidden, s.intermediate, scenario.tokens_per_rank,
+                                         s.topk, 132, scenario.world_size)
+        config_from_env(s.hidden, s.intermediate, defaults, options)
 
     def forward(self, x_TH, topk_idx_TK, topk_weights_TK):
         import mok_kernels

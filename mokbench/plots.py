@@ -6,6 +6,10 @@
                               per backend with p10-p90 error bars; one panel per (model shape,
                               world size, pass) group, split further by precision/routing/shared
                               expert so that a line never mixes those
+    knobs.{png,svg}           for backend variants (``mok@minibatch=2048``): median time vs the
+                              one numeric knob that varies, one line per scenario, the fastest
+                              baseline of each scenario dashed; for ``minibatch`` a dotted line
+                              at ``mokbench plan``'s two-waves bound when the SM count is known
 
 Only rows with status "ok" are drawn; a chart with nothing to draw is not written.
 """
@@ -175,10 +179,72 @@ def time_vs_tokens_chart(summary: pd.DataFrame, out_dir: Path) -> list[Path]:
     return _save(fig, out_dir, "time_vs_tokens")
 
 
-def make_plots(summary: pd.DataFrame, out_dir: Path | str) -> list[Path]:
-    """Write every chart that has data to ``out_dir`` (created); returns the files written."""
+# ---------------------------------------------------------------- (c) knob curves
+
+
+def _knob_rows(data: pd.DataFrame) -> pd.DataFrame:
+    """Variant rows with their base backend, knob name and numeric knob value (one varying
+    numeric option per base backend; rows of other variants are dropped)."""
+    from mokbench.backend import split_label
+
+    rows = []
+    for _, r in data[data["backend"].str.contains("@", regex=False)].iterrows():
+        base, opts = split_label(r["backend"])
+        for k, v in opts.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                rows.append({**r.to_dict(), "base": base, "knob": k, "knob_value": v})
+    return pd.DataFrame(rows)
+
+
+def _two_waves_bound(part: pd.DataFrame, sm_count: int | None) -> float | None:
+    try:
+        from mok_kernels import plan
+    except ImportError:
+        return None
+    if not sm_count:
+        return None
+    r = part.iloc[0]
+    return float(plan(int(r["hidden"]), int(r["intermediate"]), sm_count, 0).minibatch)
+
+
+def knob_chart(summary: pd.DataFrame, out_dir: Path, sm_count: int | None = None) -> list[Path]:
+    """knobs.{png,svg}: one panel per (base backend, knob, pass)."""
+    data = _knob_rows(_ok(summary))
+    if data.empty:
+        return []
+    groups = [(k, g) for k, g in data.groupby(["base", "knob", "pass"], sort=False)
+              if g["knob_value"].nunique() > 1]
+    if not groups:
+        return []
+    fig, axes = plt.subplots(1, len(groups), squeeze=False, figsize=(6.0 * len(groups), 4.2))
+    for ax, ((base, knob, pass_), part) in zip(axes[0], groups):
+        for i, (sid, line) in enumerate(part.groupby("scenario_id", sort=False)):
+            line = line.sort_values("knob_value")
+            color = plt.get_cmap("tab10")(i % 10)
+            ax.plot(line["knob_value"], line["median_ms"], "o-", color=color, label=sid)
+            best = line["best_baseline_ms"].dropna() if "best_baseline_ms" in line else []
+            if len(best):
+                ax.axhline(float(best.iloc[0]), color=color, ls="--", lw=1)
+        bound = _two_waves_bound(part, sm_count) if knob == "minibatch" else None
+        if bound:
+            ax.axvline(bound, color="grey", ls=":", label=f"two-waves bound {bound:g}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(knob)
+        ax.set_ylabel("median ms")
+        ax.set_title(f"{base} {pass_}: time vs {knob} (dashed: fastest baseline)", fontsize=9)
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    return _save(fig, out_dir, "knobs")
+
+
+def make_plots(summary: pd.DataFrame, out_dir: Path | str, env: dict | None = None
+               ) -> list[Path]:
+    """Write every chart that has data to ``out_dir`` (created); returns the files written.
+    ``env`` (the run's env.json) supplies the SM count for the minibatch bound line."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if summary.empty:
         return []
-    return speedup_chart(summary, out_dir) + time_vs_tokens_chart(summary, out_dir)
+    sm_count = (env or {}).get("sm_count")
+    return (speedup_chart(summary, out_dir) + time_vs_tokens_chart(summary, out_dir)
+            + knob_chart(summary, out_dir, sm_count))

@@ -24,6 +24,7 @@ Every error is one line naming the field and what is allowed, raised before anyt
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import tomllib
 from dataclasses import dataclass, field
@@ -59,7 +60,10 @@ class Cell:
 
     @property
     def stem(self) -> str:
-        return f"{self.scenario.digest()}-{self.backend}"
+        """File-name stem of this cell's scratch files (variant options hashed in)."""
+        name, _, opts = self.backend.partition("@")
+        tag = f"-{hashlib.sha1(opts.encode()).hexdigest()[:8]}" if opts else ""
+        return f"{self.scenario.digest()}-{name}{tag}"
 
 
 @dataclass
@@ -144,6 +148,7 @@ def expand(data: dict, auto_world: int, backends_override: list[str] | None = No
         shape = _shape(spec)
         backends = backends_override or _as_list(spec.get("backends", default_backends))
         check_backend_names(backends)
+        variants = [b for b in backends if "@" in b]
         passes = tuple(spec.get("passes", PASSES))
         grid_keys = [k for k in sorted(GRID_KEYS) if k in spec]
         if "tokens_per_rank" not in grid_keys:
@@ -154,12 +159,27 @@ def expand(data: dict, auto_world: int, backends_override: list[str] | None = No
                 wss, itertools.product(*[_as_list(spec[k]) for k in grid_keys])):
             scn = Scenario(shape=shape, world_size=ws, passes=passes, timing=timing,
                            **dict(zip(grid_keys, combo)))
+            for b in variants:
+                validate_backend_options(b, scn)
             for b in backends:
                 cell = Cell(scn, b)
                 if cell.key not in seen:
                     seen.add(cell.key)
                     sweep.cells.append(cell)
     return sweep
+
+
+def validate_backend_options(label: str, scenario: Scenario) -> None:
+    """Check a variant's options before launch, where its backend can (``validate_options``)."""
+    from mokbench.backend import get_backend, split_label
+
+    _, options = split_label(label)
+    backend = get_backend(label)
+    if hasattr(backend, "validate_options"):
+        try:
+            backend.validate_options(scenario, options)
+        except ValueError as exc:
+            raise ScenarioError(f"backend {label!r}: {exc}") from None
 
 
 def load_sweep(path: Path | None, auto_world: int, backends_override: list[str] | None = None,

@@ -9,6 +9,7 @@ is allowed, so a bad sweep fails before any buffer is allocated.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -110,6 +111,11 @@ class MoKConfig:
         bk = 64
         while bk > 16 and (hidden % bk or intermediate % bk):
             bk //= 2
+        known = {f.name for f in dataclasses.fields(MoKConfig)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise MoKConfigError(f"{unknown[0]}={overrides[unknown[0]]!r} is unknown: allowed "
+                                 f"{', '.join(sorted(known))}")
         fields = {"block_n": bn, "block_k": bk}
         fields.update(overrides)
         cfg = MoKConfig(**fields)

@@ -51,6 +51,20 @@ def test_nccl_torch_over_gloo_world_2_and_4(tmp_path):
     assert (run_dir / "env.json").exists() and (run_dir / "sweep.toml").exists()
 
 
+def test_backend_variants_are_separate_rows(tmp_path):
+    f = tmp_path / "s.toml"
+    f.write_text(SWEEP.format(ws=2).replace('["nccl_torch"]',
+                                            '["nccl_torch", "nccl_torch@tag=b"]')
+                 .replace('["uniform", "imbalanced"]', '"uniform"'))
+    r = mokbench("sweep", str(f), "--device", "cpu", "--out", str(tmp_path / "out"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = read_rows(only_run_dir(tmp_path / "out") / "rows.jsonl")
+    assert sorted({x["backend"] for x in rows}) == ["nccl_torch", "nccl_torch@tag=b"]
+    assert all(x["status"] == "ok" for x in rows) and len(rows) == 4
+    assert all(x["registry"] == "baselines.nccl_torch:NcclTorchBackend" for x in rows)
+    assert any("--backends nccl_torch@tag=b" in x["repro"] for x in rows)
+
+
 def test_default_sweep_runs_on_cpu(tmp_path):
     r = mokbench("sweep", "--device", "cpu", "--out", str(tmp_path / "out"))
     assert r.returncode == 0, r.stdout + r.stderr
