@@ -106,7 +106,8 @@ def _version(module: str) -> str | None:
         return None
 
 
-LIBRARIES = ("torch", "triton", "transformer_engine", "megatron-core", "deep_ep", "mok",
+LIBRARIES = ("torch", "triton", "transformer_engine", "megatron-core", "deep_ep",
+             "mixture-of-kittens", "mok",
              "numpy", "pandas")
 
 
