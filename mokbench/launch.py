@@ -71,8 +71,14 @@ def placement_reason(cell: Cell, opts: LaunchOptions) -> str | None:
     return None
 
 
+# Environment variables that change what a backend does; a repro command carries those set.
+BACKEND_ENV = ("MOKBENCH_MOK_CONFIG", "MOKBENCH_COMPILE_MODE", "MOKBENCH_DEEPEP_SMS",
+               "MOKBENCH_TE_COMM")
+
+
 def repro_command(cell: Cell) -> str:
-    """A one-line command that reruns this cell alone."""
+    """A one-line command that reruns this cell alone (with the backend knobs set in the
+    environment, if any)."""
     s = cell.scenario
     sh = s.shape
     from mokbench.scenario import PRESETS
@@ -87,7 +93,8 @@ def repro_command(cell: Cell) -> str:
              "--seed", str(s.seed), "--warmup", str(s.timing.warmup), "--iters",
              str(s.timing.iters), "--passes", ",".join(s.passes)]
     parts.append("--shared-expert" if s.shared_expert else "--no-shared-expert")
-    return shlex.join(parts)
+    env = [f"{k}={os.environ[k]}" for k in BACKEND_ENV if os.environ.get(k)]
+    return shlex.join(env + parts)
 
 
 def _tail(text: str) -> str:
