@@ -93,8 +93,8 @@ def repro_command(cell: Cell) -> str:
              "--seed", str(s.seed), "--warmup", str(s.timing.warmup), "--iters",
              str(s.timing.iters), "--passes", ",".join(s.passes)]
     parts.append("--shared-expert" if s.shared_expert else "--no-shared-expert")
-    env = [f"{k}={os.environ[k]}" for k in BACKEND_ENV if os.environ.get(k)]
-    return shlex.join(env + parts)
+    env = [f"{k}={shlex.quote(os.environ[k])} " for k in BACKEND_ENV if os.environ.get(k)]
+    return "".join(env) + shlex.join(parts)
 
 
 def _tail(text: str) -> str:
