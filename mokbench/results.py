@@ -14,7 +14,6 @@ import os
 import platform
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -78,10 +77,6 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue
     return rows
-
-
-def iter_run_rows(run_dir: Path) -> Iterator[dict[str, Any]]:
-    yield from read_rows(Path(run_dir) / "rows.jsonl")
 
 
 def make_run_id(sweep_name: str) -> str:

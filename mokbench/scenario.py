@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 
 PASSES = ("forward", "backward")
 PRECISIONS = ("bf16", "fp8")
@@ -158,5 +158,3 @@ class Scenario:
         blob = json.dumps(self.to_dict(), sort_keys=True).encode()
         return hashlib.sha1(blob).hexdigest()[:10]
 
-
-SCENARIO_FIELDS = {f.name for f in fields(Scenario)}
