@@ -20,14 +20,6 @@ def _fail(msg: str) -> None:
     raise typer.Exit(2)
 
 
-def _local_gpus(device: str) -> int:
-    if device == "cpu":
-        return 0
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
 def _split(values: list[str] | None) -> list[str] | None:
     if not values:
         return None
@@ -161,8 +153,9 @@ def backends(
     from rich.table import Table
 
     from mokbench.backend import RunContext, get_backend, registry
+    from mokbench.runner import local_gpus
 
-    ws = world_size or max(_local_gpus("auto"), 1)
+    ws = world_size or max(local_gpus("auto"), 1)
     table = Table(title=f"backends (world size {ws})")
     for col in ("backend", "kind", "available", "reason / notes"):
         table.add_column(col)

@@ -19,7 +19,8 @@ from mokbench.sweep import Sweep, expand, load_sweep
 CPU_DEFAULT_RANKS = 2
 
 
-def _gpus(device: str) -> int:
+def local_gpus(device: str) -> int:
+    """GPUs this node offers to a sweep (0 when forced to CPU or none is visible)."""
     if device == "cpu":
         return 0
     import torch
@@ -28,7 +29,7 @@ def _gpus(device: str) -> int:
 
 
 def _options(nproc_per_node, nnodes, node_rank, rdzv_endpoint, timeout_s, device) -> LaunchOptions:
-    gpus = _gpus(device)
+    gpus = local_gpus(device)
     nproc = nproc_per_node or (gpus if gpus else CPU_DEFAULT_RANKS)
     return LaunchOptions(nproc_per_node=nproc, nnodes=nnodes, node_rank=node_rank,
                          rdzv_endpoint=rdzv_endpoint, timeout_s=timeout_s,

@@ -114,11 +114,11 @@ def run_cell(cell: dict, cell_path: Path) -> None:
     ctx.extra["options"] = split_label(cell["backend"])[1]
     stem = cell_path.with_suffix("")
     backend = get_backend(cell["backend"])
-    variant = {"variant": getattr(backend, "variant", "")}
+    extra = {"variant": getattr(backend, "variant", "")}  # completed after setup
 
     def emit(pass_: str, result: dict) -> None:
         if ctx.rank == 0:
-            _write(Path(f"{stem}.{pass_}.json"), {**variant, **result})
+            _write(Path(f"{stem}.{pass_}.json"), {**extra, **result})
 
     reason = backend.unavailable_reason(ctx, scenario)
     passes = [p for p in scenario.passes if p in backend.capabilities.passes]
@@ -135,7 +135,7 @@ def run_cell(cell: dict, cell_path: Path) -> None:
     load = load_imbalance(expert_load_E(inputs.topk_idx_TK, scenario.shape.num_experts))
     try:
         backend.setup(scenario, ctx, weights)
-        variant = {"variant": getattr(backend, "variant", ""), "load_imbalance": load}
+        extra.update(variant=getattr(backend, "variant", ""), load_imbalance=load)
     except Exception as exc:  # noqa: BLE001 - any setup error is this cell's failure
         traceback.print_exc()
         for p in passes:
