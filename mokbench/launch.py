@@ -44,8 +44,15 @@ class LaunchOptions:
         return self.node_rank == 0
 
 
-def torchrun_command(cell: Cell, cell_file: Path, opts: LaunchOptions) -> list[str]:
-    """The exact command that runs one cell on this node."""
+RDZV_PORT_SLOTS = 32  # multi-node: consecutive cells rendezvous on different ports
+
+
+def torchrun_command(cell: Cell, cell_file: Path, opts: LaunchOptions, index: int = 0
+                     ) -> list[str]:
+    """The exact command that runs one cell on this node. ``index`` is the cell's position in
+    the sweep (the same on every node): with several nodes, cell i meets on port
+    PORT + i % RDZV_PORT_SLOTS, so a node that reaches cell i+1 early cannot join the store
+    that cell i still holds open on another node."""
     ws = cell.scenario.world_size
     cmd = [sys.executable, "-m", "torch.distributed.run"]
     if opts.nnodes == 1:
@@ -54,7 +61,8 @@ def torchrun_command(cell: Cell, cell_file: Path, opts: LaunchOptions) -> list[s
         host, _, port = opts.rdzv_endpoint.rpartition(":")
         cmd += [f"--nnodes={opts.nnodes}", f"--node-rank={opts.node_rank}",
                 f"--nproc-per-node={ws // opts.nnodes}", f"--master-addr={host}",
-                f"--master-port={port}"]
+                f"--master-port={int(port) + index % RDZV_PORT_SLOTS}",
+                f"--rdzv-id={cell.stem}"]
     return cmd + ["-m", "mokbench.worker", "--cell", str(cell_file)]
 
 
@@ -195,7 +203,7 @@ class CellRunner:
             for r in rows:
                 self.writer.append(r)
 
-    def run(self, cell: Cell) -> list[dict]:
+    def run(self, cell: Cell, index: int = 0) -> list[dict]:
         """Launch the cell, wait (bounded), and write one row per pass."""
         try:
             reason = placement_reason(cell, self.opts) or self.host_reason(cell)
@@ -218,7 +226,7 @@ class CellRunner:
         env.setdefault("OMP_NUM_THREADS", "1" if self.opts.device == "cpu" else "4")
         log_path = self.cells_dir / f"{cell.stem}.log"
         t0 = time.monotonic()
-        rc, timed_out = run_process(torchrun_command(cell, cell_file, self.opts), log_path,
+        rc, timed_out = run_process(torchrun_command(cell, cell_file, self.opts, index), log_path,
                                     self.opts.timeout_s, env)
         wall = time.monotonic() - t0
         log_text = log_path.read_text(errors="replace") if log_path.exists() else ""

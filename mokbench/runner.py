@@ -87,8 +87,8 @@ def run_sweep(sweep_file: Path | None, *, data: dict | None = None, backends=Non
     sw = (_resume_sweep(resume, opts, backends) if resume is not None
           else _load(sweep_file, data, opts, backends))
     if dry_run:
-        for cell in sw.cells:
-            cmd = torchrun_command(cell, Path("RUN_DIR/cells") / f"{cell.stem}.json", opts)
+        for i, cell in enumerate(sw.cells):
+            cmd = torchrun_command(cell, Path("RUN_DIR/cells") / f"{cell.stem}.json", opts, i)
             console.print(f"[bold]{cell.scenario.scenario_id}[/bold] {cell.backend}",
                           soft_wrap=True)
             console.print("  " + shlex.join(cmd), soft_wrap=True, markup=False)
@@ -103,16 +103,16 @@ def run_sweep(sweep_file: Path | None, *, data: dict | None = None, backends=Non
         except subprocess.CalledProcessError as exc:  # ceilings are optional: go on without
             console.print(f"[yellow]calibrate failed (exit {exc.returncode}); no ceilings[/]")
     done = _finished_keys(run_dir) if resume is not None else set()
-    todo = [c for c in sw.cells if c.key not in done]
+    todo = [(i, c) for i, c in enumerate(sw.cells) if c.key not in done]
     runner = CellRunner(run_dir, run_id, opts)
     console.print(f"run [bold]{run_id}[/bold]: {len(todo)} cells to run"
                   + (f" ({len(done)} already finished)" if done else ""))
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console, transient=False) as progress:
         task = progress.add_task("sweep", total=len(todo))
-        for cell in todo:
+        for index, cell in todo:
             progress.update(task, description=f"{cell.backend} {cell.scenario.scenario_id}")
-            rows = runner.run(cell)
+            rows = runner.run(cell, index)
             for r in rows:
                 ms = f"{r['median_ms']:.3f} ms" if r.get("median_ms") else ""
                 style = {"ok": "green", "skipped": "dim"}.get(r["status"], "red")

@@ -161,6 +161,8 @@ def main(argv: list[str] | None = None) -> None:
     cell = json.loads(args.cell.read_text())
     try:
         run_cell(cell, args.cell)
+        if dist.is_initialized():
+            dist.barrier()  # no rank tears its connections down while a peer still uses them
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
