@@ -8,7 +8,9 @@ expert_model_parallel_size=W)`` on the existing default process group,
 ``model_parallel_cuda_manual_seed``, a ``TransformerConfig`` (SwiGLU, no bias, bf16, fp32 router,
 no load-balancing loss, fused permute, no capacity factor: dropless), and the layer from
 ``get_moe_module_spec(use_te=True, num_experts=G, moe_grouped_gemm=True)`` (TEGroupedMLP
-experts). Input is [seq=T, batch=1, H].
+experts). Input is [seq=T, batch=1, H]. Precision fp8: ``fp8="e4m3"`` with the block-scaled
+recipe of the GPU (``blockwise`` = Float8BlockScaling on SM90, ``mxfp8`` on SM100), the layer
+run inside Megatron's ``get_fp8_context(config)``.
 
 Routing: Megatron computes its router from a learned gate; every backend here must see the
 scenario's seeded routing, so ``layer.router`` is replaced by :class:`PresetRouter`, which
@@ -27,6 +29,7 @@ Megatron's parallel state is global: set up once per process, destroyed in ``tea
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import os
@@ -34,6 +37,7 @@ from typing import Any
 
 import torch
 
+from baselines.transformer_engine import fp8_recipe_name, te_reason
 from mokbench.backend import BackendBase, Capabilities, RunContext
 
 INSTALL_HINT = "pip install 'mokbench[megatron]'"
@@ -67,9 +71,15 @@ def megatron_reason(world_size: int, *, hybridep: bool, has_megatron: bool, has_
     return None
 
 
-def config_kwargs(scenario: Any, dispatcher: str, num_sms: int | None = None) -> dict[str, Any]:
+FP8_RECIPES = {"Float8BlockScaling": "blockwise", "MXFP8BlockScaling": "mxfp8"}
+
+
+def config_kwargs(scenario: Any, dispatcher: str, num_sms: int | None = None,
+                  fp8_recipe: str | None = None) -> dict[str, Any]:
     """TransformerConfig arguments for one scenario. ``dispatcher``: "hybridep" (flex) or
-    "alltoall". Dropless (no capacity factors), no aux loss, bf16 with an fp32 router."""
+    "alltoall". Dropless (no capacity factors), no aux loss, bf16 with an fp32 router.
+    ``fp8_recipe`` (a TE recipe name, for precision fp8): Megatron's e4m3 training with that
+    recipe; the grouped experts pad each expert's rows to the recipe's alignment themselves."""
     import torch.nn.functional as F
 
     s = scenario.shape
@@ -86,6 +96,11 @@ def config_kwargs(scenario: Any, dispatcher: str, num_sms: int | None = None) ->
         moe_shared_expert_intermediate_size=s.intermediate if scenario.shared_expert else None,
         moe_shared_expert_overlap=False,
     )
+    if scenario.precision == "fp8":
+        if fp8_recipe not in FP8_RECIPES:
+            raise ValueError(f"fp8_recipe={fp8_recipe!r} is invalid: allowed "
+                             f"{' | '.join(FP8_RECIPES)}")
+        kw.update(fp8="e4m3", fp8_recipe=FP8_RECIPES[fp8_recipe])
     if dispatcher == "hybridep":
         kw.update(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="hybridep",
                   moe_expert_rank_capacity_factor=None)
@@ -173,7 +188,7 @@ class HybridEPMegatronBackend(BackendBase):
     name = "hybridep_megatron"
     dispatcher = "hybridep"
     capabilities = Capabilities(
-        world_sizes=None, min_cc=(9, 0), needs_gpu=True,
+        precisions=("bf16", "fp8"), world_sizes=None, min_cc=(9, 0), needs_gpu=True,
         notes="Megatron-Core MoELayer, flex/HybridEP dispatcher, TEGroupedMLP; preset routing")
 
     def unavailable_reason(self, ctx: RunContext | None, scenario=None) -> str | None:
@@ -186,6 +201,10 @@ class HybridEPMegatronBackend(BackendBase):
         why = megatron_reason(ws, hybridep=self.dispatcher == "hybridep",
                               has_megatron=installed("megatron.core"),
                               has_te=installed("transformer_engine"), has_hybridep=has_hybridep)
+        if why is None and scenario is not None and scenario.precision == "fp8":
+            cc = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+            s = scenario.shape
+            why = te_reason("fp8", cc, s.hidden, s.intermediate, installed=True)
         return why or super().unavailable_reason(ctx, scenario)
 
     def setup(self, scenario, ctx, weights) -> None:
@@ -199,17 +218,20 @@ class HybridEPMegatronBackend(BackendBase):
                 expert_model_parallel_size=ctx.world_size)
         model_parallel_cuda_manual_seed(scenario.seed)
         raw_sms = os.environ.get(SMS_ENV, "")
-        kw = config_kwargs(scenario, self.dispatcher, int(raw_sms) if raw_sms else None)
+        recipe = (fp8_recipe_name(torch.cuda.get_device_capability())
+                  if scenario.precision == "fp8" else None)
+        kw = config_kwargs(scenario, self.dispatcher, int(raw_sms) if raw_sms else None, recipe)
         kw, dropped = known_kwargs(kw, {f.name for f in dataclasses.fields(TransformerConfig)})
         G = scenario.shape.num_experts
-        self.layer = _build_layer(TransformerConfig(**kw), G)
+        self.config = TransformerConfig(**kw)
+        self.layer = _build_layer(self.config, G)
         self.layer.router = PresetRouter()
         self.G, self.E, self.first = G, scenario.local_experts, weights.first_expert
         self._copy_weights(weights)
         self.rows_E: Any = None
         self.last_idx: torch.Tensor | None = None
         self.layer.experts.register_forward_pre_hook(self._record_rows)
-        self.variant = f"dispatcher={self.dispatcher}" + (
+        self.variant = f"dispatcher={self.dispatcher}" + (f",recipe={recipe}" if recipe else "") + (
             f",dropped_config={'/'.join(dropped)}" if dropped else "")
 
     def _record_rows(self, module: Any, args: tuple) -> None:
@@ -231,8 +253,17 @@ class HybridEPMegatronBackend(BackendBase):
         T, H = x_TH.shape
         self.layer.router.set(*preset_router_outputs(topk_idx_TK, topk_weights_TK, self.G))
         self.last_idx = topk_idx_TK
-        out_SBH, _bias = self.layer(x_TH.view(T, 1, H))
+        with self._fp8_context():
+            out_SBH, _bias = self.layer(x_TH.view(T, 1, H))
         return out_SBH.view(T, H)
+
+    def _fp8_context(self) -> Any:
+        """Megatron's own FP8 autocast for this config (a null context in bf16)."""
+        if not getattr(self.config, "fp8", None):
+            return contextlib.nullcontext()
+        from megatron.core.fp8_utils import get_fp8_context
+
+        return get_fp8_context(self.config)
 
     def check(self) -> None:
         """Raise if Megatron dropped any routed token-slot on this rank's experts."""
@@ -290,5 +321,5 @@ class MegatronAlltoallBackend(HybridEPMegatronBackend):
     name = "megatron_alltoall"
     dispatcher = "alltoall"
     capabilities = Capabilities(
-        min_cc=(8, 0), needs_gpu=True,
+        precisions=("bf16", "fp8"), min_cc=(8, 0), needs_gpu=True,
         notes="Megatron-Core MoELayer, alltoall dispatcher, TEGroupedMLP; preset routing")

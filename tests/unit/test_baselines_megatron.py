@@ -54,6 +54,14 @@ def test_config_kwargs():
     assert a2a["moe_shared_expert_intermediate_size"] is None
     with pytest.raises(ValueError, match="dispatcher"):
         hm.config_kwargs(sc, "deepep")
+    assert "fp8" not in a2a
+    fp8 = sc.with_(precision="fp8")
+    kw8 = hm.config_kwargs(fp8, "alltoall", fp8_recipe="Float8BlockScaling")
+    assert kw8["fp8"] == "e4m3" and kw8["fp8_recipe"] == "blockwise"
+    mx = hm.config_kwargs(fp8, "alltoall", fp8_recipe="MXFP8BlockScaling")
+    assert mx["fp8_recipe"] == "mxfp8"
+    with pytest.raises(ValueError, match="fp8_recipe=None is invalid"):
+        hm.config_kwargs(fp8, "alltoall")
     kept, dropped = hm.known_kwargs({"a": 1, "b": 2}, {"a"})
     assert kept == {"a": 1} and dropped == ["b"]
 
