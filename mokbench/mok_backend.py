@@ -110,7 +110,8 @@ class MoKBackend(BackendBase):
                         if graph_option(ctx.world_size, options) else None)
         c = self.config
         self.variant = (f"comm_sms={c.fwd_comm_sms},minibatch={c.minibatch},"
-                        f"macrobatch={c.macrobatch},graph={int(self.graphed is not None)}")
+                        f"macrobatch={c.macrobatch},graph={int(self.graphed is not None)},"
+                        f"tma={int(c.tma)}")
 
     def validate_options(self, scenario, options: dict) -> None:
         """Build the configuration a variant asks for (``mok@minibatch=512``) on the host, so

@@ -49,6 +49,9 @@ class MoKConfig:
     down_tiles: down-GEMM column tiles per work item (one wait and one signal for all);
         falls back to 1 where it does not divide hidden / block_n. 1 measured no slower than
         2 on H200 (notes/mok-kernel.md) and needs fewer registers.
+    tma: load the weight tiles (both GEMMs) and the down GEMM's SwiGLU rows through TMA
+        tensor descriptors (SM90 and newer) instead of pointer loads; the gathered token rows
+        of the gate+up GEMM stay pointer loads.
     """
 
     fwd_comm_sms: int = 0
@@ -62,6 +65,7 @@ class MoKConfig:
     num_stages: int = 3
     spin_budget: int = 1 << 22
     down_tiles: int = 1
+    tma: bool = False
 
     def __post_init__(self) -> None:
         _check(isinstance(self.fwd_comm_sms, int) and 0 <= self.fwd_comm_sms <= 64,
@@ -86,6 +90,7 @@ class MoKConfig:
         _check(isinstance(self.spin_budget, int) and self.spin_budget >= 1, "spin_budget",
                self.spin_budget, "an integer >= 1")
         _check(self.down_tiles in (1, 2, 4), "down_tiles", self.down_tiles, "1 | 2 | 4")
+        _check(isinstance(self.tma, bool), "tma", self.tma, "true | false")
 
     @property
     def ring_slots(self) -> int:

@@ -68,6 +68,26 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def _descriptors(ws: Workspace, w1: torch.Tensor, w2: torch.Tensor, ws1: torch.Tensor | None,
+                 ws2: torch.Tensor | None) -> tuple:
+    """Host TMA descriptors (w1, w2, shared w1, shared w2, h ring) over 2-D views: weights
+    [experts*H, F] / [experts*I, H] with [BK, BN/2] / [BK, BN] boxes, h [L*Q, I] with [BM, BK]
+    boxes. Built per launch (host only, no GPU work); a CUDA graph keeps them as parameters."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    cfg = ws.config
+    bk, half, bn = cfg.block_k, cfg.block_n // 2, cfg.block_n
+
+    def desc(t: torch.Tensor, cols: int, box: list[int]) -> TensorDescriptor:
+        return TensorDescriptor.from_tensor(t.view(-1, cols), box)
+
+    F = 2 * ws.I
+    return (desc(w1, F, [bk, half]), desc(w2, ws.H, [bk, bn]),
+            desc(ws1, F, [bk, half]) if ws1 is not None else None,
+            desc(ws2, ws.H, [bk, bn]) if ws2 is not None else None,
+            desc(ws.h_LQI, ws.I, [cfg.block_m, bk]))
+
+
 def launch_megakernel(ws: Workspace, st: ScheduleTensors, w1: torch.Tensor, w2: torch.Tensor,
                       ws1: torch.Tensor | None, ws2: torch.Tensor | None, withhold: int = 0,
                       programs: tuple[int, int] | None = None) -> None:
@@ -78,16 +98,17 @@ def launch_megakernel(ws: Workspace, st: ScheduleTensors, w1: torch.Tensor, w2: 
     progs, comm = programs or _programs(ws)
     extra = {} if _interpreting() else {"launch_cooperative_grid": True}
     ch = min(1024, 1 << (ws.H - 1).bit_length())
+    descs = _descriptors(ws, w1, w2, ws1, ws2) if cfg.tma else (None,) * 5
     mok_forward_kernel[(ws.L * progs,)](
         ws.x_LTH, ws.x_tab_R, ws.comb_LTSH, ws.comb_tab_R,
         st.src_LP, st.group_LB, st.total_L,
         ws.ring_LQH, ws.h_LQI, ws.out_LQH, ws.counters_LC, ws.errors_L4,
-        w1, w2, ws1 if ws1 is not None else w1, ws2 if ws2 is not None else w2,
+        w1, w2, ws1 if ws1 is not None else w1, ws2 if ws2 is not None else w2, *descs,
         ws.T, ws.E, ws.P, ws.Q, ws.counters_LC.shape[1], ws.mmax, cfg.spin_budget, withhold,
         H=ws.H, I=ws.I, S=ws.S, PROGS=progs, COMM=comm, HAS_SHARED=ws.shared,
         MB=cfg.minibatch, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
         DT=cfg.down_tiles if (ws.H // cfg.block_n) % cfg.down_tiles == 0 else 1,
-        CR=max(1, 4096 // ch), CH=ch, QUANT=0, F32_DOT=_interpreting(),
+        CR=max(1, 4096 // ch), CH=ch, QUANT=0, F32_DOT=_interpreting(), TMA=cfg.tma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra)
 
 

@@ -146,10 +146,12 @@ def _weights(lr, g, E, w_ptr, ws_ptr, size: tl.constexpr, HAS_SHARED: tl.constex
 
 @triton.jit
 def _gate_up_item(m, b, j, lr, src, grp, total, ring, hbuf, ctr, err, x_base, x_tab, w1_ptr,
-                  ws1_ptr, T, E, Q, MMAX, budget, withhold, H: tl.constexpr, I: tl.constexpr,
-                  S: tl.constexpr, COMM: tl.constexpr, HAS_SHARED: tl.constexpr,
-                  MB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                  QUANT: tl.constexpr, F32_DOT: tl.constexpr):
+                  ws1_ptr, w1_desc, ws1_desc, T, E, Q, MMAX, budget, withhold,
+                  H: tl.constexpr, I: tl.constexpr, S: tl.constexpr, COMM: tl.constexpr,
+                  HAS_SHARED: tl.constexpr, MB: tl.constexpr, BM: tl.constexpr,
+                  BN: tl.constexpr, BK: tl.constexpr, QUANT: tl.constexpr,
+                  F32_DOT: tl.constexpr, TMA: tl.constexpr):
+    GATHER: tl.constexpr = COMM == 0
     ok = 1
     slots = Q // MB
     if COMM > 0:
@@ -164,12 +166,19 @@ def _gate_up_item(m, b, j, lr, src, grp, total, ring, hbuf, ctr, err, x_base, x_
         qrows = (rows % Q).to(tl.int64)
         w1 = _weights(lr, g, E, w1_ptr, ws1_ptr, H * 2 * I, HAS_SHARED)
         if COMM > 0:
-            gate_up_swiglu_tile(ring + qrows * H, rows >= 0, w1, j, hbuf + qrows * I,
-                                H, I, BM, BN, BK, QUANT, False, F32_DOT)
-        else:
-            x_rows, valid = _token_rows(src, rows, rows >= 0, T, S, x_tab, x_base, H)
-            gate_up_swiglu_tile(x_rows, valid, w1, j, hbuf + qrows * I, H, I, BM, BN, BK,
-                                QUANT, True, F32_DOT)
+            a_rows = ring + qrows * H
+            a_valid = rows >= 0
+        else:  # gather straight from the (peer) token buffers
+            a_rows, a_valid = _token_rows(src, rows, rows >= 0, T, S, x_tab, x_base, H)
+        w_row0 = (lr * E + g) * H
+        h_rows = hbuf + qrows * I
+        d1 = w1_desc
+        if TMA and HAS_SHARED:
+            if g == E:  # the shared expert's weights have their own descriptor
+                d1 = ws1_desc
+                w_row0 = 0
+        gate_up_swiglu_tile(a_rows, a_valid, w1, j, h_rows, d1, w_row0, H, I, BM, BN, BK,
+                            QUANT, GATHER, F32_DOT, TMA)
         if (withhold != 2) | (b != 0):
             signal(ctr + 1 + 3 * MMAX + b)
     return ok
@@ -177,10 +186,10 @@ def _gate_up_item(m, b, j, lr, src, grp, total, ring, hbuf, ctr, err, x_base, x_
 
 @triton.jit
 def _down_item(m, b, jd, lr, src, grp, hbuf, outb, ctr, err, comb_base, comb_tab, w2_ptr,
-               ws2_ptr, T, E, Q, MMAX, budget, H: tl.constexpr, I: tl.constexpr,
-               S: tl.constexpr, COMM: tl.constexpr, HAS_SHARED: tl.constexpr,
-               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr,
-               F32_DOT: tl.constexpr):
+               ws2_ptr, h_desc, w2_desc, ws2_desc, T, E, Q, MMAX, budget, H: tl.constexpr,
+               I: tl.constexpr, S: tl.constexpr, COMM: tl.constexpr,
+               HAS_SHARED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+               BK: tl.constexpr, DT: tl.constexpr, F32_DOT: tl.constexpr, TMA: tl.constexpr):
     """DT consecutive down tiles (column tiles jd*DT ..) of row block b: one wait, one
     signal for all of them (the fixed per-item cost is a few L2 round trips)."""
     ok = wait_geq(ctr + 1 + 3 * MMAX + b, I // (BN // 2), err, budget, _E_ROWBLOCK, b)
@@ -189,11 +198,20 @@ def _down_item(m, b, jd, lr, src, grp, hbuf, outb, ctr, err, comb_base, comb_tab
         rows = b * BM + tl.arange(0, BM)
         qrows = (rows % Q).to(tl.int64)
         w2 = _weights(lr, g, E, w2_ptr, ws2_ptr, I * H, HAS_SHARED)
+        h_rows = hbuf + qrows * I
+        h_row0 = lr * Q + (b * BM) % Q  # row block b's h rows are contiguous in the ring
+        w_row0 = (lr * E + g) * I
+        d2 = w2_desc
+        if TMA and HAS_SHARED:
+            if g == E:  # the shared expert's weights have their own descriptor
+                d2 = ws2_desc
+                w_row0 = 0
         if COMM == 0:
             dst, valid = _slot_rows(src, rows, rows >= 0, T, S, comb_tab, comb_base, H)
         for jj in tl.static_range(DT):
             j = jd * DT + jj
-            out = down_tile(hbuf + qrows * I, w2, j, I, H, BM, BN, BK, F32_DOT)
+            out = down_tile(h_rows, w2, j, h_desc, h_row0, d2, w_row0, I, H, BM, BN, BK,
+                            F32_DOT, TMA)
             out = out.to(tl.bfloat16)
             cols = j * BN + tl.arange(0, BN)
             if COMM > 0:
@@ -206,11 +224,12 @@ def _down_item(m, b, jd, lr, src, grp, hbuf, outb, ctr, err, comb_base, comb_tab
 
 @triton.jit
 def _compute_loop(lr, src, grp, total, ring, hbuf, outb, ctr, err, x_base, x_tab, comb_base,
-                  comb_tab, w1_ptr, w2_ptr, ws1_ptr, ws2_ptr, T, E, Q, MMAX, budget, withhold,
+                  comb_tab, w1_ptr, w2_ptr, ws1_ptr, ws2_ptr, w1_desc, w2_desc, ws1_desc,
+                  ws2_desc, h_desc, T, E, Q, MMAX, budget, withhold,
                   H: tl.constexpr, I: tl.constexpr, S: tl.constexpr, COMM: tl.constexpr,
                   HAS_SHARED: tl.constexpr, MB: tl.constexpr, BM: tl.constexpr,
                   BN: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, QUANT: tl.constexpr,
-                  F32_DOT: tl.constexpr):
+                  F32_DOT: tl.constexpr, TMA: tl.constexpr):
     """Claim tickets until the work of this logical rank is done (or an error is set)."""
     N1: tl.constexpr = I // (BN // 2)
     N2: tl.constexpr = H // BN // DT  # down items (DT tiles each) per row block
@@ -226,16 +245,17 @@ def _compute_loop(lr, src, grp, total, ring, hbuf, outb, ctr, err, x_base, x_tab
             b = m * NBM + i // N1
             if b * BM < total:
                 ok = _gate_up_item(m, b, i % N1, lr, src, grp, total, ring, hbuf, ctr, err,
-                                   x_base, x_tab, w1_ptr, ws1_ptr, T, E, Q, MMAX, budget,
-                                   withhold, H, I, S, COMM, HAS_SHARED, MB, BM, BN, BK, QUANT,
-                                   F32_DOT)
+                                   x_base, x_tab, w1_ptr, ws1_ptr, w1_desc, ws1_desc, T, E, Q,
+                                   MMAX, budget, withhold, H, I, S, COMM, HAS_SHARED, MB, BM,
+                                   BN, BK, QUANT, F32_DOT, TMA)
         else:
             i2 = i - NBM * N1
             b = m * NBM + i2 // N2
             if b * BM < total:
                 ok = _down_item(m, b, i2 % N2, lr, src, grp, hbuf, outb, ctr, err, comb_base,
-                                comb_tab, w2_ptr, ws2_ptr, T, E, Q, MMAX, budget, H, I, S,
-                                COMM, HAS_SHARED, BM, BN, BK, DT, F32_DOT)
+                                comb_tab, w2_ptr, ws2_ptr, h_desc, w2_desc, ws2_desc, T, E, Q,
+                                MMAX, budget, H, I, S, COMM, HAS_SHARED, BM, BN, BK, DT,
+                                F32_DOT, TMA)
         tk = tl.atomic_add(ctr, 1, sem="relaxed", scope="gpu")
 
 
@@ -246,11 +266,12 @@ def mok_forward_kernel(
         ring_ptr, h_ptr, out_ptr,  # [L, Q, H], [L, Q, I], [L, Q, H] bf16
         ctr_ptr, err_ptr,  # [L, NCTR] int32 counters, [L, 4] int32 error words
         w1_ptr, w2_ptr, ws1_ptr, ws2_ptr,  # [L*E, H, 2I], [L*E, I, H], [H, 2I], [I, H] bf16
+        w1_desc, w2_desc, ws1_desc, ws2_desc, h_desc,  # TMA descriptors (None unless TMA)
         T, E, P, Q, NCTR, MMAX, budget, withhold,
         H: tl.constexpr, I: tl.constexpr, S: tl.constexpr, PROGS: tl.constexpr,
         COMM: tl.constexpr, HAS_SHARED: tl.constexpr, MB: tl.constexpr, BM: tl.constexpr,
         BN: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, CR: tl.constexpr,
-        CH: tl.constexpr, QUANT: tl.constexpr, F32_DOT: tl.constexpr):
+        CH: tl.constexpr, QUANT: tl.constexpr, F32_DOT: tl.constexpr, TMA: tl.constexpr):
     """One persistent program per SM. x_tab/comb_tab hold, for every EP rank r, the element
     offset of rank r's token / combine buffer from x_base / comb_base (peer memory)."""
     pid = tl.program_id(0)
@@ -270,14 +291,15 @@ def mok_forward_kernel(
                        T, Q, MMAX, budget, withhold, H, S, COMM, MB, BM, BN, CR, CH)
         else:
             _compute_loop(lr, src, grp, total, ring, hbuf, outb, ctr, err, x_base, x_tab,
-                          comb_base, comb_tab, w1_ptr, w2_ptr, ws1_ptr, ws2_ptr, T, E, Q,
-                          MMAX, budget, withhold, H, I, S, COMM, HAS_SHARED, MB, BM, BN, BK,
-                          DT, QUANT, F32_DOT)
+                          comb_base, comb_tab, w1_ptr, w2_ptr, ws1_ptr, ws2_ptr, w1_desc,
+                          w2_desc, ws1_desc, ws2_desc, h_desc, T, E, Q, MMAX, budget,
+                          withhold, H, I, S, COMM, HAS_SHARED, MB, BM, BN, BK, DT, QUANT,
+                          F32_DOT, TMA)
     else:
         _compute_loop(lr, src, grp, total, ring, hbuf, outb, ctr, err, x_base, x_tab,
-                      comb_base, comb_tab, w1_ptr, w2_ptr, ws1_ptr, ws2_ptr, T, E, Q, MMAX,
-                      budget, withhold, H, I, S, COMM, HAS_SHARED, MB, BM, BN, BK, DT, QUANT,
-                      F32_DOT)
+                      comb_base, comb_tab, w1_ptr, w2_ptr, ws1_ptr, ws2_ptr, w1_desc, w2_desc,
+                      ws1_desc, ws2_desc, h_desc, T, E, Q, MMAX, budget, withhold, H, I, S,
+                      COMM, HAS_SHARED, MB, BM, BN, BK, DT, QUANT, F32_DOT, TMA)
 
 
 @triton.jit

@@ -82,6 +82,13 @@ def test_matches_reference(comm):
           1, 512, 2048, 256, 8, 4)
 
 
+@pytest.mark.parametrize("comm, shared, ranks", [(0, True, 1), (0, False, 2), (8, True, 2)])
+def test_tma_weights_match_reference(comm, shared, ranks):
+    cfg = mk.MoKConfig.for_shape(7168, 512, minibatch=256, macrobatch=768, fwd_comm_sms=comm,
+                                 tma=True)
+    check(cfg, ranks, 256, 7168, 512, 4, 4, shared=shared)
+
+
 @pytest.mark.parametrize("hidden", [4096, 6144, 7168])
 def test_hidden_sizes(hidden):
     check(mk.MoKConfig.for_shape(hidden, 256, minibatch=256, macrobatch=768), 1, 256, hidden,
