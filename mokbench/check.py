@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 # Frobenius-relative tolerance against the float32 reference, by precision.
-TOLERANCE = {"bf16": 1e-2, "fp8": 6e-2}
+TOLERANCE = {"bf16": 1e-2, "fp8": 1e-1}
 
 
 @dataclass

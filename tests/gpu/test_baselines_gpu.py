@@ -44,4 +44,4 @@ def test_library_baseline_passes_check(tmp_path, backend, module):
         for p in ("forward", "backward"):
             row = by[(precision, p)]
             assert row["status"] == "ok", (precision, p, row["reason"])
-            assert row["max_rel_err"] < (1e-2 if precision == "bf16" else 6e-2), row
+            assert row["max_rel_err"] < (1e-2 if precision == "bf16" else 1e-1), row
