@@ -24,6 +24,7 @@ from mok_kernels._details.errors import (
     MoKCapacityError,
     MoKError,
     MoKTimeoutError,
+    check_errors,
 )
 from mok_kernels._details.forward import (
     WITHHOLD_DISPATCH,
@@ -31,7 +32,6 @@ from mok_kernels._details.forward import (
     WITHHOLD_ROWBLOCK,
     Schedule,
     build_schedule,
-    check_errors,
     forward,
 )
 from mok_kernels._details.graph import GraphedForward

@@ -56,3 +56,11 @@ def raise_if_errors(words_L4: list[list[int]], rank_base: int) -> None:
     for i, (code, detail, detail2, _) in enumerate(words_L4):
         if code != ERR_NONE:
             raise describe(rank_base + i, code, detail, detail2)
+
+
+def check_errors(ws) -> None:
+    """Read a workspace's device error words (the one host sync, called after the output, not
+    part of the forward), clear them, and raise the first error."""
+    words = ws.errors_L4.tolist()
+    ws.errors_L4.zero_()
+    raise_if_errors(words, ws.rank_base)

@@ -1,5 +1,6 @@
 """Host side of the forward: schedule, launches, barriers, error check. No host sync from the
-schedule to the output (graph capturable); ``check_errors`` is the one sync, called by the user.
+schedule to the output (graph capturable); the device error words are read afterwards by
+``errors.check_errors``, the one sync, which the user calls outside the forward.
 
 Legend: L logical ranks in the launch, T tokens per rank, H hidden, I intermediate, E local
 experts, K top-k, S combine slots per token, F = 2*I.
@@ -13,7 +14,6 @@ from dataclasses import dataclass
 import torch
 
 from mok_kernels._details.config import MoKConfig
-from mok_kernels._details.errors import raise_if_errors
 from mok_kernels._details.schedule import (
     ScheduleTensors,
     build_schedule_tensors,
@@ -161,10 +161,3 @@ def forward(config: MoKConfig, ws: Workspace, schedule: Schedule, x_TH: torch.Te
                       _withhold)
     ws.barrier()
     return weighted_sum(ws, topk_weights_TK)
-
-
-def check_errors(ws: Workspace) -> None:
-    """Read the device error words (one host sync), clear them, raise the first error."""
-    words = ws.errors_L4.tolist()
-    ws.errors_L4.zero_()
-    raise_if_errors(words, ws.rank_base)

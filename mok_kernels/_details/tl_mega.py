@@ -145,6 +145,24 @@ def _weights(lr, g, E, w_ptr, ws_ptr, size: tl.constexpr, HAS_SHARED: tl.constex
 
 
 @triton.jit
+def _weight_desc(lr, g, E, desc, shared_desc, rows: tl.constexpr, TMA: tl.constexpr,
+                 HAS_SHARED: tl.constexpr):
+    """TMA source of group g's weight tiles: (descriptor, first row), the routed experts'
+    [experts*rows, cols] descriptor from row (lr*E + g)*rows, or the shared one (g == E).
+    Without TMA there are no descriptors: (0, 0), unused by the tiles."""
+    if TMA:
+        d = desc
+        row0 = (lr * E + g) * rows
+        if HAS_SHARED:
+            if g == E:
+                d = shared_desc
+                row0 = 0
+        return d, row0
+    else:
+        return 0, 0
+
+
+@triton.jit
 def _gate_up_item(m, b, j, lr, src, grp, total, ring, hbuf, ctr, err, x_base, x_tab, w1_ptr,
                   ws1_ptr, w1_desc, ws1_desc, T, E, Q, MMAX, budget, withhold,
                   H: tl.constexpr, I: tl.constexpr, S: tl.constexpr, COMM: tl.constexpr,
@@ -170,13 +188,8 @@ def _gate_up_item(m, b, j, lr, src, grp, total, ring, hbuf, ctr, err, x_base, x_
             a_valid = rows >= 0
         else:  # gather straight from the (peer) token buffers
             a_rows, a_valid = _token_rows(src, rows, rows >= 0, T, S, x_tab, x_base, H)
-        w_row0 = (lr * E + g) * H
+        d1, w_row0 = _weight_desc(lr, g, E, w1_desc, ws1_desc, H, TMA, HAS_SHARED)
         h_rows = hbuf + qrows * I
-        d1 = w1_desc
-        if TMA and HAS_SHARED:
-            if g == E:  # the shared expert's weights have their own descriptor
-                d1 = ws1_desc
-                w_row0 = 0
         gate_up_swiglu_tile(a_rows, a_valid, w1, j, h_rows, d1, w_row0, H, I, BM, BN, BK,
                             QUANT, GATHER, F32_DOT, TMA)
         if (withhold != 2) | (b != 0):
@@ -200,12 +213,7 @@ def _down_item(m, b, jd, lr, src, grp, hbuf, outb, ctr, err, comb_base, comb_tab
         w2 = _weights(lr, g, E, w2_ptr, ws2_ptr, I * H, HAS_SHARED)
         h_rows = hbuf + qrows * I
         h_row0 = lr * Q + (b * BM) % Q  # row block b's h rows are contiguous in the ring
-        w_row0 = (lr * E + g) * I
-        d2 = w2_desc
-        if TMA and HAS_SHARED:
-            if g == E:  # the shared expert's weights have their own descriptor
-                d2 = ws2_desc
-                w_row0 = 0
+        d2, w_row0 = _weight_desc(lr, g, E, w2_desc, ws2_desc, I, TMA, HAS_SHARED)
         if COMM == 0:
             dst, valid = _slot_rows(src, rows, rows >= 0, T, S, comb_tab, comb_base, H)
         for jj in tl.static_range(DT):
