@@ -111,7 +111,8 @@ class MoKBackend(BackendBase):
         c = self.config
         self.variant = (f"comm_sms={c.fwd_comm_sms},minibatch={c.minibatch},"
                         f"macrobatch={c.macrobatch},graph={int(self.graphed is not None)},"
-                        f"tma={int(c.tma)}")
+                        f"tma={int(c.tma)},down_tiles={c.down_tiles},"
+                        f"gate_up_tiles={c.gate_up_tiles},num_stages={c.num_stages}")
 
     def validate_options(self, scenario, options: dict) -> None:
         """Build the configuration a variant asks for (``mok@minibatch=512``) on the host, so

@@ -48,7 +48,10 @@ class MoKConfig:
         0.5-1 us each on H200).
     down_tiles: down-GEMM column tiles per work item (one wait and one signal for all);
         falls back to 1 where it does not divide hidden / block_n. 1 measured no slower than
-        2 on H200 (notes/mok-kernel.md) and needs fewer registers.
+        2 on H200 (notes/mok-kernel.md) and needs fewer registers. The tiles of one item run
+        as one flattened, software-pipelined loop (loads continue across the epilogues).
+    gate_up_tiles: gate+up column tiles per work item, the same way; falls back to 1 where
+        it does not divide intermediate / (block_n / 2).
     tma: load the weight tiles (both GEMMs) and the down GEMM's SwiGLU rows through TMA
         tensor descriptors (SM90 and newer) instead of pointer loads; the gathered token rows
         of the gate+up GEMM stay pointer loads.
@@ -65,6 +68,7 @@ class MoKConfig:
     num_stages: int = 3
     spin_budget: int = 1 << 22
     down_tiles: int = 1
+    gate_up_tiles: int = 1
     tma: bool = False
 
     def __post_init__(self) -> None:
@@ -90,6 +94,8 @@ class MoKConfig:
         _check(isinstance(self.spin_budget, int) and self.spin_budget >= 1, "spin_budget",
                self.spin_budget, "an integer >= 1")
         _check(self.down_tiles in (1, 2, 4), "down_tiles", self.down_tiles, "1 | 2 | 4")
+        _check(self.gate_up_tiles in (1, 2, 4), "gate_up_tiles", self.gate_up_tiles,
+               "1 | 2 | 4")
         _check(isinstance(self.tma, bool), "tma", self.tma, "true | false")
 
     @property

@@ -90,8 +90,10 @@ def _descriptors(ws: Workspace, w1: torch.Tensor, w2: torch.Tensor, ws1: torch.T
 
 def launch_megakernel(ws: Workspace, st: ScheduleTensors, w1: torch.Tensor, w2: torch.Tensor,
                       ws1: torch.Tensor | None, ws2: torch.Tensor | None, withhold: int = 0,
-                      programs: tuple[int, int] | None = None) -> None:
-    """One persistent launch for all L logical ranks (grid = SMs, split among them)."""
+                      programs: tuple[int, int] | None = None,
+                      x_LTH: torch.Tensor | None = None) -> None:
+    """One persistent launch for all L logical ranks (grid = SMs, split among them).
+    ``x_LTH``: where the token rows are read (default: the workspace's token buffer)."""
     from mok_kernels._details.tl_mega import mok_forward_kernel
 
     cfg = ws.config
@@ -100,7 +102,7 @@ def launch_megakernel(ws: Workspace, st: ScheduleTensors, w1: torch.Tensor, w2: 
     ch = min(1024, 1 << (ws.H - 1).bit_length())
     descs = _descriptors(ws, w1, w2, ws1, ws2) if cfg.tma else (None,) * 5
     mok_forward_kernel[(ws.L * progs,)](
-        ws.x_LTH, ws.x_tab_R, ws.comb_LTSH, ws.comb_tab_R,
+        ws.x_LTH if x_LTH is None else x_LTH, ws.x_tab_R, ws.comb_LTSH, ws.comb_tab_R,
         st.src_LP, st.group_LB, st.total_L,
         ws.ring_LQH, ws.h_LQI, ws.out_LQH, ws.counters_LC, ws.errors_L4,
         w1, w2, ws1 if ws1 is not None else w1, ws2 if ws2 is not None else w2, *descs,
@@ -108,6 +110,7 @@ def launch_megakernel(ws: Workspace, st: ScheduleTensors, w1: torch.Tensor, w2: 
         H=ws.H, I=ws.I, S=ws.S, PROGS=progs, COMM=comm, HAS_SHARED=ws.shared,
         MB=cfg.minibatch, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
         DT=cfg.down_tiles if (ws.H // cfg.block_n) % cfg.down_tiles == 0 else 1,
+        GJ=cfg.gate_up_tiles if (2 * ws.I // cfg.block_n) % cfg.gate_up_tiles == 0 else 1,
         CR=max(1, 4096 // ch), CH=ch, QUANT=0, F32_DOT=_interpreting(), TMA=cfg.tma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra)
 
@@ -140,6 +143,19 @@ def _check_weights(ws: Workspace, w1: torch.Tensor, w2: torch.Tensor,
                              f"{tuple(t.shape)}")
 
 
+def _token_source(ws: Workspace, x_TH: torch.Tensor) -> torch.Tensor:
+    """The buffer the kernel reads token rows from. Real EP: the symmetric buffer (peers read
+    it), so x is copied in. One process (one rank or loopback): every reader is in this
+    launch, so a contiguous bf16 x on the device is read where it is ([L*T, H] is laid out
+    like the loopback [L, T, H] buffer, whose rank offsets x_tab_R holds): no copy."""
+    if (ws.handle is None and x_TH.dtype == torch.bfloat16 and x_TH.is_contiguous()
+            and x_TH.device.type == ws.device.type
+            and ws.device.index in (None, x_TH.device.index)):
+        return x_TH
+    ws.x_LTH.view(ws.L * ws.T, ws.H).copy_(x_TH)
+    return ws.x_LTH
+
+
 def forward(config: MoKConfig, ws: Workspace, schedule: Schedule, x_TH: torch.Tensor,
             topk_weights_TK: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
             shared_gate_up: torch.Tensor | None = None,
@@ -154,10 +170,10 @@ def forward(config: MoKConfig, ws: Workspace, schedule: Schedule, x_TH: torch.Te
         raise ValueError(f"x {tuple(x_TH.shape)} / router weights "
                          f"{tuple(topk_weights_TK.shape)}: want {(L * T, H)} / {(L * T, ws.K)}")
     _check_weights(ws, w_gate_up, w_down, shared_gate_up, shared_down)
-    ws.x_LTH.view(L * T, H).copy_(x_TH)
+    x_src = _token_source(ws, x_TH)
     ws.counters_LC.zero_()
     ws.barrier()
     launch_megakernel(ws, schedule.tensors, w_gate_up, w_down, shared_gate_up, shared_down,
-                      _withhold)
+                      _withhold, x_LTH=x_src)
     ws.barrier()
     return weighted_sum(ws, topk_weights_TK)

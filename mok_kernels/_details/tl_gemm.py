@@ -34,66 +34,69 @@ def quant_hook(v, QUANT: tl.constexpr):
 
 
 @triton.jit
-def gate_up_swiglu_tile(a_row_ptrs, a_mask, w1, j, h_row_ptrs, w1_desc, w_row0,
-                        H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr,
-                        BN: tl.constexpr, BK: tl.constexpr, QUANT: tl.constexpr,
-                        MASK_A: tl.constexpr, F32_DOT: tl.constexpr, TMA: tl.constexpr):
-    """h[rows, j*BN/2 : (j+1)*BN/2] = silu(A @ Wg) * (A @ Wu) for one BM-row block.
+def gate_up_swiglu_tiles(a_row_ptrs, a_mask, w1, j0, h_row_ptrs, w1_desc, w_row0,
+                         H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr,
+                         BN: tl.constexpr, BK: tl.constexpr, GJ: tl.constexpr,
+                         QUANT: tl.constexpr, MASK_A: tl.constexpr, F32_DOT: tl.constexpr,
+                         TMA: tl.constexpr):
+    """h[rows, j*BN/2 : (j+1)*BN/2] = silu(A @ Wg) * (A @ Wu) for one BM-row block and the GJ
+    column tiles j = j0 .. j0+GJ-1.
 
     a_row_ptrs: [BM] pointers to the first element of each A row (H elements, bf16);
     a_mask: [BM] rows to read (others read as 0; used when MASK_A);
     h_row_ptrs: [BM] pointers to h rows (I wide).
     TMA: weight tiles come through ``w1_desc`` (a [experts*H, F] descriptor, this expert's
     rows from ``w_row0``) instead of pointer loads from ``w1``.
+    The tile loop and the K loop are one flattened loop, so the software pipeline keeps
+    loading (the next tile's first K steps) across a tile's SwiGLU epilogue.
     """
     HALF: tl.constexpr = BN // 2
     F: tl.constexpr = 2 * I
     offs_k = tl.arange(0, BK)
-    cols = j * HALF + tl.arange(0, HALF)
-    a_ptrs = a_row_ptrs[:, None] + offs_k[None, :]
-    b_ptrs = w1 + offs_k[:, None].to(tl.int64) * F + cols[None, :]
-    acc_g = tl.zeros((BM, HALF), dtype=tl.float32)
-    acc_u = tl.zeros((BM, HALF), dtype=tl.float32)
-    for k in range(0, H, BK):
-        if MASK_A:
-            a = tl.load(a_ptrs, mask=a_mask[:, None], other=0.0)
-        else:
-            a = tl.load(a_ptrs)
-        if TMA:
-            bg = w1_desc.load([w_row0 + k, j * HALF])
-            bu = w1_desc.load([w_row0 + k, I + j * HALF])
-        else:
-            bg = tl.load(b_ptrs)
-            bu = tl.load(b_ptrs + I)
-        acc_g = mma(a, bg, acc_g, F32_DOT)
-        acc_u = mma(a, bu, acc_u, F32_DOT)
-        a_ptrs += BK
-        b_ptrs += BK * F
-    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-    h = quant_hook(h.to(tl.bfloat16), QUANT)
-    tl.store(h_row_ptrs[:, None] + cols[None, :], h)
+    for jj in tl.range(0, GJ, flatten=True):
+        cols = (j0 + jj) * HALF + tl.arange(0, HALF)
+        acc_g = tl.zeros((BM, HALF), dtype=tl.float32)
+        acc_u = tl.zeros((BM, HALF), dtype=tl.float32)
+        for k in range(0, H, BK):
+            if MASK_A:
+                a = tl.load(a_row_ptrs[:, None] + (k + offs_k)[None, :], mask=a_mask[:, None],
+                            other=0.0)
+            else:
+                a = tl.load(a_row_ptrs[:, None] + (k + offs_k)[None, :])
+            if TMA:
+                bg = w1_desc.load([w_row0 + k, (j0 + jj) * HALF])
+                bu = w1_desc.load([w_row0 + k, I + (j0 + jj) * HALF])
+            else:
+                b_ptrs = w1 + (k + offs_k)[:, None].to(tl.int64) * F + cols[None, :]
+                bg = tl.load(b_ptrs)
+                bu = tl.load(b_ptrs + I)
+            acc_g = mma(a, bg, acc_g, F32_DOT)
+            acc_u = mma(a, bu, acc_u, F32_DOT)
+        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        h = quant_hook(h.to(tl.bfloat16), QUANT)
+        tl.store(h_row_ptrs[:, None] + cols[None, :], h)
 
 
 @triton.jit
-def down_tile(h_row_ptrs, w2, j, h_desc, h_row0, w2_desc, w_row0, I: tl.constexpr,
-              H: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-              F32_DOT: tl.constexpr, TMA: tl.constexpr):
-    """Returns the fp32 tile (h[rows, :] @ w2)[:, j*BN : (j+1)*BN]; h rows are I wide.
+def down_tiles(h_row_ptrs, w2, j0, h_desc, h_row0, w2_desc, w_row0, dst_row_ptrs, dst_mask,
+               I: tl.constexpr, H: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+               BK: tl.constexpr, DT: tl.constexpr, F32_DOT: tl.constexpr, TMA: tl.constexpr):
+    """dst[rows, j*BN : (j+1)*BN] = (h[rows, :] @ w2)[:, j*BN : (j+1)*BN] in bf16 for the DT
+    column tiles j = j0 .. j0+DT-1; h rows are I wide, dst rows H wide (masked by dst_mask).
     TMA: the (contiguous) h rows come through ``h_desc`` from row ``h_row0`` and the weight
-    tiles through ``w2_desc`` ([experts*I, H]) from row ``w_row0``."""
+    tiles through ``w2_desc`` ([experts*I, H]) from row ``w_row0``. One flattened loop, as in
+    the gate+up tiles."""
     offs_k = tl.arange(0, BK)
-    cols = j * BN + tl.arange(0, BN)
-    a_ptrs = h_row_ptrs[:, None] + offs_k[None, :]
-    b_ptrs = w2 + offs_k[:, None].to(tl.int64) * H + cols[None, :]
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k in range(0, I, BK):
-        if TMA:
-            a = h_desc.load([h_row0, k])
-            b = w2_desc.load([w_row0 + k, j * BN])
-        else:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-        acc = mma(a, b, acc, F32_DOT)
-        a_ptrs += BK
-        b_ptrs += BK * H
-    return acc
+    for jj in tl.range(0, DT, flatten=True):
+        cols = (j0 + jj) * BN + tl.arange(0, BN)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k in range(0, I, BK):
+            if TMA:
+                a = h_desc.load([h_row0, k])
+                b = w2_desc.load([w_row0 + k, (j0 + jj) * BN])
+            else:
+                a = tl.load(h_row_ptrs[:, None] + (k + offs_k)[None, :])
+                b = tl.load(w2 + (k + offs_k)[:, None].to(tl.int64) * H + cols[None, :])
+            acc = mma(a, b, acc, F32_DOT)
+        tl.store(dst_row_ptrs[:, None] + cols[None, :], acc.to(tl.bfloat16),
+                 mask=dst_mask[:, None])

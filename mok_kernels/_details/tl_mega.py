@@ -27,7 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mok_kernels._details.tl_gemm import down_tile, gate_up_swiglu_tile
+from mok_kernels._details.tl_gemm import down_tiles, gate_up_swiglu_tiles
 from mok_kernels._details.tl_sync import no_error, signal, wait_geq
 
 # Error codes (mirror of errors.py, as constexprs for the kernel).
@@ -167,8 +167,10 @@ def _gate_up_item(m, b, j, lr, src, grp, total, ring, hbuf, ctr, err, x_base, x_
                   ws1_ptr, w1_desc, ws1_desc, T, E, Q, MMAX, budget, withhold,
                   H: tl.constexpr, I: tl.constexpr, S: tl.constexpr, COMM: tl.constexpr,
                   HAS_SHARED: tl.constexpr, MB: tl.constexpr, BM: tl.constexpr,
-                  BN: tl.constexpr, BK: tl.constexpr, QUANT: tl.constexpr,
+                  BN: tl.constexpr, BK: tl.constexpr, GJ: tl.constexpr, QUANT: tl.constexpr,
                   F32_DOT: tl.constexpr, TMA: tl.constexpr):
+    """GJ consecutive gate+up tiles (column tiles j*GJ ..) of row block b: one wait, one
+    signal (+GJ) for all of them."""
     GATHER: tl.constexpr = COMM == 0
     ok = 1
     slots = Q // MB
@@ -190,10 +192,10 @@ def _gate_up_item(m, b, j, lr, src, grp, total, ring, hbuf, ctr, err, x_base, x_
             a_rows, a_valid = _token_rows(src, rows, rows >= 0, T, S, x_tab, x_base, H)
         d1, w_row0 = _weight_desc(lr, g, E, w1_desc, ws1_desc, H, TMA, HAS_SHARED)
         h_rows = hbuf + qrows * I
-        gate_up_swiglu_tile(a_rows, a_valid, w1, j, h_rows, d1, w_row0, H, I, BM, BN, BK,
-                            QUANT, GATHER, F32_DOT, TMA)
+        gate_up_swiglu_tiles(a_rows, a_valid, w1, j * GJ, h_rows, d1, w_row0, H, I, BM, BN, BK,
+                             GJ, QUANT, GATHER, F32_DOT, TMA)
         if (withhold != 2) | (b != 0):
-            signal(ctr + 1 + 3 * MMAX + b)
+            signal(ctr + 1 + 3 * MMAX + b, GJ)
     return ok
 
 
@@ -214,18 +216,13 @@ def _down_item(m, b, jd, lr, src, grp, hbuf, outb, ctr, err, comb_base, comb_tab
         h_rows = hbuf + qrows * I
         h_row0 = lr * Q + (b * BM) % Q  # row block b's h rows are contiguous in the ring
         d2, w_row0 = _weight_desc(lr, g, E, w2_desc, ws2_desc, I, TMA, HAS_SHARED)
-        if COMM == 0:
+        if COMM == 0:  # scatter straight into the (peer) combine slots
             dst, valid = _slot_rows(src, rows, rows >= 0, T, S, comb_tab, comb_base, H)
-        for jj in tl.static_range(DT):
-            j = jd * DT + jj
-            out = down_tile(h_rows, w2, j, h_desc, h_row0, d2, w_row0, I, H, BM, BN, BK,
-                            F32_DOT, TMA)
-            out = out.to(tl.bfloat16)
-            cols = j * BN + tl.arange(0, BN)
-            if COMM > 0:
-                tl.store(outb + qrows[:, None] * H + cols[None, :], out)
-            else:
-                tl.store(dst[:, None] + cols[None, :], out, mask=valid[:, None])
+        else:  # the output ring; the communication programs push it
+            dst = outb + qrows * H
+            valid = rows >= 0
+        down_tiles(h_rows, w2, jd * DT, h_desc, h_row0, d2, w_row0, dst, valid, I, H, BM, BN,
+                   BK, DT, F32_DOT, TMA)
         signal(ctr + 1 + MMAX + m, DT)
     return ok
 
@@ -236,10 +233,10 @@ def _compute_loop(lr, src, grp, total, ring, hbuf, outb, ctr, err, x_base, x_tab
                   ws2_desc, h_desc, T, E, Q, MMAX, budget, withhold,
                   H: tl.constexpr, I: tl.constexpr, S: tl.constexpr, COMM: tl.constexpr,
                   HAS_SHARED: tl.constexpr, MB: tl.constexpr, BM: tl.constexpr,
-                  BN: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, QUANT: tl.constexpr,
-                  F32_DOT: tl.constexpr, TMA: tl.constexpr):
+                  BN: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, GJ: tl.constexpr,
+                  QUANT: tl.constexpr, F32_DOT: tl.constexpr, TMA: tl.constexpr):
     """Claim tickets until the work of this logical rank is done (or an error is set)."""
-    N1: tl.constexpr = I // (BN // 2)
+    N1: tl.constexpr = I // (BN // 2) // GJ  # gate+up items (GJ tiles each) per row block
     N2: tl.constexpr = H // BN // DT  # down items (DT tiles each) per row block
     NBM: tl.constexpr = MB // BM
     PER_MB: tl.constexpr = NBM * (N1 + N2)
@@ -255,7 +252,7 @@ def _compute_loop(lr, src, grp, total, ring, hbuf, outb, ctr, err, x_base, x_tab
                 ok = _gate_up_item(m, b, i % N1, lr, src, grp, total, ring, hbuf, ctr, err,
                                    x_base, x_tab, w1_ptr, ws1_ptr, w1_desc, ws1_desc, T, E, Q,
                                    MMAX, budget, withhold, H, I, S, COMM, HAS_SHARED, MB, BM,
-                                   BN, BK, QUANT, F32_DOT, TMA)
+                                   BN, BK, GJ, QUANT, F32_DOT, TMA)
         else:
             i2 = i - NBM * N1
             b = m * NBM + i2 // N2
@@ -278,7 +275,7 @@ def mok_forward_kernel(
         T, E, P, Q, NCTR, MMAX, budget, withhold,
         H: tl.constexpr, I: tl.constexpr, S: tl.constexpr, PROGS: tl.constexpr,
         COMM: tl.constexpr, HAS_SHARED: tl.constexpr, MB: tl.constexpr, BM: tl.constexpr,
-        BN: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, CR: tl.constexpr,
+        BN: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, GJ: tl.constexpr, CR: tl.constexpr,
         CH: tl.constexpr, QUANT: tl.constexpr, F32_DOT: tl.constexpr, TMA: tl.constexpr):
     """One persistent program per SM. x_tab/comb_tab hold, for every EP rank r, the element
     offset of rank r's token / combine buffer from x_base / comb_base (peer memory)."""
@@ -301,13 +298,13 @@ def mok_forward_kernel(
             _compute_loop(lr, src, grp, total, ring, hbuf, outb, ctr, err, x_base, x_tab,
                           comb_base, comb_tab, w1_ptr, w2_ptr, ws1_ptr, ws2_ptr, w1_desc,
                           w2_desc, ws1_desc, ws2_desc, h_desc, T, E, Q, MMAX, budget,
-                          withhold, H, I, S, COMM, HAS_SHARED, MB, BM, BN, BK, DT, QUANT,
+                          withhold, H, I, S, COMM, HAS_SHARED, MB, BM, BN, BK, DT, GJ, QUANT,
                           F32_DOT, TMA)
     else:
         _compute_loop(lr, src, grp, total, ring, hbuf, outb, ctr, err, x_base, x_tab,
                       comb_base, comb_tab, w1_ptr, w2_ptr, ws1_ptr, ws2_ptr, w1_desc, w2_desc,
                       ws1_desc, ws2_desc, h_desc, T, E, Q, MMAX, budget, withhold, H, I, S,
-                      COMM, HAS_SHARED, MB, BM, BN, BK, DT, QUANT, F32_DOT, TMA)
+                      COMM, HAS_SHARED, MB, BM, BN, BK, DT, GJ, QUANT, F32_DOT, TMA)
 
 
 @triton.jit

@@ -89,6 +89,26 @@ def test_tma_weights_match_reference(comm, shared, ranks):
     check(cfg, ranks, 256, 7168, 512, 4, 4, shared=shared)
 
 
+@pytest.mark.parametrize("tma, tiles, comm", [(True, 2, 0), (True, 4, 8), (False, 2, 0)])
+def test_several_tiles_per_item_match_reference(tma, tiles, comm):
+    """down_tiles / gate_up_tiles > 1: the flattened tile loops (I 1024 = 8 gate+up tiles,
+    H 4096 = 16 down tiles per row block)."""
+    cfg = mk.MoKConfig.for_shape(4096, 1024, minibatch=256, macrobatch=768, fwd_comm_sms=comm,
+                                 tma=tma, down_tiles=tiles, gate_up_tiles=tiles)
+    check(cfg, 2, 256, 4096, 1024, 4, 4)
+
+
+def test_strided_x_is_copied_and_matches():
+    """A non-contiguous x goes through the workspace buffer; a contiguous one is read where
+    it is: both give the same output."""
+    x, idx, p, w = make_layer(1, 256, 2048, 256, 4, 4, seed=5)
+    y1, ws = run_mok(CFG, 1, x, idx, p, w, 4)
+    x_strided = torch.cat([x, x], dim=1)[:, :2048]
+    y2, _ = run_mok(CFG, 1, x_strided, idx, p, w, 4)
+    mk.check_errors(ws)
+    assert not x_strided.is_contiguous() and torch.equal(y1, y2)
+
+
 @pytest.mark.parametrize("hidden", [4096, 6144, 7168])
 def test_hidden_sizes(hidden):
     check(mk.MoKConfig.for_shape(hidden, 256, minibatch=256, macrobatch=768), 1, 256, hidden,

@@ -2,7 +2,8 @@
 
 The interpreter runs programs one after another, so only the mode without communication
 programs can run there (program 0 claims every ticket in order, so each wait is already met).
-Both weight paths run: pointer loads and TMA tensor descriptors (``tma``).
+Both weight paths run: pointer loads and TMA tensor descriptors (``tma``), with one and with
+two tiles per work item (``down_tiles``, ``gate_up_tiles``: the flattened tile loops).
 The interpreter truncates fp32 -> bf16 (the GPU rounds to nearest), hence the looser bound.
 """
 
@@ -35,11 +36,13 @@ SCRIPT = textwrap.dedent("""
         return y
 
     cases = [(1, 24, 4, 2, True), (2, 13, 3, 2, True), (3, 8, 2, 1, False)]
-    for (L, T, E, K, shared), tma in [(c, t) for t in (False, True) for c in cases]:
+    knobs = [(False, 1), (True, 1), (False, 2), (True, 2)]
+    for (L, T, E, K, shared), (tma, nt) in [(c, kn) for kn in knobs for c in cases]:
         torch.manual_seed(L)
         H, I = 64, 32
         cfg = mk.MoKConfig(minibatch=32, macrobatch=64, block_m=16, block_n=32, block_k=16,
-                           num_warps=4, num_stages=1, spin_budget=1000, tma=tma)
+                           num_warps=4, num_stages=1, spin_budget=1000, tma=tma,
+                           down_tiles=nt, gate_up_tiles=nt)
         ws = mk.get_workspace(cfg, tokens=T, hidden=H, intermediate=I, local_experts=E,
                               topk=K, shared=shared, device="cpu", loopback_ranks=L)
         x = torch.randn(L * T, H).bfloat16()
@@ -53,8 +56,8 @@ SCRIPT = textwrap.dedent("""
         mk.check_errors(ws)
         r = ref(x, idx, p, w1, w2, ws1, ws2)
         err = ((y.float() - r).norm() / r.norm()).item()
-        assert err < 2e-2, (L, tma, err)
-        print("ok", L, tma, err)
+        assert err < 2e-2, (L, tma, nt, err)
+        print("ok", L, tma, nt, err)
 """)
 
 
@@ -64,4 +67,4 @@ def test_forward_in_interpreter_matches_reference():
     out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("ok") == 6
+    assert out.stdout.count("ok") == 12
