@@ -5,7 +5,7 @@ Legend: T tokens on this rank, H hidden, I intermediate, E local experts, K top-
 Knobs: defaults fit the shape (``MoKConfig.for_shape``: minibatch / macrobatch sized from the
 two-waves rule on this GPU's SM count); override any field with the JSON in
 $MOKBENCH_MOK_CONFIG, e.g. ``{"minibatch": 4096, "fwd_comm_sms": 8}``; the extra key
-``"cuda_graph"`` (default true on one rank) replays schedule + forward as one CUDA graph.
+``"cuda_graph"`` (default false) replays schedule + forward as one CUDA graph.
 Forward only: the output does not require grad (the backward is a later piece of work).
 """
 
@@ -29,21 +29,27 @@ def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int
     and push over the peer links, so each token row crosses the link once instead of once
     per column tile. 16, not 8: at EP 2 on two H200s (Kimi shape, 12 experts, 8192 tokens
     per rank) the forward took 24.8 ms with 8, 13.9 with 16, 14.0 with 32 and 30.5 with 0
-    (results/20261129-mok-knobs-ep2)."""
+    (results/20261129-mok-knobs-ep2). TMA weight tiles: 20.73 against 20.99 ms (48 x 16384)
+    and 8.83 against 8.90 (384 x 4096) with pointer loads, level at Qwen3-30B (2.63 against
+    2.63; results/20261129-214743-h200-mok-tiles)."""
     from mok_kernels import plan
 
     bound = plan(hidden, intermediate, num_sms, 0).minibatch
     rows = tokens * (topk + 1)
     mb = max(4096, bound)
     mb = min(mb, -(-rows // 128) * 128)
-    return {"minibatch": mb, "macrobatch": 3 * mb, "fwd_comm_sms": 0 if world_size == 1 else 16}
+    return {"minibatch": mb, "macrobatch": 3 * mb, "fwd_comm_sms": 0 if world_size == 1 else 16,
+            "tma": True}
 
 
-def graph_option(world_size: int, options: dict | None = None) -> bool:
+def graph_option(options: dict | None = None) -> bool:
     """Replay the forward as one CUDA graph: "cuda_graph" in the options or
-    $MOKBENCH_MOK_CONFIG; default on for one rank."""
+    $MOKBENCH_MOK_CONFIG; default off. The timing loop does not wait for the host between
+    iterations, so eager launches are queued ahead of the GPU, while the graph adds copies
+    of x, the routing and y into and out of its static buffers: eager measured 20.73 against
+    20.92 ms graphed (48 x 16384, results/20261129-214743-h200-mok-tiles)."""
     over = {**env_overrides(), **(options or {})}
-    return bool(over.get("cuda_graph", world_size == 1))
+    return bool(over.get("cuda_graph", False))
 
 
 def env_overrides() -> dict:
@@ -107,7 +113,7 @@ class MoKBackend(BackendBase):
                   None if weights.ws2_IH is None else weights.ws2_IH.contiguous())
         self.params = {}
         self.graphed = (mok_kernels.GraphedForward(self.config, self.ws, self.w)
-                        if graph_option(ctx.world_size, options) else None)
+                        if graph_option(options) else None)
         c = self.config
         self.variant = (f"comm_sms={c.fwd_comm_sms},minibatch={c.minibatch},"
                         f"macrobatch={c.macrobatch},graph={int(self.graphed is not None)},"

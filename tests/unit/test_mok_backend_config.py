@@ -21,13 +21,16 @@ def test_defaults_follow_two_waves_and_cap_at_rows():
     small = default_config_fields(2048, 256, 100, 2, 132)
     assert small["minibatch"] == 384  # 100 tokens x (2 + 1) rows, rounded to 128
     assert default_config_fields(7168, 2048, 4096, 8, 132, world_size=4)["fwd_comm_sms"] == 16
+    assert big["tma"] is True  # TMA weight tiles by default (measured faster on H200)
 
 
 def test_env_override(monkeypatch):
     monkeypatch.setenv(CONFIG_ENV, '{"minibatch": 1024, "fwd_comm_sms": 4, "cuda_graph": false}')
     cfg = config_from_env(7168, 2048, default_config_fields(7168, 2048, 16384, 8, 132))
     assert (cfg.minibatch, cfg.macrobatch, cfg.fwd_comm_sms) == (1024, 3072, 4)
-    assert graph_option(1) is False
+    assert graph_option() is False
+    monkeypatch.setenv(CONFIG_ENV, '{"cuda_graph": true}')
+    assert graph_option() is True and graph_option({"cuda_graph": False}) is False
 
 
 def test_env_override_errors(monkeypatch):
