@@ -15,7 +15,9 @@ Use::
 ``GraphedForward(cfg, ws, weights)`` captures schedule + forward in one CUDA graph.
 
 Weights are in the canonical math layout: w1_EHF [E, H, 2I] (gate columns then up columns),
-w2_EIH [E, I, H]; in loopback they hold all L*E experts, rank-major. This package never
+w2_EIH [E, I, H]; in loopback they hold all L*E experts, rank-major. With
+``MoKConfig(gate_up_interleaved=True)`` the gate+up weights (routed and shared) are passed as
+``interleave_gate_up(w1_EHF)`` instead. This package never
 imports mokbench.
 """
 
@@ -33,6 +35,7 @@ from mok_kernels._details.forward import (
     Schedule,
     build_schedule,
     forward,
+    interleave_gate_up,
 )
 from mok_kernels._details.graph import GraphedForward
 from mok_kernels._details.workspace import Workspace, clear_workspace_cache, get_workspace
@@ -55,5 +58,6 @@ __all__ = [
     "clear_workspace_cache",
     "forward",
     "get_workspace",
+    "interleave_gate_up",
     "plan",
 ]

@@ -108,8 +108,11 @@ class MoKBackend(BackendBase):
             self.config, tokens=scenario.tokens_per_rank, hidden=s.hidden,
             intermediate=s.intermediate, local_experts=scenario.local_experts, topk=s.topk,
             shared=weights.ws1_HF is not None, device=dev, group=group)
-        self.w = (weights.w1_EHF.contiguous(), weights.w2_EIH.contiguous(),
-                  None if weights.ws1_HF is None else weights.ws1_HF.contiguous(),
+        # The gate+up weights in the layout the kernel reads (set up once, not timed).
+        lay = (mok_kernels.interleave_gate_up if self.config.gate_up_interleaved
+               else torch.Tensor.contiguous)
+        self.w = (lay(weights.w1_EHF), weights.w2_EIH.contiguous(),
+                  None if weights.ws1_HF is None else lay(weights.ws1_HF),
                   None if weights.ws2_IH is None else weights.ws2_IH.contiguous())
         self.params = {}
         self.graphed = (mok_kernels.GraphedForward(self.config, self.ws, self.w)
@@ -118,7 +121,8 @@ class MoKBackend(BackendBase):
         self.variant = (f"comm_sms={c.fwd_comm_sms},minibatch={c.minibatch},"
                         f"macrobatch={c.macrobatch},graph={int(self.graphed is not None)},"
                         f"tma={int(c.tma)},down_tiles={c.down_tiles},"
-                        f"gate_up_tiles={c.gate_up_tiles},num_stages={c.num_stages}")
+                        f"gate_up_tiles={c.gate_up_tiles},num_stages={c.num_stages},"
+                        f"interleaved={int(c.gate_up_interleaved)}")
 
     def validate_options(self, scenario, options: dict) -> None:
         """Build the configuration a variant asks for (``mok@minibatch=512``) on the host, so

@@ -55,6 +55,10 @@ class MoKConfig:
     tma: load the weight tiles (both GEMMs) and the down GEMM's SwiGLU rows through TMA
         tensor descriptors (SM90 and newer) instead of pointer loads; the gathered token rows
         of the gate+up GEMM stay pointer loads.
+    gate_up_interleaved: the gate+up weights come with gate and up columns alternating
+        (``interleave_gate_up``), so a gate+up tile is one [block_k, block_n] weight tile
+        and one dot (one 128x256 MMA accumulator, split in registers for SwiGLU) instead of
+        two half-width tiles and two dots. The caller keeps the weights in that layout.
     """
 
     fwd_comm_sms: int = 0
@@ -70,6 +74,7 @@ class MoKConfig:
     down_tiles: int = 1
     gate_up_tiles: int = 1
     tma: bool = False
+    gate_up_interleaved: bool = False
 
     def __post_init__(self) -> None:
         _check(isinstance(self.fwd_comm_sms, int) and 0 <= self.fwd_comm_sms <= 64,
@@ -97,6 +102,8 @@ class MoKConfig:
         _check(self.gate_up_tiles in (1, 2, 4), "gate_up_tiles", self.gate_up_tiles,
                "1 | 2 | 4")
         _check(isinstance(self.tma, bool), "tma", self.tma, "true | false")
+        _check(isinstance(self.gate_up_interleaved, bool), "gate_up_interleaved",
+               self.gate_up_interleaved, "true | false")
 
     @property
     def ring_slots(self) -> int:

@@ -82,8 +82,9 @@ def _descriptors(ws: Workspace, w1: torch.Tensor, w2: torch.Tensor, ws1: torch.T
         return TensorDescriptor.from_tensor(t.view(-1, cols), box)
 
     F = 2 * ws.I
-    return (desc(w1, F, [bk, half]), desc(w2, ws.H, [bk, bn]),
-            desc(ws1, F, [bk, half]) if ws1 is not None else None,
+    w1_box = [bk, bn if cfg.gate_up_interleaved else half]
+    return (desc(w1, F, w1_box), desc(w2, ws.H, [bk, bn]),
+            desc(ws1, F, w1_box) if ws1 is not None else None,
             desc(ws2, ws.H, [bk, bn]) if ws2 is not None else None,
             desc(ws.h_LQI, ws.I, [cfg.block_m, bk]))
 
@@ -112,6 +113,7 @@ def launch_megakernel(ws: Workspace, st: ScheduleTensors, w1: torch.Tensor, w2: 
         DT=cfg.down_tiles if (ws.H // cfg.block_n) % cfg.down_tiles == 0 else 1,
         GJ=cfg.gate_up_tiles if (2 * ws.I // cfg.block_n) % cfg.gate_up_tiles == 0 else 1,
         CR=max(1, 4096 // ch), CH=ch, QUANT=0, F32_DOT=_interpreting(), TMA=cfg.tma,
+        INTERLEAVED=cfg.gate_up_interleaved,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra)
 
 
@@ -126,6 +128,17 @@ def weighted_sum(ws: Workspace, topk_weights_TK: torch.Tensor) -> torch.Tensor:
     weighted_sum_kernel[(n, -(-ws.H // bh))](ws.comb_LTSH, p, y, H=ws.H, K=ws.K, S=ws.S, BH=bh,
                                              num_warps=4)
     return y
+
+
+def interleave_gate_up(w_gate_up: torch.Tensor) -> torch.Tensor:
+    """[..., H, 2I] gate columns then up columns -> [..., H, 2I] with column 2c = gate c and
+    2c + 1 = up c: the layout ``MoKConfig(gate_up_interleaved=True)`` reads. A new tensor
+    (done once, where the weights are set up)."""
+    *lead, H, F = w_gate_up.shape
+    if F % 2:
+        raise ValueError(f"w_gate_up: last dimension {F} is not 2 * intermediate")
+    return w_gate_up.reshape(*lead, H, 2, F // 2).transpose(-1, -2).reshape(*lead, H, F) \
+        .contiguous()
 
 
 def _check_weights(ws: Workspace, w1: torch.Tensor, w2: torch.Tensor,

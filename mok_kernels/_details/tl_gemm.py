@@ -38,7 +38,7 @@ def gate_up_swiglu_tiles(a_row_ptrs, a_mask, w1, j0, h_row_ptrs, w1_desc, w_row0
                          H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr,
                          BN: tl.constexpr, BK: tl.constexpr, GJ: tl.constexpr,
                          QUANT: tl.constexpr, MASK_A: tl.constexpr, F32_DOT: tl.constexpr,
-                         TMA: tl.constexpr):
+                         TMA: tl.constexpr, INTERLEAVED: tl.constexpr):
     """h[rows, j*BN/2 : (j+1)*BN/2] = silu(A @ Wg) * (A @ Wu) for one BM-row block and the GJ
     column tiles j = j0 .. j0+GJ-1.
 
@@ -47,6 +47,10 @@ def gate_up_swiglu_tiles(a_row_ptrs, a_mask, w1, j0, h_row_ptrs, w1_desc, w_row0
     h_row_ptrs: [BM] pointers to h rows (I wide).
     TMA: weight tiles come through ``w1_desc`` (a [experts*H, F] descriptor, this expert's
     rows from ``w_row0``) instead of pointer loads from ``w1``.
+    INTERLEAVED: w1's columns alternate gate c, up c (``interleave_gate_up``), so one
+    [BK, BN] weight tile and one dot give both halves, split apart in registers in the
+    epilogue; otherwise gate columns [0, I) and up columns [I, 2I), two [BK, BN/2] tiles
+    and two dots sharing the A tile.
     The tile loop and the K loop are one flattened loop, so the software pipeline keeps
     loading (the next tile's first K steps) across a tile's SwiGLU epilogue.
     """
@@ -55,23 +59,39 @@ def gate_up_swiglu_tiles(a_row_ptrs, a_mask, w1, j0, h_row_ptrs, w1_desc, w_row0
     offs_k = tl.arange(0, BK)
     for jj in tl.range(0, GJ, flatten=True):
         cols = (j0 + jj) * HALF + tl.arange(0, HALF)
-        acc_g = tl.zeros((BM, HALF), dtype=tl.float32)
-        acc_u = tl.zeros((BM, HALF), dtype=tl.float32)
-        for k in range(0, H, BK):
-            if MASK_A:
-                a = tl.load(a_row_ptrs[:, None] + (k + offs_k)[None, :], mask=a_mask[:, None],
-                            other=0.0)
-            else:
-                a = tl.load(a_row_ptrs[:, None] + (k + offs_k)[None, :])
-            if TMA:
-                bg = w1_desc.load([w_row0 + k, (j0 + jj) * HALF])
-                bu = w1_desc.load([w_row0 + k, I + (j0 + jj) * HALF])
-            else:
-                b_ptrs = w1 + (k + offs_k)[:, None].to(tl.int64) * F + cols[None, :]
-                bg = tl.load(b_ptrs)
-                bu = tl.load(b_ptrs + I)
-            acc_g = mma(a, bg, acc_g, F32_DOT)
-            acc_u = mma(a, bu, acc_u, F32_DOT)
+        if INTERLEAVED:
+            wcols = (j0 + jj) * BN + tl.arange(0, BN)
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            for k in range(0, H, BK):
+                if MASK_A:
+                    a = tl.load(a_row_ptrs[:, None] + (k + offs_k)[None, :],
+                                mask=a_mask[:, None], other=0.0)
+                else:
+                    a = tl.load(a_row_ptrs[:, None] + (k + offs_k)[None, :])
+                if TMA:
+                    b = w1_desc.load([w_row0 + k, (j0 + jj) * BN])
+                else:
+                    b = tl.load(w1 + (k + offs_k)[:, None].to(tl.int64) * F + wcols[None, :])
+                acc = mma(a, b, acc, F32_DOT)
+            acc_g, acc_u = tl.split(tl.reshape(acc, (BM, HALF, 2)))
+        else:
+            acc_g = tl.zeros((BM, HALF), dtype=tl.float32)
+            acc_u = tl.zeros((BM, HALF), dtype=tl.float32)
+            for k in range(0, H, BK):
+                if MASK_A:
+                    a = tl.load(a_row_ptrs[:, None] + (k + offs_k)[None, :],
+                                mask=a_mask[:, None], other=0.0)
+                else:
+                    a = tl.load(a_row_ptrs[:, None] + (k + offs_k)[None, :])
+                if TMA:
+                    bg = w1_desc.load([w_row0 + k, (j0 + jj) * HALF])
+                    bu = w1_desc.load([w_row0 + k, I + (j0 + jj) * HALF])
+                else:
+                    b_ptrs = w1 + (k + offs_k)[:, None].to(tl.int64) * F + cols[None, :]
+                    bg = tl.load(b_ptrs)
+                    bu = tl.load(b_ptrs + I)
+                acc_g = mma(a, bg, acc_g, F32_DOT)
+                acc_u = mma(a, bu, acc_u, F32_DOT)
         h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
         h = quant_hook(h.to(tl.bfloat16), QUANT)
         tl.store(h_row_ptrs[:, None] + cols[None, :], h)

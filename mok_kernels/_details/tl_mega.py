@@ -168,7 +168,8 @@ def _gate_up_item(m, b, j, lr, src, grp, total, ring, hbuf, ctr, err, x_base, x_
                   H: tl.constexpr, I: tl.constexpr, S: tl.constexpr, COMM: tl.constexpr,
                   HAS_SHARED: tl.constexpr, MB: tl.constexpr, BM: tl.constexpr,
                   BN: tl.constexpr, BK: tl.constexpr, GJ: tl.constexpr, QUANT: tl.constexpr,
-                  F32_DOT: tl.constexpr, TMA: tl.constexpr):
+                  F32_DOT: tl.constexpr, TMA: tl.constexpr,
+                  INTERLEAVED: tl.constexpr):
     """GJ consecutive gate+up tiles (column tiles j*GJ ..) of row block b: one wait, one
     signal (+GJ) for all of them."""
     GATHER: tl.constexpr = COMM == 0
@@ -193,7 +194,7 @@ def _gate_up_item(m, b, j, lr, src, grp, total, ring, hbuf, ctr, err, x_base, x_
         d1, w_row0 = _weight_desc(lr, g, E, w1_desc, ws1_desc, H, TMA, HAS_SHARED)
         h_rows = hbuf + qrows * I
         gate_up_swiglu_tiles(a_rows, a_valid, w1, j * GJ, h_rows, d1, w_row0, H, I, BM, BN, BK,
-                             GJ, QUANT, GATHER, F32_DOT, TMA)
+                             GJ, QUANT, GATHER, F32_DOT, TMA, INTERLEAVED)
         if (withhold != 2) | (b != 0):
             signal(ctr + 1 + 3 * MMAX + b, GJ)
     return ok
@@ -234,7 +235,8 @@ def _compute_loop(lr, src, grp, total, ring, hbuf, outb, ctr, err, x_base, x_tab
                   H: tl.constexpr, I: tl.constexpr, S: tl.constexpr, COMM: tl.constexpr,
                   HAS_SHARED: tl.constexpr, MB: tl.constexpr, BM: tl.constexpr,
                   BN: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, GJ: tl.constexpr,
-                  QUANT: tl.constexpr, F32_DOT: tl.constexpr, TMA: tl.constexpr):
+                  QUANT: tl.constexpr, F32_DOT: tl.constexpr, TMA: tl.constexpr,
+                  INTERLEAVED: tl.constexpr):
     """Claim tickets until the work of this logical rank is done (or an error is set)."""
     N1: tl.constexpr = I // (BN // 2) // GJ  # gate+up items (GJ tiles each) per row block
     N2: tl.constexpr = H // BN // DT  # down items (DT tiles each) per row block
@@ -252,7 +254,7 @@ def _compute_loop(lr, src, grp, total, ring, hbuf, outb, ctr, err, x_base, x_tab
                 ok = _gate_up_item(m, b, i % N1, lr, src, grp, total, ring, hbuf, ctr, err,
                                    x_base, x_tab, w1_ptr, ws1_ptr, w1_desc, ws1_desc, T, E, Q,
                                    MMAX, budget, withhold, H, I, S, COMM, HAS_SHARED, MB, BM,
-                                   BN, BK, GJ, QUANT, F32_DOT, TMA)
+                                   BN, BK, GJ, QUANT, F32_DOT, TMA, INTERLEAVED)
         else:
             i2 = i - NBM * N1
             b = m * NBM + i2 // N2
@@ -276,7 +278,8 @@ def mok_forward_kernel(
         H: tl.constexpr, I: tl.constexpr, S: tl.constexpr, PROGS: tl.constexpr,
         COMM: tl.constexpr, HAS_SHARED: tl.constexpr, MB: tl.constexpr, BM: tl.constexpr,
         BN: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, GJ: tl.constexpr, CR: tl.constexpr,
-        CH: tl.constexpr, QUANT: tl.constexpr, F32_DOT: tl.constexpr, TMA: tl.constexpr):
+        CH: tl.constexpr, QUANT: tl.constexpr, F32_DOT: tl.constexpr, TMA: tl.constexpr,
+        INTERLEAVED: tl.constexpr):
     """One persistent program per SM. x_tab/comb_tab hold, for every EP rank r, the element
     offset of rank r's token / combine buffer from x_base / comb_base (peer memory)."""
     pid = tl.program_id(0)
@@ -299,12 +302,12 @@ def mok_forward_kernel(
                           comb_base, comb_tab, w1_ptr, w2_ptr, ws1_ptr, ws2_ptr, w1_desc,
                           w2_desc, ws1_desc, ws2_desc, h_desc, T, E, Q, MMAX, budget,
                           withhold, H, I, S, COMM, HAS_SHARED, MB, BM, BN, BK, DT, GJ, QUANT,
-                          F32_DOT, TMA)
+                          F32_DOT, TMA, INTERLEAVED)
     else:
         _compute_loop(lr, src, grp, total, ring, hbuf, outb, ctr, err, x_base, x_tab,
                       comb_base, comb_tab, w1_ptr, w2_ptr, ws1_ptr, ws2_ptr, w1_desc, w2_desc,
                       ws1_desc, ws2_desc, h_desc, T, E, Q, MMAX, budget, withhold, H, I, S,
-                      COMM, HAS_SHARED, MB, BM, BN, BK, DT, GJ, QUANT, F32_DOT, TMA)
+                      COMM, HAS_SHARED, MB, BM, BN, BK, DT, GJ, QUANT, F32_DOT, TMA, INTERLEAVED)
 
 
 @triton.jit

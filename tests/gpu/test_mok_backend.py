@@ -14,9 +14,12 @@ from mokbench.reference import reference_layer  # noqa: E402
 from mokbench.scenario import ModelShape, Scenario  # noqa: E402
 
 
-@pytest.mark.parametrize("graph", ["true", "false"])
-def test_backend_forward_matches_reference(monkeypatch, graph):
-    monkeypatch.setenv("MOKBENCH_MOK_CONFIG", f'{{"minibatch": 256, "cuda_graph": {graph}}}')
+@pytest.mark.parametrize("graph, interleaved", [("true", "false"), ("false", "false"),
+                                               ("false", "true")])
+def test_backend_forward_matches_reference(monkeypatch, graph, interleaved):
+    """Eager and graphed; the interleaved gate/up layout is set up by the backend itself."""
+    monkeypatch.setenv("MOKBENCH_MOK_CONFIG", f'{{"minibatch": 256, "cuda_graph": {graph}, '
+                                              f'"gate_up_interleaved": {interleaved}}}')
     sc = Scenario(ModelShape("t", 16, 2048, 256, 4), tokens_per_rank=500, world_size=1,
                   passes=("forward",))
     dev = torch.device("cuda")

@@ -3,7 +3,8 @@
 The interpreter runs programs one after another, so only the mode without communication
 programs can run there (program 0 claims every ticket in order, so each wait is already met).
 Both weight paths run: pointer loads and TMA tensor descriptors (``tma``), with one and with
-two tiles per work item (``down_tiles``, ``gate_up_tiles``: the flattened tile loops).
+two tiles per work item (``down_tiles``, ``gate_up_tiles``: the flattened tile loops), and
+with the gate/up columns interleaved (``gate_up_interleaved``: one dot, split in registers).
 The interpreter truncates fp32 -> bf16 (the GPU rounds to nearest), hence the looser bound.
 """
 
@@ -36,13 +37,14 @@ SCRIPT = textwrap.dedent("""
         return y
 
     cases = [(1, 24, 4, 2, True), (2, 13, 3, 2, True), (3, 8, 2, 1, False)]
-    knobs = [(False, 1), (True, 1), (False, 2), (True, 2)]
-    for (L, T, E, K, shared), (tma, nt) in [(c, kn) for kn in knobs for c in cases]:
+    knobs = [(False, 1, False), (True, 1, False), (False, 2, False), (True, 2, False),
+             (False, 1, True), (True, 2, True)]
+    for (L, T, E, K, shared), (tma, nt, il) in [(c, kn) for kn in knobs for c in cases]:
         torch.manual_seed(L)
         H, I = 64, 32
         cfg = mk.MoKConfig(minibatch=32, macrobatch=64, block_m=16, block_n=32, block_k=16,
                            num_warps=4, num_stages=1, spin_budget=1000, tma=tma,
-                           down_tiles=nt, gate_up_tiles=nt)
+                           down_tiles=nt, gate_up_tiles=nt, gate_up_interleaved=il)
         ws = mk.get_workspace(cfg, tokens=T, hidden=H, intermediate=I, local_experts=E,
                               topk=K, shared=shared, device="cpu", loopback_ranks=L)
         x = torch.randn(L * T, H).bfloat16()
@@ -52,12 +54,14 @@ SCRIPT = textwrap.dedent("""
         w2 = (torch.randn(L * E, I, H) * I ** -0.5).bfloat16()
         ws1 = (torch.randn(H, 2 * I) * H ** -0.5).bfloat16() if shared else None
         ws2 = (torch.randn(I, H) * I ** -0.5).bfloat16() if shared else None
-        y = mk.forward(cfg, ws, mk.build_schedule(ws, idx), x, p, w1, w2, ws1, ws2)
+        lay = mk.interleave_gate_up if il else (lambda w: w)
+        y = mk.forward(cfg, ws, mk.build_schedule(ws, idx), x, p, lay(w1), w2,
+                       lay(ws1) if shared else None, ws2)
         mk.check_errors(ws)
         r = ref(x, idx, p, w1, w2, ws1, ws2)
         err = ((y.float() - r).norm() / r.norm()).item()
-        assert err < 2e-2, (L, tma, nt, err)
-        print("ok", L, tma, nt, err)
+        assert err < 2e-2, (L, tma, nt, il, err)
+        print("ok", L, tma, nt, il, err)
 """)
 
 
@@ -67,4 +71,4 @@ def test_forward_in_interpreter_matches_reference():
     out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("ok") == 12
+    assert out.stdout.count("ok") == 18
