@@ -21,9 +21,20 @@ def _fail(msg: str) -> None:
 
 
 def _split(values: list[str] | None) -> list[str] | None:
+    """Backend labels from comma lists. A label's own options also use commas
+    (``mok@tma=true,num_stages=4``), so a piece with ``=`` and no ``@`` continues the label
+    before it."""
     if not values:
         return None
-    return [v.strip() for item in values for v in item.split(",") if v.strip()]
+    labels: list[str] = []
+    for piece in (v.strip() for item in values for v in item.split(",")):
+        if not piece:
+            continue
+        if labels and "@" in labels[-1] and "=" in piece and "@" not in piece:
+            labels[-1] += "," + piece
+        else:
+            labels.append(piece)
+    return labels
 
 
 @app.command()

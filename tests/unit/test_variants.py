@@ -20,6 +20,14 @@ def test_split_label_reads_json_values():
         split_label("mok@minibatch")
 
 
+def test_backends_option_keeps_a_labels_own_commas():
+    from mokbench.cli import _split
+
+    assert _split(["nccl_torch,mok@tma=true,num_stages=4,te", "mok@minibatch=512"]) == [
+        "nccl_torch", "mok@tma=true,num_stages=4", "te", "mok@minibatch=512"]
+    assert _split(None) is None
+
+
 def _sweep(backends):
     return {"name": "v", "backends": backends, "world_sizes": [1],
             "scenarios": [{"preset": "kimi-k2", "num_experts": 8, "tokens_per_rank": 4096}]}
