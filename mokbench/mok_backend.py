@@ -31,7 +31,11 @@ def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int
     per rank) the forward took 24.8 ms with 8, 13.9 with 16, 14.0 with 32 and 30.5 with 0
     (results/20261129-mok-knobs-ep2). TMA weight tiles: 20.73 against 20.99 ms (48 x 16384)
     and 8.83 against 8.90 (384 x 4096) with pointer loads, level at Qwen3-30B (2.63 against
-    2.63; results/20261129-214743-h200-mok-tiles)."""
+    2.63; results/20261129-214743-h200-mok-tiles). Gate/up columns interleaved (one 128x256
+    MMA per gate+up tile): 20.162 against 20.747 ms, 8.857 against 9.096, 2.558 against 2.682
+    (results/20261129-221741-h200-mok-layout); with a fourth pipeline stage 20.036, 8.472 and
+    2.557 (results/20261129-221920-h200-mok-layout). The backend keeps its gate+up weights in
+    that layout (converted once at setup)."""
     from mok_kernels import plan
 
     bound = plan(hidden, intermediate, num_sms, 0).minibatch
@@ -39,7 +43,7 @@ def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int
     mb = max(4096, bound)
     mb = min(mb, -(-rows // 128) * 128)
     return {"minibatch": mb, "macrobatch": 3 * mb, "fwd_comm_sms": 0 if world_size == 1 else 16,
-            "tma": True}
+            "tma": True, "gate_up_interleaved": True, "num_stages": 4}
 
 
 def graph_option(options: dict | None = None) -> bool:

@@ -21,7 +21,9 @@ def test_defaults_follow_two_waves_and_cap_at_rows():
     small = default_config_fields(2048, 256, 100, 2, 132)
     assert small["minibatch"] == 384  # 100 tokens x (2 + 1) rows, rounded to 128
     assert default_config_fields(7168, 2048, 4096, 8, 132, world_size=4)["fwd_comm_sms"] == 16
-    assert big["tma"] is True  # TMA weight tiles by default (measured faster on H200)
+    # TMA weight tiles, interleaved gate/up columns, four stages (measured faster on H200)
+    assert big["tma"] is True and big["gate_up_interleaved"] is True
+    assert big["num_stages"] == 4
 
 
 def test_env_override(monkeypatch):
