@@ -47,11 +47,13 @@ class MoKConfig:
     spin_budget: polls a bounded wait makes before it records a timeout and exits (about
         0.5-1 us each on H200).
     down_tiles: down-GEMM column tiles per work item (one wait and one signal for all);
-        falls back to 1 where it does not divide hidden / block_n. 1 measured no slower than
-        2 on H200 (notes/mok-kernel.md) and needs fewer registers. The tiles of one item run
-        as one flattened, software-pipelined loop (loads continue across the epilogues).
+        falls back to 1 where it does not divide hidden / block_n. The tiles of one item run
+        as one flattened loop, software-pipelined with ``tma`` (loads continue across the
+        epilogues); with pointer loads Triton 3.6 does not pipeline the flattened loop.
+        Measured on H200 (notes/mok-kernel.md): 4 was faster at Qwen3-30B, not at Kimi.
     gate_up_tiles: gate+up column tiles per work item, the same way; falls back to 1 where
-        it does not divide intermediate / (block_n / 2).
+        it does not divide intermediate / (block_n / 2). Use with ``gate_up_interleaved``:
+        with split gate/up columns the two accumulators' reset serialises the MMAs.
     tma: load the weight tiles (both GEMMs) and the down GEMM's SwiGLU rows through TMA
         tensor descriptors (SM90 and newer) instead of pointer loads; the gathered token rows
         of the gate+up GEMM stay pointer loads.
