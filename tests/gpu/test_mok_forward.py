@@ -98,14 +98,14 @@ def test_several_tiles_per_item_match_reference(tma, tiles, comm):
     check(cfg, 2, 256, 4096, 1024, 4, 4)
 
 
-@pytest.mark.parametrize("tma, tiles, comm, ranks", [(True, 1, 0, 1), (True, 2, 8, 2),
-                                                    (False, 1, 0, 2)])
-def test_interleaved_gate_up_matches_reference(tma, tiles, comm, ranks):
+@pytest.mark.parametrize("tma, tiles, comm, ranks, stages", [
+    (True, 1, 0, 1, 4), (True, 2, 8, 2, 4), (True, 1, 8, 2, 3), (False, 1, 0, 2, 3)])
+def test_interleaved_gate_up_matches_reference(tma, tiles, comm, ranks, stages):
     """gate_up_interleaved: the caller passes interleave_gate_up(w1) (routed and shared);
-    one dot per gate+up tile, split in registers."""
+    one dot per gate+up tile, split in registers. Four stages: the backend's default."""
     cfg = mk.MoKConfig.for_shape(4096, 1024, minibatch=256, macrobatch=768, fwd_comm_sms=comm,
                                  tma=tma, down_tiles=tiles, gate_up_tiles=tiles,
-                                 gate_up_interleaved=True)
+                                 gate_up_interleaved=True, num_stages=stages)
     x, idx, p, w = make_layer(ranks, 256, 4096, 1024, 4, 4, seed=11)
     w_il = (mk.interleave_gate_up(w[0]), w[1], mk.interleave_gate_up(w[2]), w[3])
     y, ws = run_mok(cfg, ranks, x, idx, p, w_il, 4)
