@@ -151,6 +151,20 @@ def dropped_tokens(expected_E: list[int], got_E: list[int]) -> int:
     return sum(e - g for e, g in zip(expected_E, got_E))
 
 
+
+def fp8_shared_tokens_reason(scenario, cc: tuple[int, int] | None) -> str | None:
+    """Megatron's shared expert runs on all tokens of the rank, unpadded; TE's block-scaled
+    GEMMs need the reduction dimension divisible by 16 (32 for MXFP8), and in the shared
+    expert's weight-gradient GEMM that is the token count ("Caller must pad" from TE)."""
+    if not scenario.shared_expert:
+        return None
+    align = 32 if cc is not None and cc[0] >= 10 else 16
+    if scenario.tokens_per_rank % align:
+        return (f"tokens_per_rank={scenario.tokens_per_rank} with the shared expert at fp8: "
+                f"allowed a multiple of {align} (TE's block-scaled GEMMs; Megatron does not "
+                "pad the shared expert's tokens)")
+    return None
+
 class PresetRouter(torch.nn.Module):
     """Stands in for Megatron's TopKRouter: returns the probs/routing map set by ``set``."""
 
@@ -205,6 +219,7 @@ class HybridEPMegatronBackend(BackendBase):
             cc = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
             s = scenario.shape
             why = te_reason("fp8", cc, s.hidden, s.intermediate, installed=True)
+            why = why or fp8_shared_tokens_reason(scenario, cc)
         return why or super().unavailable_reason(ctx, scenario)
 
     def setup(self, scenario, ctx, weights) -> None:

@@ -238,8 +238,18 @@ class TEBackend(BackendBase):
             routing_map, probs = dense_routing(idx_RK, w_RK, self.E)
             y_TH = self.comm.combine(self._experts(x_RH, routing_map, probs), handle)
         if self.shared is not None:
-            y_TH = y_TH + self.shared[1](swiglu(self.shared[0](x_TH)))
+            y_TH = y_TH + self._shared_expert(x_TH)
         return y_TH
+
+    def _shared_expert(self, x_TH):
+        """The shared expert on all T tokens. Under fp8 its rows are padded with zeros to the
+        recipe's alignment and cut back after: TE's block-scaled GEMMs need the reduction
+        dimension divisible by 16, which in the weight-gradient GEMM is the token count
+        ("Caller must pad"); zero rows add nothing to the outputs or the gradients."""
+        T = x_TH.shape[0]
+        pad = -T % self.align if self.recipe is not None else 0
+        x_PH = torch.nn.functional.pad(x_TH, (0, 0, 0, pad)) if pad else x_TH
+        return self.shared[1](swiglu(self.shared[0](x_PH)))[:T]
 
     def forward(self, x_TH, topk_idx_TK, topk_weights_TK):
         if self.recipe is None:

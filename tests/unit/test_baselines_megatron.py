@@ -229,3 +229,17 @@ def test_alltoall_adapter_matches_reference(fake_megatron, shared):
         be.check()
     be.teardown()
     assert fake_megatron["destroy"] == 1
+
+
+def test_fp8_shared_expert_needs_aligned_tokens():
+    from baselines.hybridep_megatron import fp8_shared_tokens_reason
+
+    def sc(tokens, shared=True):
+        return Scenario(preset("qwen3-30b-a3b"), tokens_per_rank=tokens, world_size=1,
+                        precision="fp8", shared_expert=shared)
+
+    why = fp8_shared_tokens_reason(sc(1000), (9, 0))
+    assert "tokens_per_rank=1000" in why and "multiple of 16" in why
+    assert fp8_shared_tokens_reason(sc(1008), (9, 0)) is None
+    assert "multiple of 32" in fp8_shared_tokens_reason(sc(1008), (10, 0))
+    assert fp8_shared_tokens_reason(sc(1000, shared=False), (9, 0)) is None

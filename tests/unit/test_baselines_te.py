@@ -94,6 +94,7 @@ class FakeTE(types.ModuleType):
         super().__init__("transformer_engine.pytorch")
         self.autocast_recipes: list[object] = []
         self.splits: list[list[int]] = []
+        self.linear_rows: list[int] = []
 
     def moe_permute(self, inp, routing_map, num_out_tokens):
         out, row_id_map, counts = _permute(inp, routing_map)
@@ -130,7 +131,13 @@ class FakeTE(types.ModuleType):
         return _GL()
 
     def Linear(self, in_features, out_features, bias, params_dtype, device):
-        return torch.nn.Linear(in_features, out_features, bias=bias, dtype=params_dtype)
+        te = self
+
+        class _L(torch.nn.Linear):
+            def forward(self, x):
+                te.linear_rows.append(x.shape[0])
+                return super().forward(x)
+        return _L(in_features, out_features, bias=bias, dtype=params_dtype)
 
     @contextlib.contextmanager
     def autocast(self, enabled, recipe):
@@ -183,7 +190,10 @@ def test_layer_matches_reference_with_fake_te(fake_te, precision):
         assert be.align == 16 and "Float8BlockScaling" in be.variant
         assert type(fake_te.autocast_recipes[-1]).__name__ == "Float8BlockScaling"
         assert all(n % 16 == 0 for n in fake_te.splits[-1])  # rows per expert padded
+        # 20 tokens: the shared expert's rows are padded to 32 for TE's block-scaled GEMMs
+        assert fake_te.linear_rows[-2:] == [32, 32]
     else:
+        assert fake_te.linear_rows[-2:] == [20, 20]
         assert fake_te.autocast_recipes == []
 
 
