@@ -61,6 +61,8 @@ class MoKConfig:
         (``interleave_gate_up``), so a gate+up tile is one [block_k, block_n] weight tile
         and one dot (one 128x256 MMA accumulator, split in registers for SwiGLU) instead of
         two half-width tiles and two dots. The caller keeps the weights in that layout.
+    prefetch_ticket: a compute program claims its next work item when the current one
+        starts (one L2 atomic round trip per item off the critical path).
     """
 
     fwd_comm_sms: int = 0
@@ -77,6 +79,7 @@ class MoKConfig:
     gate_up_tiles: int = 1
     tma: bool = False
     gate_up_interleaved: bool = False
+    prefetch_ticket: bool = False
 
     def __post_init__(self) -> None:
         _check(isinstance(self.fwd_comm_sms, int) and 0 <= self.fwd_comm_sms <= 64,
@@ -106,6 +109,8 @@ class MoKConfig:
         _check(isinstance(self.tma, bool), "tma", self.tma, "true | false")
         _check(isinstance(self.gate_up_interleaved, bool), "gate_up_interleaved",
                self.gate_up_interleaved, "true | false")
+        _check(isinstance(self.prefetch_ticket, bool), "prefetch_ticket", self.prefetch_ticket,
+               "true | false")
 
     @property
     def ring_slots(self) -> int:

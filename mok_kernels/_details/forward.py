@@ -113,7 +113,7 @@ def launch_megakernel(ws: Workspace, st: ScheduleTensors, w1: torch.Tensor, w2: 
         DT=cfg.down_tiles if (ws.H // cfg.block_n) % cfg.down_tiles == 0 else 1,
         GJ=cfg.gate_up_tiles if (2 * ws.I // cfg.block_n) % cfg.gate_up_tiles == 0 else 1,
         CR=max(1, 4096 // ch), CH=ch, QUANT=0, F32_DOT=_interpreting(), TMA=cfg.tma,
-        INTERLEAVED=cfg.gate_up_interleaved,
+        INTERLEAVED=cfg.gate_up_interleaved, PREFETCH=cfg.prefetch_ticket,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra)
 
 

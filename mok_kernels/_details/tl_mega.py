@@ -236,8 +236,13 @@ def _compute_loop(lr, src, grp, total, ring, hbuf, outb, ctr, err, x_base, x_tab
                   HAS_SHARED: tl.constexpr, MB: tl.constexpr, BM: tl.constexpr,
                   BN: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, GJ: tl.constexpr,
                   QUANT: tl.constexpr, F32_DOT: tl.constexpr, TMA: tl.constexpr,
-                  INTERLEAVED: tl.constexpr):
-    """Claim tickets until the work of this logical rank is done (or an error is set)."""
+                  INTERLEAVED: tl.constexpr, PREFETCH: tl.constexpr):
+    """Claim tickets until the work of this logical rank is done (or an error is set).
+
+    PREFETCH: claim the next ticket when an item starts, so the atomic's round trip to L2
+    overlaps the item instead of sitting between two items. Still deadlock-free: the smallest
+    unfinished ticket is never one that is only claimed, since its holder is then running a
+    smaller, unfinished one; so it is running, and waits only on smaller (finished) tickets."""
     N1: tl.constexpr = I // (BN // 2) // GJ  # gate+up items (GJ tiles each) per row block
     N2: tl.constexpr = H // BN // DT  # down items (DT tiles each) per row block
     NBM: tl.constexpr = MB // BM
@@ -246,6 +251,8 @@ def _compute_loop(lr, src, grp, total, ring, hbuf, outb, ctr, err, x_base, x_tab
     ok = no_error(err)
     tk = tl.atomic_add(ctr, 1, sem="relaxed", scope="gpu")
     while (tk < n_items) & (ok != 0):
+        if PREFETCH:
+            tk_next = tl.atomic_add(ctr, 1, sem="relaxed", scope="gpu")
         m = tk // PER_MB
         i = tk % PER_MB
         if i < NBM * N1:
@@ -263,7 +270,10 @@ def _compute_loop(lr, src, grp, total, ring, hbuf, outb, ctr, err, x_base, x_tab
                                 comb_tab, w2_ptr, ws2_ptr, h_desc, w2_desc, ws2_desc, T, E, Q,
                                 MMAX, budget, H, I, S, COMM, HAS_SHARED, BM, BN, BK, DT,
                                 F32_DOT, TMA)
-        tk = tl.atomic_add(ctr, 1, sem="relaxed", scope="gpu")
+        if PREFETCH:
+            tk = tk_next
+        else:
+            tk = tl.atomic_add(ctr, 1, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -279,7 +289,7 @@ def mok_forward_kernel(
         COMM: tl.constexpr, HAS_SHARED: tl.constexpr, MB: tl.constexpr, BM: tl.constexpr,
         BN: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, GJ: tl.constexpr, CR: tl.constexpr,
         CH: tl.constexpr, QUANT: tl.constexpr, F32_DOT: tl.constexpr, TMA: tl.constexpr,
-        INTERLEAVED: tl.constexpr):
+        INTERLEAVED: tl.constexpr, PREFETCH: tl.constexpr):
     """One persistent program per SM. x_tab/comb_tab hold, for every EP rank r, the element
     offset of rank r's token / combine buffer from x_base / comb_base (peer memory)."""
     pid = tl.program_id(0)
@@ -302,12 +312,13 @@ def mok_forward_kernel(
                           comb_base, comb_tab, w1_ptr, w2_ptr, ws1_ptr, ws2_ptr, w1_desc,
                           w2_desc, ws1_desc, ws2_desc, h_desc, T, E, Q, MMAX, budget,
                           withhold, H, I, S, COMM, HAS_SHARED, MB, BM, BN, BK, DT, GJ, QUANT,
-                          F32_DOT, TMA, INTERLEAVED)
+                          F32_DOT, TMA, INTERLEAVED, PREFETCH)
     else:
         _compute_loop(lr, src, grp, total, ring, hbuf, outb, ctr, err, x_base, x_tab,
                       comb_base, comb_tab, w1_ptr, w2_ptr, ws1_ptr, ws2_ptr, w1_desc, w2_desc,
                       ws1_desc, ws2_desc, h_desc, T, E, Q, MMAX, budget, withhold, H, I, S,
-                      COMM, HAS_SHARED, MB, BM, BN, BK, DT, GJ, QUANT, F32_DOT, TMA, INTERLEAVED)
+                      COMM, HAS_SHARED, MB, BM, BN, BK, DT, GJ, QUANT, F32_DOT, TMA, INTERLEAVED,
+                      PREFETCH)
 
 
 @triton.jit

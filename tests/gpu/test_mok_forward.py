@@ -124,6 +124,21 @@ def test_strided_x_is_copied_and_matches():
     assert not x_strided.is_contiguous() and torch.equal(y1, y2)
 
 
+@pytest.mark.parametrize("comm, ranks", [(0, 1), (8, 2)])
+def test_prefetched_tickets_match_reference_and_rerun_bitwise(comm, ranks):
+    """prefetch_ticket: each compute program claims its next item early (backend defaults
+    otherwise); same output as the reference and bitwise equal on a rerun."""
+    cfg = mk.MoKConfig.for_shape(4096, 1024, minibatch=256, macrobatch=768, fwd_comm_sms=comm,
+                                 tma=True, gate_up_interleaved=True, num_stages=4,
+                                 prefetch_ticket=True)
+    x, idx, p, w = make_layer(ranks, 256, 4096, 1024, 4, 4, seed=13)
+    w_il = (mk.interleave_gate_up(w[0]), w[1], mk.interleave_gate_up(w[2]), w[3])
+    y1, ws = run_mok(cfg, ranks, x, idx, p, w_il, 4)
+    y2, _ = run_mok(cfg, ranks, x, idx, p, w_il, 4)
+    mk.check_errors(ws)
+    assert rel_err(y1, reference(x, idx, p, w)) < 1e-2 and torch.equal(y1, y2)
+
+
 @pytest.mark.parametrize("hidden", [4096, 6144, 7168])
 def test_hidden_sizes(hidden):
     check(mk.MoKConfig.for_shape(hidden, 256, minibatch=256, macrobatch=768), 1, 256, hidden,

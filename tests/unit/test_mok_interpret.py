@@ -4,7 +4,8 @@ The interpreter runs programs one after another, so only the mode without commun
 programs can run there (program 0 claims every ticket in order, so each wait is already met).
 Both weight paths run: pointer loads and TMA tensor descriptors (``tma``), with one and with
 two tiles per work item (``down_tiles``, ``gate_up_tiles``: the flattened tile loops), and
-with the gate/up columns interleaved (``gate_up_interleaved``: one dot, split in registers).
+with the gate/up columns interleaved (``gate_up_interleaved``: one dot, split in registers),
+and with the next ticket claimed early (``prefetch_ticket``).
 The interpreter truncates fp32 -> bf16 (the GPU rounds to nearest), hence the looser bound.
 """
 
@@ -37,14 +38,15 @@ SCRIPT = textwrap.dedent("""
         return y
 
     cases = [(1, 24, 4, 2, True), (2, 13, 3, 2, True), (3, 8, 2, 1, False)]
-    knobs = [(False, 1, False), (True, 1, False), (False, 2, False), (True, 2, False),
-             (False, 1, True), (True, 2, True)]
-    for (L, T, E, K, shared), (tma, nt, il) in [(c, kn) for kn in knobs for c in cases]:
+    knobs = [(False, 1, False, False), (True, 1, False, False), (False, 2, False, False),
+             (True, 2, False, True), (False, 1, True, True), (True, 2, True, False)]
+    for (L, T, E, K, shared), (tma, nt, il, pf) in [(c, kn) for kn in knobs for c in cases]:
         torch.manual_seed(L)
         H, I = 64, 32
         cfg = mk.MoKConfig(minibatch=32, macrobatch=64, block_m=16, block_n=32, block_k=16,
                            num_warps=4, num_stages=1, spin_budget=1000, tma=tma,
-                           down_tiles=nt, gate_up_tiles=nt, gate_up_interleaved=il)
+                           down_tiles=nt, gate_up_tiles=nt, gate_up_interleaved=il,
+                           prefetch_ticket=pf)
         ws = mk.get_workspace(cfg, tokens=T, hidden=H, intermediate=I, local_experts=E,
                               topk=K, shared=shared, device="cpu", loopback_ranks=L)
         x = torch.randn(L * T, H).bfloat16()
@@ -60,8 +62,8 @@ SCRIPT = textwrap.dedent("""
         mk.check_errors(ws)
         r = ref(x, idx, p, w1, w2, ws1, ws2)
         err = ((y.float() - r).norm() / r.norm()).item()
-        assert err < 2e-2, (L, tma, nt, il, err)
-        print("ok", L, tma, nt, il, err)
+        assert err < 2e-2, (L, tma, nt, il, pf, err)
+        print("ok", L, tma, nt, il, pf, err)
 """)
 
 
