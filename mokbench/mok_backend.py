@@ -127,7 +127,8 @@ class MoKBackend(BackendBase):
                         f"tma={int(c.tma)},down_tiles={c.down_tiles},"
                         f"gate_up_tiles={c.gate_up_tiles},num_stages={c.num_stages},"
                         f"interleaved={int(c.gate_up_interleaved)},"
-                        f"prefetch={int(c.prefetch_ticket)}")
+                        f"prefetch={int(c.prefetch_ticket)},"
+                        f"compiled_schedule={int(c.compile_schedule)}")
 
     def validate_options(self, scenario, options: dict) -> None:
         """Build the configuration a variant asks for (``mok@minibatch=512``) on the host, so

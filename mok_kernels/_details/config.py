@@ -63,6 +63,8 @@ class MoKConfig:
         two half-width tiles and two dots. The caller keeps the weights in that layout.
     prefetch_ticket: a compute program claims its next work item when the current one
         starts (one L2 atomic round trip per item off the critical path).
+    compile_schedule: build the schedule through ``torch.compile`` (the same ops, fused into
+        a few kernels instead of about fifty small launches; compiled once per shape).
     """
 
     fwd_comm_sms: int = 0
@@ -80,6 +82,7 @@ class MoKConfig:
     tma: bool = False
     gate_up_interleaved: bool = False
     prefetch_ticket: bool = False
+    compile_schedule: bool = False
 
     def __post_init__(self) -> None:
         _check(isinstance(self.fwd_comm_sms, int) and 0 <= self.fwd_comm_sms <= 64,
@@ -111,6 +114,8 @@ class MoKConfig:
                self.gate_up_interleaved, "true | false")
         _check(isinstance(self.prefetch_ticket, bool), "prefetch_ticket", self.prefetch_ticket,
                "true | false")
+        _check(isinstance(self.compile_schedule, bool), "compile_schedule",
+               self.compile_schedule, "true | false")
 
     @property
     def ring_slots(self) -> int:

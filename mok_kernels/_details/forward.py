@@ -17,6 +17,7 @@ from mok_kernels._details.config import MoKConfig
 from mok_kernels._details.schedule import (
     ScheduleTensors,
     build_schedule_tensors,
+    compiled_schedule_builder,
     flag_capacity_errors,
 )
 from mok_kernels._details.workspace import Workspace
@@ -43,8 +44,9 @@ def build_schedule(ws: Workspace, topk_idx_TK: torch.Tensor) -> Schedule:
                          "(workspace tokens x topk)")
     ws.idx_LTK.view(L * T, K).copy_(topk_idx_TK)
     ws.barrier()
-    st = build_schedule_tensors(ws.gather_idx(), ws.ranks_L, tokens=T, local_experts=ws.E,
-                                shared=ws.shared, block_m=ws.config.block_m, capacity=ws.P)
+    build = compiled_schedule_builder() if ws.config.compile_schedule else build_schedule_tensors
+    st = build(ws.gather_idx(), ws.ranks_L, tokens=T, local_experts=ws.E, shared=ws.shared,
+               block_m=ws.config.block_m, capacity=ws.P)
     flag_capacity_errors(ws.errors_L4, st, ws.P)
     ws.sched = st
     return Schedule(ws, st)

@@ -8,6 +8,7 @@ import torch
 from mok_kernels._details.errors import ERR_CAPACITY, MoKCapacityError, raise_if_errors
 from mok_kernels._details.schedule import (
     build_schedule_tensors,
+    compiled_schedule_builder,
     flag_capacity_errors,
     schedule_capacity,
 )
@@ -95,6 +96,16 @@ def test_schedule_is_deterministic():
     a = build_schedule_tensors(idx_NK, torch.arange(2), **kw)
     b = build_schedule_tensors(idx_NK, torch.arange(2), **kw)
     assert torch.equal(a.src_LP, b.src_LP) and torch.equal(a.group_LB, b.group_LB)
+
+
+def test_compiled_schedule_equals_eager():
+    """compile_schedule: the same ops through torch.compile give the same tensors."""
+    idx_NK = _routing(64, 8, 2, seed=5)
+    kw = dict(tokens=32, local_experts=4, shared=True, block_m=8, capacity=512)
+    a = build_schedule_tensors(idx_NK, torch.arange(2), **kw)
+    b = compiled_schedule_builder()(idx_NK, torch.arange(2), **kw)
+    for name in ("src_LP", "group_LB", "total_L", "counts_LG", "needed_L"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
 
 
 def test_capacity_exceeded_sets_error_word_not_dropped_rows():
