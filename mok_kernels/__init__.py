@@ -13,6 +13,8 @@ Use::
     check_errors(ws)                                                 # the one host sync
 
 ``GraphedForward(cfg, ws, weights)`` captures schedule + forward in one CUDA graph.
+``compile_megakernel(cfg, H, I, arch=90)`` builds the kernel for Hopper (or 100: Blackwell) on
+any host, GPU or not, and reports shared memory, spills and ptxas's warnings.
 
 Weights are in the canonical math layout: w1_EHF [E, H, 2I] (gate columns then up columns),
 w2_EIH [E, I, H]; in loopback they hold all L*E experts, rank-major. With
@@ -38,10 +40,12 @@ from mok_kernels._details.forward import (
     interleave_gate_up,
 )
 from mok_kernels._details.graph import GraphedForward
+from mok_kernels._details.lowering import Lowered, compile_megakernel
 from mok_kernels._details.workspace import Workspace, clear_workspace_cache, get_workspace
 
 __all__ = [
     "GraphedForward",
+    "Lowered",
     "MoKCapacityError",
     "MoKConfig",
     "MoKConfigError",
@@ -56,6 +60,7 @@ __all__ = [
     "build_schedule",
     "check_errors",
     "clear_workspace_cache",
+    "compile_megakernel",
     "forward",
     "get_workspace",
     "interleave_gate_up",

@@ -91,6 +91,23 @@ def _descriptors(ws: Workspace, w1: torch.Tensor, w2: torch.Tensor, ws1: torch.T
             desc(ws.h_LQI, ws.I, [cfg.block_m, bk]))
 
 
+def kernel_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots: int,
+                     shared: bool, programs: int, comm: int, interpreting: bool = False
+                     ) -> dict:
+    """The megakernel's compile-time arguments for a config and shape (one place, used by the
+    launch and by ``lowering.compile_megakernel``). Tiles per item fall back to 1 where they
+    do not divide the row block's column tiles."""
+    H, I = hidden, intermediate
+    ch = min(1024, 1 << (H - 1).bit_length())
+    return dict(
+        H=H, I=I, S=slots, PROGS=programs, COMM=comm, HAS_SHARED=shared,
+        MB=cfg.minibatch, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
+        DT=cfg.down_tiles if (H // cfg.block_n) % cfg.down_tiles == 0 else 1,
+        GJ=cfg.gate_up_tiles if (2 * I // cfg.block_n) % cfg.gate_up_tiles == 0 else 1,
+        CR=max(1, 4096 // ch), CH=ch, QUANT=0, F32_DOT=interpreting, TMA=cfg.tma,
+        INTERLEAVED=cfg.gate_up_interleaved, PREFETCH=cfg.prefetch_ticket)
+
+
 def launch_megakernel(ws: Workspace, st: ScheduleTensors, w1: torch.Tensor, w2: torch.Tensor,
                       ws1: torch.Tensor | None, ws2: torch.Tensor | None, withhold: int = 0,
                       programs: tuple[int, int] | None = None,
@@ -102,7 +119,6 @@ def launch_megakernel(ws: Workspace, st: ScheduleTensors, w1: torch.Tensor, w2: 
     cfg = ws.config
     progs, comm = programs or _programs(ws)
     extra = {} if _interpreting() else {"launch_cooperative_grid": True}
-    ch = min(1024, 1 << (ws.H - 1).bit_length())
     descs = _descriptors(ws, w1, w2, ws1, ws2) if cfg.tma else (None,) * 5
     mok_forward_kernel[(ws.L * progs,)](
         ws.x_LTH if x_LTH is None else x_LTH, ws.x_tab_R, ws.comb_LTSH, ws.comb_tab_R,
@@ -110,12 +126,8 @@ def launch_megakernel(ws: Workspace, st: ScheduleTensors, w1: torch.Tensor, w2: 
         ws.ring_LQH, ws.h_LQI, ws.out_LQH, ws.counters_LC, ws.errors_L4,
         w1, w2, ws1 if ws1 is not None else w1, ws2 if ws2 is not None else w2, *descs,
         ws.T, ws.E, ws.P, ws.Q, ws.counters_LC.shape[1], ws.mmax, cfg.spin_budget, withhold,
-        H=ws.H, I=ws.I, S=ws.S, PROGS=progs, COMM=comm, HAS_SHARED=ws.shared,
-        MB=cfg.minibatch, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
-        DT=cfg.down_tiles if (ws.H // cfg.block_n) % cfg.down_tiles == 0 else 1,
-        GJ=cfg.gate_up_tiles if (2 * ws.I // cfg.block_n) % cfg.gate_up_tiles == 0 else 1,
-        CR=max(1, 4096 // ch), CH=ch, QUANT=0, F32_DOT=_interpreting(), TMA=cfg.tma,
-        INTERLEAVED=cfg.gate_up_interleaved, PREFETCH=cfg.prefetch_ticket,
+        **kernel_constants(cfg, hidden=ws.H, intermediate=ws.I, slots=ws.S, shared=ws.shared,
+                           programs=progs, comm=comm, interpreting=_interpreting()),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra)
 
 

@@ -1,0 +1,97 @@
+"""Compile the megakernel for a GPU architecture without a GPU (Triton's compiler and the
+bundled ptxas run on any host): lowering errors, shared memory, registers and spills, and
+ptxas's performance warnings for a config and shape, e.g. on a CI machine or before a run.
+
+Legend: H hidden, I intermediate, K top-k, S combine slots per token (K, +1 shared expert).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from mok_kernels._details.config import MoKConfig
+
+# Kernel pointer arguments and their element types (the launch passes tensors there).
+_POINTERS = {"x_base": "*bf16", "x_tab": "*i64", "comb_base": "*bf16", "comb_tab": "*i64",
+             "src_ptr": "*i32", "group_ptr": "*i32", "total_ptr": "*i32", "ring_ptr": "*bf16",
+             "h_ptr": "*bf16", "out_ptr": "*bf16", "ctr_ptr": "*i32", "err_ptr": "*i32",
+             "w1_ptr": "*bf16", "w2_ptr": "*bf16", "ws1_ptr": "*bf16", "ws2_ptr": "*bf16"}
+
+
+@dataclass(frozen=True)
+class Lowered:
+    """One compiled megakernel: its intermediate forms and what ptxas reported."""
+
+    ttgir: str
+    ptx: str
+    shared_bytes: int
+    ptxas_log: str  # ptxas -v output for this architecture
+
+    @property
+    def spills(self) -> bool:
+        """Any register spill reported by ptxas ("N bytes spill stores" with N > 0)."""
+        return bool(re.search(r"[1-9]\d* bytes spill (stores|loads)", self.ptxas_log))
+
+    @property
+    def mma_serialized(self) -> bool:
+        """ptxas warning C7515: wgmma instructions serialised (Hopper)."""
+        return "C7515" in self.ptxas_log
+
+
+def compile_megakernel(config: MoKConfig, hidden: int, intermediate: int, *, topk: int = 8,
+                       shared: bool = False, comm_programs: int = 0, programs: int = 132,
+                       arch: int = 90) -> Lowered:
+    """Compile ``mok_forward_kernel`` as the launch would for this config and shape, for
+    ``sm_<arch>`` (90 Hopper, 100 Blackwell), then run ptxas -v on its PTX."""
+    import triton
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from mok_kernels._details.forward import kernel_constants
+    from mok_kernels._details.tl_mega import mok_forward_kernel as kern
+
+    cfg = config
+    cfg.check_shape(hidden, intermediate)
+    consts = kernel_constants(cfg, hidden=hidden, intermediate=intermediate,
+                              slots=topk + int(shared), shared=shared, programs=programs,
+                              comm=comm_programs)
+    w1_cols = cfg.block_n if cfg.gate_up_interleaved else cfg.block_n // 2
+    descs = {"w1_desc": [cfg.block_k, w1_cols], "w2_desc": [cfg.block_k, cfg.block_n],
+             "ws1_desc": [cfg.block_k, w1_cols], "ws2_desc": [cfg.block_k, cfg.block_n],
+             "h_desc": [cfg.block_m, cfg.block_k]}
+    sig: dict[str, str] = {}
+    constexprs: dict[tuple[int, ...], object] = {}
+    for i, name in enumerate(kern.arg_names):
+        if name in _POINTERS:
+            sig[name] = _POINTERS[name]
+        elif name in descs:
+            if cfg.tma and (shared or not name.startswith("ws")):
+                sig[name] = f"tensordesc<bf16[{descs[name][0]}, {descs[name][1]}]>"
+            else:
+                sig[name], constexprs[(i,)] = "constexpr", None
+        elif name in consts:
+            sig[name], constexprs[(i,)] = "constexpr", consts[name]
+        else:
+            sig[name] = "i32"
+    # Tensors from the caching allocator are 16-byte aligned, as the launch specialises.
+    attrs = {(kern.arg_names.index(n),): [["tt.divisibility", 16]] for n in _POINTERS}
+    src = ASTSource(fn=kern, signature=sig, constexprs=constexprs, attrs=attrs)
+    target = GPUTarget("cuda", arch, 64 if arch == 90 else 32)
+    c = triton.compile(src, target=target, options={"num_warps": cfg.num_warps,
+                                                    "num_stages": cfg.num_stages})
+    ptx = c.asm["ptx"]
+    suffix = "a" if arch in (90, 100) else ""
+    with tempfile.TemporaryDirectory() as tmp:
+        f = Path(tmp) / "k.ptx"
+        f.write_text(ptx)
+        ptxas = knobs.nvidia.ptxas_blackwell if arch >= 100 else knobs.nvidia.ptxas
+        out = subprocess.run([ptxas.path, f"-arch=sm_{arch}{suffix}", "-v", str(f),
+                              "-o", str(Path(tmp) / "k.cubin")], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"ptxas failed for sm_{arch}: {out.stderr[-2000:]}")
+    return Lowered(c.asm["ttgir"], ptx, int(c.metadata.shared), out.stdout + out.stderr)

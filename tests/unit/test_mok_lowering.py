@@ -1,0 +1,42 @@
+"""The megakernel compiled for Hopper and Blackwell on a CPU host (Triton's compiler and
+bundled ptxas), with the mok backend's defaults at the Kimi shape: it lowers, fits in shared
+memory, does not spill, pipelines both K loops with the configured stages, and on Hopper uses
+the full-width MMA (m64n256) without ptxas serialising it."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("triton")
+
+import mok_kernels as mk  # noqa: E402
+from mokbench.mok_backend import default_config_fields  # noqa: E402
+
+H, I = 7168, 2048
+SMEM_LIMIT = 232448  # bytes of shared memory one block may use on H100/H200 (227 KB)
+
+
+def _defaults(world_size: int = 1) -> mk.MoKConfig:
+    return mk.MoKConfig.for_shape(H, I, **default_config_fields(H, I, 16384, 8, 132,
+                                                                world_size))
+
+
+@pytest.mark.parametrize("world_size, shared", [(1, False), (2, True)])
+def test_hopper_build_of_the_defaults(world_size, shared):
+    cfg = _defaults(world_size)
+    lw = mk.compile_megakernel(cfg, H, I, shared=shared, comm_programs=cfg.fwd_comm_sms)
+    assert lw.shared_bytes <= SMEM_LIMIT
+    assert not lw.spills, lw.ptxas_log
+    assert not lw.mma_serialized, lw.ptxas_log
+    stages = cfg.num_stages
+    # both K loops keep `stages` buffers of their A and B tiles in flight
+    assert lw.ttgir.count(f"memdesc<{stages}x{cfg.block_m}x{cfg.block_k}xbf16") >= 2
+    assert lw.ttgir.count(f"memdesc<{stages}x{cfg.block_k}x{cfg.block_n}xbf16") >= 2
+    mmas = {ln.split()[0] for ln in lw.ptx.splitlines() if "wgmma.mma_async" in ln}
+    assert mmas == {"wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16"}, mmas
+
+
+def test_blackwell_build_of_the_defaults():
+    cfg = _defaults(2)
+    lw = mk.compile_megakernel(cfg, H, I, shared=True, comm_programs=cfg.fwd_comm_sms, arch=100)
+    assert "tcgen05.mma" in lw.ptx and not lw.spills, lw.ptxas_log
