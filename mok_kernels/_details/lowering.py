@@ -42,13 +42,24 @@ class Lowered:
         return "C7515" in self.ptxas_log
 
 
+def _ptxas(arch: int):
+    """The ptxas Triton itself uses for ``arch`` (its choice differs between releases)."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        return get_ptxas(arch)
+    except ImportError:
+        from triton import knobs
+
+        return knobs.nvidia.ptxas_blackwell if arch >= 100 else knobs.nvidia.ptxas
+
+
 def compile_megakernel(config: MoKConfig, hidden: int, intermediate: int, *, topk: int = 8,
                        shared: bool = False, comm_programs: int = 0, programs: int = 132,
                        arch: int = 90) -> Lowered:
     """Compile ``mok_forward_kernel`` as the launch would for this config and shape, for
     ``sm_<arch>`` (90 Hopper, 100 Blackwell), then run ptxas -v on its PTX."""
     import triton
-    from triton import knobs
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -89,7 +100,7 @@ def compile_megakernel(config: MoKConfig, hidden: int, intermediate: int, *, top
     with tempfile.TemporaryDirectory() as tmp:
         f = Path(tmp) / "k.ptx"
         f.write_text(ptx)
-        ptxas = knobs.nvidia.ptxas_blackwell if arch >= 100 else knobs.nvidia.ptxas
+        ptxas = _ptxas(arch)
         out = subprocess.run([ptxas.path, f"-arch=sm_{arch}{suffix}", "-v", str(f),
                               "-o", str(Path(tmp) / "k.cubin")], capture_output=True, text=True)
     if out.returncode != 0:
