@@ -74,7 +74,9 @@ def render_sbatch(sweep_file: str | Path, nodes: int, gpus_per_node: int,
         "",
         "set -euo pipefail",
         f"mkdir -p {out}",
-        'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)',
+        # sed reads the whole list: `head -n1` may close the pipe early, and under pipefail
+        # scontrol's SIGPIPE would end the job.
+        'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)',
         f"MASTER_PORT=${{MASTER_PORT:-{DEFAULT_PORT}}}",
         "export MASTER_ADDR MASTER_PORT",
     ]

@@ -23,7 +23,7 @@ def test_directives_and_command():
               "--time=04:00:00", "--partition=gb300", "--account=moe"):
         assert f"#SBATCH {d}" in lines
     assert "18 nodes x 4 GPUs" in text  # the NVL72 note
-    assert 'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)' in text
+    assert 'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)' in text
     assert ("mokbench sweep sweeps/gb300.toml --nnodes $SLURM_NNODES --node-rank $SLURM_NODEID "
             "--nproc-per-node 4 --rdzv-endpoint $MASTER_ADDR:$MASTER_PORT "
             "--out /shared/results") in text
@@ -62,7 +62,8 @@ def test_script_runs_one_sweep_per_node(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     log = tmp_path / "calls.txt"
-    _stub(bin_dir, "scontrol", 'printf "node-a\\nnode-b\\n"\n')
+    # a long host list: a reader that stops after one line would SIGPIPE it (pipefail)
+    _stub(bin_dir, "scontrol", 'printf "node-a\\nnode-b\\n"; seq 200000\n')
     _stub(bin_dir, "srun", 'while [[ $1 == --* ]]; do shift; done\n'
           'for i in 0 1; do SLURM_NODEID=$i "$@"; done\n')
     _stub(bin_dir, "mokbench", f'echo "$*" >> {log}\n')
