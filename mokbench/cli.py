@@ -202,10 +202,19 @@ def plan(
     sms: int = typer.Option(None, help="SMs (default: this GPU's, else 148)"),
     comm_sms: int = typer.Option(0, help="SMs given to communication"),
     block_m: int = typer.Option(128), block_n: int = typer.Option(256),
+    build: int = typer.Option(None, help="also compile mok's kernel for sm_BUILD (90 | 100) "
+                              "on this host, GPU or not: shared memory, registers, spills"),
+    tokens: int = typer.Option(16384, help="tokens per rank (for --build's defaults)"),
+    topk: int = typer.Option(8, help="top-k (for --build)"),
+    world_size: int = typer.Option(1, help="EP ranks (for --build's defaults)"),
 ) -> None:
-    """Minibatch lower bound (two waves of gate+up tiles) and ring memory for MoK."""
+    """Minibatch lower bound (two waves of gate+up tiles) and ring memory for MoK; with
+    --build, how the mok backend's kernel (its defaults for this shape, then
+    $MOKBENCH_MOK_CONFIG) compiles."""
     from mok_kernels import plan as mok_plan
 
+    if build is not None and build not in (90, 100):
+        _fail(f"build={build} is invalid: allowed 90 | 100")
     if sms is None:
         import torch
 
@@ -214,8 +223,31 @@ def plan(
     try:
         console.print(str(mok_plan(hidden=hidden, intermediate=intermediate, num_sms=sms,
                                    comm_sms=comm_sms, block_m=block_m, block_n=block_n)))
+        if build is not None:
+            console.print(_build_report(build, hidden, intermediate, tokens, topk, sms,
+                                        world_size))
     except ValueError as exc:
         _fail(str(exc))
+
+
+def _build_report(arch: int, hidden: int, intermediate: int, tokens: int, topk: int, sms: int,
+                  world_size: int) -> str:
+    """One paragraph: the mok backend's config for the shape and how its kernel compiles."""
+    from mok_kernels import compile_megakernel
+    from mokbench.mok_backend import config_from_env, default_config_fields
+
+    cfg = config_from_env(hidden, intermediate, default_config_fields(
+        hidden, intermediate, tokens, topk, sms, world_size))
+    comm = 0 if cfg.fwd_comm_sms == 0 else cfg.fwd_comm_sms
+    lw = compile_megakernel(cfg, hidden, intermediate, topk=topk, comm_programs=comm,
+                            programs=sms, arch=arch)
+    return "\n".join([
+        f"build for sm_{arch}: {cfg}",
+        f"shared memory {lw.shared_bytes / 1024:.0f} KiB per program, {lw.registers} registers "
+        f"per thread, spills: {'yes' if lw.spills else 'no'}",
+        f"MMA: {', '.join(lw.mma_instructions) or 'none'}"
+        + ("; ptxas serialises the wgmma (C7515)" if lw.mma_serialized else ""),
+    ])
 
 
 @app.command()

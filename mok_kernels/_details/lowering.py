@@ -37,6 +37,20 @@ class Lowered:
         return bool(re.search(r"[1-9]\d* bytes spill (stores|loads)", self.ptxas_log))
 
     @property
+    def registers(self) -> int:
+        """Registers per thread (ptxas's "Used N registers"; 0 if not reported)."""
+        m = re.search(r"Used (\d+) registers", self.ptxas_log)
+        return int(m.group(1)) if m else 0
+
+    @property
+    def mma_instructions(self) -> list[str]:
+        """Distinct tensor-core MMA instructions in the PTX (wgmma on Hopper, tcgen05.mma
+        on Blackwell)."""
+        found = {ln.split()[0] for ln in self.ptx.splitlines()
+                 if ln.strip().startswith(("wgmma.mma_async", "tcgen05.mma"))}
+        return sorted(found)
+
+    @property
     def mma_serialized(self) -> bool:
         """ptxas warning C7515: wgmma instructions serialised (Hopper)."""
         return "C7515" in self.ptxas_log

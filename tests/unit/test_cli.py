@@ -1,5 +1,6 @@
 """CLI commands that need no process group: backends, plan, report errors."""
 
+import pytest
 from typer.testing import CliRunner
 
 from mokbench.cli import app
@@ -23,6 +24,26 @@ def test_plan_reproduces_published_minibatch():
                             "--comm-sms", "0"], env={"COLUMNS": "200"})
     assert r.exit_code == 0, r.output
     assert "2368" in r.output
+
+
+def test_plan_build_reports_how_the_kernel_compiles(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.delenv("MOKBENCH_MOK_CONFIG", raising=False)
+    r = runner.invoke(app, ["plan", "--sms", "132", "--build", "90"], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    assert "build for sm_90" in r.output and "spills: no" in r.output
+    assert "m64n256k16" in r.output and "serialises" not in r.output
+    # a ptxas log that reports serialised MMAs is surfaced (stand-in build result)
+    import mok_kernels
+
+    bad = mok_kernels.Lowered("", "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 x;",
+                              1024, "warning (C7515) wgmma serialized\nUsed 200 registers")
+    monkeypatch.setattr(mok_kernels, "compile_megakernel", lambda *a, **k: bad)
+    r = runner.invoke(app, ["plan", "--sms", "132", "--build", "100"], env={"COLUMNS": "200"})
+    assert r.exit_code == 0 and "serialises the wgmma" in r.output, r.output
+    assert "200 registers" in r.output and "m64n128k16" in r.output
+    r = runner.invoke(app, ["plan", "--build", "80"])
+    assert r.exit_code == 2 and "build=80 is invalid: allowed 90 | 100" in r.output
 
 
 def test_report_rejects_bad_format_and_missing_run(tmp_path):
