@@ -158,7 +158,7 @@ def fp8_shared_tokens_reason(scenario, cc: tuple[int, int] | None) -> str | None
     expert's weight-gradient GEMM that is the token count ("Caller must pad" from TE)."""
     if not scenario.shared_expert:
         return None
-    align = 32 if cc is not None and cc[0] >= 10 else 16
+    align = 32 if cc is not None and (fp8_recipe_name(cc) or "").startswith("MXFP8") else 16
     if scenario.tokens_per_rank % align:
         return (f"tokens_per_rank={scenario.tokens_per_rank} with the shared expert at fp8: "
                 f"allowed a multiple of {align} (TE's block-scaled GEMMs; Megatron does not "

@@ -238,9 +238,8 @@ def _build_report(arch: int, hidden: int, intermediate: int, tokens: int, topk: 
 
     cfg = config_from_env(hidden, intermediate, default_config_fields(
         hidden, intermediate, tokens, topk, sms, world_size))
-    comm = 0 if cfg.fwd_comm_sms == 0 else cfg.fwd_comm_sms
-    lw = compile_megakernel(cfg, hidden, intermediate, topk=topk, comm_programs=comm,
-                            programs=sms, arch=arch)
+    lw = compile_megakernel(cfg, hidden, intermediate, topk=topk,
+                            comm_programs=cfg.fwd_comm_sms, programs=sms, arch=arch)
     return "\n".join([
         f"build for sm_{arch}: {cfg}",
         f"shared memory {lw.shared_bytes / 1024:.0f} KiB per program, {lw.registers} registers "

@@ -77,18 +77,25 @@ def _descriptors(ws: Workspace, w1: torch.Tensor, w2: torch.Tensor, ws1: torch.T
     boxes. Built per launch (host only, no GPU work); a CUDA graph keeps them as parameters."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    cfg = ws.config
-    bk, half, bn = cfg.block_k, cfg.block_n // 2, cfg.block_n
+    boxes = descriptor_boxes(ws.config)
 
     def desc(t: torch.Tensor, cols: int, box: list[int]) -> TensorDescriptor:
         return TensorDescriptor.from_tensor(t.view(-1, cols), box)
 
     F = 2 * ws.I
-    w1_box = [bk, bn if cfg.gate_up_interleaved else half]
-    return (desc(w1, F, w1_box), desc(w2, ws.H, [bk, bn]),
-            desc(ws1, F, w1_box) if ws1 is not None else None,
-            desc(ws2, ws.H, [bk, bn]) if ws2 is not None else None,
-            desc(ws.h_LQI, ws.I, [cfg.block_m, bk]))
+    return (desc(w1, F, boxes["w1_desc"]), desc(w2, ws.H, boxes["w2_desc"]),
+            desc(ws1, F, boxes["ws1_desc"]) if ws1 is not None else None,
+            desc(ws2, ws.H, boxes["ws2_desc"]) if ws2 is not None else None,
+            desc(ws.h_LQI, ws.I, boxes["h_desc"]))
+
+
+def descriptor_boxes(cfg: MoKConfig) -> dict[str, list[int]]:
+    """TMA box (rows, columns) of each descriptor argument of the kernel: weight tiles
+    [BK, BN] ([BK, BN/2] per half when gate/up are split), SwiGLU rows [BM, BK]."""
+    w1 = [cfg.block_k, cfg.block_n if cfg.gate_up_interleaved else cfg.block_n // 2]
+    w2 = [cfg.block_k, cfg.block_n]
+    return {"w1_desc": w1, "w2_desc": w2, "ws1_desc": w1, "ws2_desc": w2,
+            "h_desc": [cfg.block_m, cfg.block_k]}
 
 
 def kernel_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots: int,

@@ -77,7 +77,7 @@ def compile_megakernel(config: MoKConfig, hidden: int, intermediate: int, *, top
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from mok_kernels._details.forward import kernel_constants
+    from mok_kernels._details.forward import descriptor_boxes, kernel_constants
     from mok_kernels._details.tl_mega import mok_forward_kernel as kern
 
     cfg = config
@@ -85,10 +85,7 @@ def compile_megakernel(config: MoKConfig, hidden: int, intermediate: int, *, top
     consts = kernel_constants(cfg, hidden=hidden, intermediate=intermediate,
                               slots=topk + int(shared), shared=shared, programs=programs,
                               comm=comm_programs)
-    w1_cols = cfg.block_n if cfg.gate_up_interleaved else cfg.block_n // 2
-    descs = {"w1_desc": [cfg.block_k, w1_cols], "w2_desc": [cfg.block_k, cfg.block_n],
-             "ws1_desc": [cfg.block_k, w1_cols], "ws2_desc": [cfg.block_k, cfg.block_n],
-             "h_desc": [cfg.block_m, cfg.block_k]}
+    descs = descriptor_boxes(cfg)
     sig: dict[str, str] = {}
     constexprs: dict[tuple[int, ...], object] = {}
     for i, name in enumerate(kern.arg_names):

@@ -34,6 +34,15 @@ def quant_hook(v, QUANT: tl.constexpr):
 
 
 @triton.jit
+def _a_tile(a_row_ptrs, a_mask, k, offs_k, MASK_A: tl.constexpr):
+    """The [BM, BK] A tile at reduction offset k from per-row pointers (masked rows read 0)."""
+    ptrs = a_row_ptrs[:, None] + (k + offs_k)[None, :]
+    if MASK_A:
+        return tl.load(ptrs, mask=a_mask[:, None], other=0.0)
+    return tl.load(ptrs)
+
+
+@triton.jit
 def gate_up_swiglu_tiles(a_row_ptrs, a_mask, w1, j0, h_row_ptrs, w1_desc, w_row0,
                          H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr,
                          BN: tl.constexpr, BK: tl.constexpr, GJ: tl.constexpr,
@@ -63,11 +72,7 @@ def gate_up_swiglu_tiles(a_row_ptrs, a_mask, w1, j0, h_row_ptrs, w1_desc, w_row0
             wcols = (j0 + jj) * BN + tl.arange(0, BN)
             acc = tl.zeros((BM, BN), dtype=tl.float32)
             for k in range(0, H, BK):
-                if MASK_A:
-                    a = tl.load(a_row_ptrs[:, None] + (k + offs_k)[None, :],
-                                mask=a_mask[:, None], other=0.0)
-                else:
-                    a = tl.load(a_row_ptrs[:, None] + (k + offs_k)[None, :])
+                a = _a_tile(a_row_ptrs, a_mask, k, offs_k, MASK_A)
                 if TMA:
                     b = w1_desc.load([w_row0 + k, (j0 + jj) * BN])
                 else:
@@ -78,11 +83,7 @@ def gate_up_swiglu_tiles(a_row_ptrs, a_mask, w1, j0, h_row_ptrs, w1_desc, w_row0
             acc_g = tl.zeros((BM, HALF), dtype=tl.float32)
             acc_u = tl.zeros((BM, HALF), dtype=tl.float32)
             for k in range(0, H, BK):
-                if MASK_A:
-                    a = tl.load(a_row_ptrs[:, None] + (k + offs_k)[None, :],
-                                mask=a_mask[:, None], other=0.0)
-                else:
-                    a = tl.load(a_row_ptrs[:, None] + (k + offs_k)[None, :])
+                a = _a_tile(a_row_ptrs, a_mask, k, offs_k, MASK_A)
                 if TMA:
                     bg = w1_desc.load([w_row0 + k, (j0 + jj) * HALF])
                     bu = w1_desc.load([w_row0 + k, I + (j0 + jj) * HALF])
