@@ -207,6 +207,8 @@ def plan(
     tokens: int = typer.Option(16384, help="tokens per rank (for --build's defaults)"),
     topk: int = typer.Option(8, help="top-k (for --build)"),
     world_size: int = typer.Option(1, help="EP ranks (for --build's defaults)"),
+    experts: int = typer.Option(None, help="routed experts in all (for --build's defaults; "
+                                "unset: one tile per work item)"),
 ) -> None:
     """Minibatch lower bound (two waves of gate+up tiles) and ring memory for MoK; with
     --build, how the mok backend's kernel (its defaults for this shape, then
@@ -224,20 +226,24 @@ def plan(
         console.print(str(mok_plan(hidden=hidden, intermediate=intermediate, num_sms=sms,
                                    comm_sms=comm_sms, block_m=block_m, block_n=block_n)))
         if build is not None:
+            if experts is not None and (experts < world_size or experts % world_size):
+                _fail(f"experts={experts} is invalid: allowed a multiple of world_size "
+                      f"({world_size})")
+            local = None if experts is None else experts // world_size
             console.print(_build_report(build, hidden, intermediate, tokens, topk, sms,
-                                        world_size))
+                                        world_size, local))
     except ValueError as exc:
         _fail(str(exc))
 
 
 def _build_report(arch: int, hidden: int, intermediate: int, tokens: int, topk: int, sms: int,
-                  world_size: int) -> str:
+                  world_size: int, local_experts: int | None = None) -> str:
     """One paragraph: the mok backend's config for the shape and how its kernel compiles."""
     from mok_kernels import compile_megakernel
     from mokbench.mok_backend import config_from_env, default_config_fields
 
     cfg = config_from_env(hidden, intermediate, default_config_fields(
-        hidden, intermediate, tokens, topk, sms, world_size))
+        hidden, intermediate, tokens, topk, sms, world_size, local_experts, arch))
     lw = compile_megakernel(cfg, hidden, intermediate, topk=topk,
                             comm_programs=cfg.fwd_comm_sms, programs=sms, arch=arch)
     return "\n".join([

@@ -22,7 +22,8 @@ CONFIG_ENV = "MOKBENCH_MOK_CONFIG"
 
 
 def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int,
-                          num_sms: int, world_size: int = 1) -> dict:
+                          num_sms: int, world_size: int = 1,
+                          local_experts: int | None = None, arch: int = 90) -> dict:
     """Minibatch from the two-waves rule (at least 4096 rows, measured better than 2176 on
     H200; at most the rows one rank can hold), three ring slots. One rank: no communication
     programs (the GEMM tiles gather and scatter rows themselves); several: 16 programs pull
@@ -35,15 +36,30 @@ def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int
     MMA per gate+up tile): 20.162 against 20.747 ms, 8.857 against 9.096, 2.558 against 2.682
     (results/20261129-221741-h200-mok-layout); with a fourth pipeline stage 20.036, 8.472 and
     2.557 (results/20261129-221920-h200-mok-layout). The backend keeps its gate+up weights in
-    that layout (converted once at setup)."""
+    that layout (converted once at setup).
+
+    The schedule goes through torch.compile: 20.109 / 20.138 / 20.153 against 20.218 /
+    20.252 / 20.227 ms at 48 x 16384 in three runs, 8.872 against 8.880 at 384 x 4096
+    (results/20261129-231608-h200-mok-items, results/20261129-233458-h200-mok-e48,
+    results/20261129-233703-h200-mok-e48). Two gate+up and two down tiles per work item
+    where experts are well loaded (at least 2048 rows per local expert on average, i.e.
+    tokens x topk / local_experts): 20.139 / 20.127 / 20.102 against the same three at
+    48 x 16384 (2731 rows per expert), and with the compiled schedule 19.953 / 20.027; at
+    384 x 4096 (85 rows per expert) 9.014 against 8.880, so one tile there. Between the two
+    points it is unmeasured; 2048 keeps the rule to the measured side. Without
+    ``local_experts`` the rule is off, and on Blackwell (``arch`` 100 and up: compute
+    capability x 10) too: unmeasured there, and its sm_100 build spills 40 bytes."""
     from mok_kernels import plan
 
     bound = plan(hidden, intermediate, num_sms, 0).minibatch
     rows = tokens * (topk + 1)
     mb = max(4096, bound)
     mb = min(mb, -(-rows // 128) * 128)
+    loaded = bool(local_experts) and tokens * topk >= 2048 * local_experts
+    tiles = 2 if loaded and arch < 100 else 1
     return {"minibatch": mb, "macrobatch": 3 * mb, "fwd_comm_sms": 0 if world_size == 1 else 16,
-            "tma": True, "gate_up_interleaved": True, "num_stages": 4}
+            "tma": True, "gate_up_interleaved": True, "num_stages": 4,
+            "compile_schedule": True, "gate_up_tiles": tiles, "down_tiles": tiles}
 
 
 def graph_option(options: dict | None = None) -> bool:
@@ -102,9 +118,10 @@ class MoKBackend(BackendBase):
 
         s = scenario.shape
         dev = torch.device(ctx.device)
-        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        props = torch.cuda.get_device_properties(dev)
         defaults = default_config_fields(s.hidden, s.intermediate, scenario.tokens_per_rank,
-                                         s.topk, sms, ctx.world_size)
+                                         s.topk, props.multi_processor_count, ctx.world_size,
+                                         scenario.local_experts, 10 * props.major + props.minor)
         options = ctx.extra.get("options", {})
         self.config = config_from_env(s.hidden, s.intermediate, defaults, options)
         group = ctx.group if ctx.world_size > 1 else None
@@ -135,7 +152,8 @@ class MoKBackend(BackendBase):
         a bad knob is a one-line error before launch (SM count assumed 132 when no GPU)."""
         s = scenario.shape
         defaults = default_config_fields(s.hidden, s.intermediate, scenario.tokens_per_rank,
-                                         s.topk, 132, scenario.world_size)
+                                         s.topk, 132, scenario.world_size,
+                                         scenario.local_experts)
         config_from_env(s.hidden, s.intermediate, defaults, options)
 
     def forward(self, x_TH, topk_idx_TK, topk_weights_TK):

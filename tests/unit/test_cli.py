@@ -44,6 +44,8 @@ def test_plan_build_reports_how_the_kernel_compiles(monkeypatch):
     assert "200 registers" in r.output and "m64n128k16" in r.output
     r = runner.invoke(app, ["plan", "--build", "80"])
     assert r.exit_code == 2 and "build=80 is invalid: allowed 90 | 100" in r.output
+    r = runner.invoke(app, ["plan", "--build", "90", "--experts", "3", "--world-size", "2"])
+    assert r.exit_code == 2 and "experts=3 is invalid" in r.output, r.output
 
 
 def test_report_rejects_bad_format_and_missing_run(tmp_path):

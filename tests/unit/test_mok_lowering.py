@@ -16,14 +16,20 @@ H, I = 7168, 2048
 SMEM_LIMIT = 232448  # bytes of shared memory one block may use on H100/H200 (227 KB)
 
 
-def _defaults(world_size: int = 1) -> mk.MoKConfig:
-    return mk.MoKConfig.for_shape(H, I, **default_config_fields(H, I, 16384, 8, 132,
-                                                                world_size))
+def _defaults(world_size: int = 1, experts: int = 48, tokens: int = 16384,
+              arch: int = 90) -> mk.MoKConfig:
+    return mk.MoKConfig.for_shape(H, I, **default_config_fields(
+        H, I, tokens, 8, 132, world_size, experts // world_size, arch))
 
 
-@pytest.mark.parametrize("world_size, shared", [(1, False), (2, True)])
-def test_hopper_build_of_the_defaults(world_size, shared):
-    cfg = _defaults(world_size)
+@pytest.mark.parametrize("world_size, shared, experts, tokens, tiles", [
+    (1, False, 48, 16384, 2),   # well loaded: two tiles per work item, one flattened loop
+    (2, True, 48, 16384, 2),
+    (1, False, 384, 4096, 1),   # 85 rows per expert: one tile
+])
+def test_hopper_build_of_the_defaults(world_size, shared, experts, tokens, tiles):
+    cfg = _defaults(world_size, experts, tokens)
+    assert (cfg.gate_up_tiles, cfg.down_tiles) == (tiles, tiles)
     lw = mk.compile_megakernel(cfg, H, I, shared=shared, comm_programs=cfg.fwd_comm_sms)
     assert lw.shared_bytes <= SMEM_LIMIT
     assert not lw.spills, lw.ptxas_log
@@ -37,6 +43,7 @@ def test_hopper_build_of_the_defaults(world_size, shared):
 
 
 def test_blackwell_build_of_the_defaults():
-    cfg = _defaults(2)
+    cfg = _defaults(2, arch=100)
+    assert (cfg.gate_up_tiles, cfg.down_tiles) == (1, 1)  # the tile rule is Hopper's
     lw = mk.compile_megakernel(cfg, H, I, shared=True, comm_programs=cfg.fwd_comm_sms, arch=100)
     assert "tcgen05.mma" in lw.ptx and not lw.spills, lw.ptxas_log
