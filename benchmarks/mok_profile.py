@@ -2,10 +2,15 @@
 same rows) for Nsight Compute: where the GEMM time goes (tensor-pipe, L2 and DRAM throughput,
 warp stalls). Warm-up calls run first; only the calls between cudaProfilerStart/Stop are seen.
 
-    ncu --clock-control none --profile-from-start off --kernel-name regex:'mok_forward|gemm|Gemm' \\
+    ncu --clock-control none --profile-from-start off \\
+        --kernel-name regex:'mok_forward|device_kernel|gemm|Gemm' \\
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \\
         --section WarpStateStats --csv --page raw \\
         python benchmarks/mok_profile.py --config '{"gate_up_interleaved": true}' > prof.csv
+
+torch's grouped GEMM on Hopper is a CUTLASS 3 kernel (ATen's GroupMM.cu), named
+``cutlass::device_kernel<...>``; ``gemm|Gemm`` alone catches only its ``prepare_grouped_gemm``
+helpers.
 
 Legend: T tokens, E experts, H hidden, I intermediate, K top-k (no shared expert: the
 48 x 16384 point of the one-GPU sweeps).
