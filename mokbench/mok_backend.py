@@ -145,16 +145,23 @@ class MoKBackend(BackendBase):
                         f"gate_up_tiles={c.gate_up_tiles},num_stages={c.num_stages},"
                         f"interleaved={int(c.gate_up_interleaved)},"
                         f"prefetch={int(c.prefetch_ticket)},"
-                        f"compiled_schedule={int(c.compile_schedule)}")
+                        f"compiled_schedule={int(c.compile_schedule)},"
+                        f"fused_sum={int(c.fused_sum)}")
 
     def validate_options(self, scenario, options: dict) -> None:
         """Build the configuration a variant asks for (``mok@minibatch=512``) on the host, so
         a bad knob is a one-line error before launch (SM count assumed 132 when no GPU)."""
+        from mok_kernels import MoKConfigError
+
         s = scenario.shape
         defaults = default_config_fields(s.hidden, s.intermediate, scenario.tokens_per_rank,
                                          s.topk, 132, scenario.world_size,
                                          scenario.local_experts)
-        config_from_env(s.hidden, s.intermediate, defaults, options)
+        cfg = config_from_env(s.hidden, s.intermediate, defaults, options)
+        if cfg.fused_sum and scenario.world_size > 1:
+            raise MoKConfigError(f"fused_sum=True is invalid at world_size "
+                                 f"{scenario.world_size}: allowed only at world_size 1 (every "
+                                 "combine slot in one process)")
 
     def forward(self, x_TH, topk_idx_TK, topk_weights_TK):
         import mok_kernels

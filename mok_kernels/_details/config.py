@@ -65,6 +65,12 @@ class MoKConfig:
         starts (one L2 atomic round trip per item off the critical path).
     compile_schedule: build the schedule through ``torch.compile`` (the same ops, fused into
         a few kernels instead of about fifty small launches; compiled once per shape).
+    fused_sum: the router-weighted sum over k runs inside the megakernel: each down item
+        counts its rows' arrivals per (token, column tile) and the item that brings a count
+        to S sums that token's S slots in fixed k order and writes y, so the sum overlaps the
+        GEMMs instead of running as a separate pass over [T, S, H] after them. Bitwise
+        reproducible like the separate pass. Needs ``fwd_comm_sms`` 0 and one process (one
+        rank or loopback ranks: every slot is in local memory).
     """
 
     fwd_comm_sms: int = 0
@@ -83,6 +89,7 @@ class MoKConfig:
     gate_up_interleaved: bool = False
     prefetch_ticket: bool = False
     compile_schedule: bool = False
+    fused_sum: bool = False
 
     def __post_init__(self) -> None:
         _check(isinstance(self.fwd_comm_sms, int) and 0 <= self.fwd_comm_sms <= 64,
@@ -116,6 +123,9 @@ class MoKConfig:
                "true | false")
         _check(isinstance(self.compile_schedule, bool), "compile_schedule",
                self.compile_schedule, "true | false")
+        _check(isinstance(self.fused_sum, bool), "fused_sum", self.fused_sum, "true | false")
+        _check(not (self.fused_sum and self.fwd_comm_sms), "fused_sum", self.fused_sum,
+               "false when fwd_comm_sms > 0 (the summing items are the GEMM programs')")
 
     @property
     def ring_slots(self) -> int:

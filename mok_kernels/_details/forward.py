@@ -112,15 +112,19 @@ def kernel_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots: i
         DT=cfg.down_tiles if (H // cfg.block_n) % cfg.down_tiles == 0 else 1,
         GJ=cfg.gate_up_tiles if (2 * I // cfg.block_n) % cfg.gate_up_tiles == 0 else 1,
         CR=max(1, 4096 // ch), CH=ch, QUANT=0, F32_DOT=interpreting, TMA=cfg.tma,
-        INTERLEAVED=cfg.gate_up_interleaved, PREFETCH=cfg.prefetch_ticket)
+        INTERLEAVED=cfg.gate_up_interleaved, PREFETCH=cfg.prefetch_ticket,
+        K=slots - int(shared), FUSED_SUM=cfg.fused_sum)
 
 
 def launch_megakernel(ws: Workspace, st: ScheduleTensors, w1: torch.Tensor, w2: torch.Tensor,
                       ws1: torch.Tensor | None, ws2: torch.Tensor | None, withhold: int = 0,
                       programs: tuple[int, int] | None = None,
-                      x_LTH: torch.Tensor | None = None) -> None:
+                      x_LTH: torch.Tensor | None = None, y_NH: torch.Tensor | None = None,
+                      p_NK: torch.Tensor | None = None) -> None:
     """One persistent launch for all L logical ranks (grid = SMs, split among them).
-    ``x_LTH``: where the token rows are read (default: the workspace's token buffer)."""
+    ``x_LTH``: where the token rows are read (default: the workspace's token buffer).
+    ``y_NH`` / ``p_NK`` (N = L*T; ``fused_sum`` only): the output and the fp32 router
+    weights."""
     from mok_kernels._details.tl_mega import mok_forward_kernel
 
     cfg = ws.config
@@ -131,7 +135,9 @@ def launch_megakernel(ws: Workspace, st: ScheduleTensors, w1: torch.Tensor, w2: 
         ws.x_LTH if x_LTH is None else x_LTH, ws.x_tab_R, ws.comb_LTSH, ws.comb_tab_R,
         st.src_LP, st.group_LB, st.total_L,
         ws.ring_LQH, ws.h_LQI, ws.out_LQH, ws.counters_LC, ws.errors_L4,
-        w1, w2, ws1 if ws1 is not None else w1, ws2 if ws2 is not None else w2, *descs,
+        ws.x_LTH if y_NH is None else y_NH,
+        torch.empty(1, dtype=torch.float32, device=ws.device) if p_NK is None else p_NK,
+        ws.sums_LTJ, w1, w2, ws1 if ws1 is not None else w1, ws2 if ws2 is not None else w2, *descs,
         ws.T, ws.E, ws.P, ws.Q, ws.counters_LC.shape[1], ws.mmax, cfg.spin_budget, withhold,
         **kernel_constants(cfg, hidden=ws.H, intermediate=ws.I, slots=ws.S, shared=ws.shared,
                            programs=progs, comm=comm, interpreting=_interpreting()),
@@ -206,6 +212,13 @@ def forward(config: MoKConfig, ws: Workspace, schedule: Schedule, x_TH: torch.Te
     _check_weights(ws, w_gate_up, w_down, shared_gate_up, shared_down)
     x_src = _token_source(ws, x_TH)
     ws.counters_LC.zero_()
+    if config.fused_sum:  # the megakernel writes y itself (every slot is in this process)
+        ws.sums_LTJ.zero_()
+        y_NH = torch.empty(L * T, H, dtype=torch.bfloat16, device=ws.device)
+        p_NK = topk_weights_TK.to(torch.float32).contiguous()
+        launch_megakernel(ws, schedule.tensors, w_gate_up, w_down, shared_gate_up,
+                          shared_down, _withhold, x_LTH=x_src, y_NH=y_NH, p_NK=p_NK)
+        return y_NH
     ws.barrier()
     launch_megakernel(ws, schedule.tensors, w_gate_up, w_down, shared_gate_up, shared_down,
                       _withhold, x_LTH=x_src)

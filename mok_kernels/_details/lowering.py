@@ -19,6 +19,7 @@ from mok_kernels._details.config import MoKConfig
 _POINTERS = {"x_base": "*bf16", "x_tab": "*i64", "comb_base": "*bf16", "comb_tab": "*i64",
              "src_ptr": "*i32", "group_ptr": "*i32", "total_ptr": "*i32", "ring_ptr": "*bf16",
              "h_ptr": "*bf16", "out_ptr": "*bf16", "ctr_ptr": "*i32", "err_ptr": "*i32",
+             "y_ptr": "*bf16", "p_ptr": "*fp32", "sum_ptr": "*i32",
              "w1_ptr": "*bf16", "w2_ptr": "*bf16", "ws1_ptr": "*bf16", "ws2_ptr": "*bf16"}
 
 

@@ -5,6 +5,11 @@ T tokens per rank, S combine slots per token, P schedule rows, Q ring rows (macr
 MB minibatch rows, BM/BN/BK tiles, N1 = I/(BN/2) gate+up tiles and N2 = H/BN down tiles per
 row block, NBM = MB/BM row blocks per minibatch, MMAX = P/MB minibatches at most.
 
+With FUSED_SUM (one process, COMM = 0) each down item also counts, per (token, column
+item), how many of the token's S slots have arrived (``sums``, zeroed before the launch); the
+item whose increment completes a count sums the token's S slots in fixed k order for its
+columns and writes y, so the router-weighted sum needs no pass of its own.
+
 Counters of one logical rank (int32, zeroed before the launch):
     [0]                   compute ticket
     [1 + m]               dispatch_done[m]  (+1 per communication program)
@@ -201,11 +206,49 @@ def _gate_up_item(m, b, j, lr, src, grp, total, ring, hbuf, ctr, err, x_base, x_
 
 
 @triton.jit
+def _sum_arrived(src, rows, rmask, jd, comb_base, comb_tab, y_ptr, p_ptr, sums, T,
+                 H: tl.constexpr, S: tl.constexpr, K: tl.constexpr, BM: tl.constexpr,
+                 BN: tl.constexpr, DT: tl.constexpr):
+    """After a down item stored its rows' columns [jd*DT*BN, (jd+1)*DT*BN) into their combine
+    slots: count each row's arrival for its token (acq_rel, after a CTA barrier so every
+    thread's stores come first); for the rows whose arrival was the token's S-th, sum the
+    token's S slots in k order (fp32; the shared slot unweighted) and write those y columns.
+    Tokens are numbered n = r*T + t over the launch's ranks; slot (n, k) is comb row
+    comb_tab[r] + (t*S + k)*H, as in ``_slot_rows``."""
+    NJ: tl.constexpr = H // BN  # row stride of sums ([L*T, H/BN]; items use the first H/BN/DT)
+    SUB: tl.constexpr = 64 if BN > 64 else BN  # columns summed at once (register pressure)
+    s = tl.load(src + rows, mask=rmask, other=-1)
+    valid = s >= 0
+    n = (tl.maximum(s, 0) // S).to(tl.int64)
+    tl.debug_barrier()
+    old = tl.atomic_add(sums + n * NJ + jd, 1, mask=valid, sem="acq_rel", scope="gpu")
+    last = valid & (old == S - 1)
+    tl.debug_barrier()  # the loads below come after the acquiring thread's atomic
+    if tl.max(last.to(tl.int32), 0) > 0:
+        off = tl.load(comb_tab + n // T, mask=last, other=0)
+        slot0 = comb_base + off + (n % T) * (S * H)
+        for c0 in tl.static_range(0, DT * BN, SUB):
+            cols = jd * (DT * BN) + c0 + tl.arange(0, SUB)
+            acc = tl.zeros((BM, SUB), dtype=tl.float32)
+            for k in range(K):  # not unrolled: one slot's loads in flight (registers)
+                pk = tl.load(p_ptr + n * K + k, mask=last, other=0.0)
+                v = tl.load(slot0[:, None] + k * H + cols[None, :], mask=last[:, None],
+                            other=0.0, cache_modifier=".cg")
+                acc += pk[:, None] * v.to(tl.float32)
+            if S > K:
+                acc += tl.load(slot0[:, None] + K * H + cols[None, :], mask=last[:, None],
+                               other=0.0, cache_modifier=".cg").to(tl.float32)
+            tl.store(y_ptr + n[:, None] * H + cols[None, :], acc.to(tl.bfloat16),
+                     mask=last[:, None])
+
+
+@triton.jit
 def _down_item(m, b, jd, lr, src, grp, hbuf, outb, ctr, err, comb_base, comb_tab, w2_ptr,
-               ws2_ptr, h_desc, w2_desc, ws2_desc, T, E, Q, MMAX, budget, H: tl.constexpr,
-               I: tl.constexpr, S: tl.constexpr, COMM: tl.constexpr,
-               HAS_SHARED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-               BK: tl.constexpr, DT: tl.constexpr, F32_DOT: tl.constexpr, TMA: tl.constexpr):
+               ws2_ptr, h_desc, w2_desc, ws2_desc, y_ptr, p_ptr, sums, T, E, Q, MMAX, budget,
+               H: tl.constexpr, I: tl.constexpr, S: tl.constexpr, K: tl.constexpr,
+               COMM: tl.constexpr, HAS_SHARED: tl.constexpr, BM: tl.constexpr,
+               BN: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, F32_DOT: tl.constexpr,
+               TMA: tl.constexpr, FUSED_SUM: tl.constexpr):
     """DT consecutive down tiles (column tiles jd*DT ..) of row block b: one wait, one
     signal for all of them (the fixed per-item cost is a few L2 round trips)."""
     ok = wait_geq(ctr + 1 + 3 * MMAX + b, I // (BN // 2), err, budget, _E_ROWBLOCK, b)
@@ -224,6 +267,9 @@ def _down_item(m, b, jd, lr, src, grp, hbuf, outb, ctr, err, comb_base, comb_tab
             valid = rows >= 0
         down_tiles(h_rows, w2, jd * DT, h_desc, h_row0, d2, w_row0, dst, valid, I, H, BM, BN,
                    BK, DT, F32_DOT, TMA)
+        if FUSED_SUM:
+            _sum_arrived(src, rows, rows >= 0, jd, comb_base, comb_tab, y_ptr, p_ptr, sums, T,
+                         H, S, K, BM, BN, DT)
         signal(ctr + 1 + MMAX + m, DT)
     return ok
 
@@ -231,12 +277,13 @@ def _down_item(m, b, jd, lr, src, grp, hbuf, outb, ctr, err, comb_base, comb_tab
 @triton.jit
 def _compute_loop(lr, src, grp, total, ring, hbuf, outb, ctr, err, x_base, x_tab, comb_base,
                   comb_tab, w1_ptr, w2_ptr, ws1_ptr, ws2_ptr, w1_desc, w2_desc, ws1_desc,
-                  ws2_desc, h_desc, T, E, Q, MMAX, budget, withhold,
-                  H: tl.constexpr, I: tl.constexpr, S: tl.constexpr, COMM: tl.constexpr,
-                  HAS_SHARED: tl.constexpr, MB: tl.constexpr, BM: tl.constexpr,
-                  BN: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, GJ: tl.constexpr,
-                  QUANT: tl.constexpr, F32_DOT: tl.constexpr, TMA: tl.constexpr,
-                  INTERLEAVED: tl.constexpr, PREFETCH: tl.constexpr):
+                  ws2_desc, h_desc, y_ptr, p_ptr, sums, T, E, Q, MMAX, budget, withhold,
+                  H: tl.constexpr, I: tl.constexpr, S: tl.constexpr, K: tl.constexpr,
+                  COMM: tl.constexpr, HAS_SHARED: tl.constexpr, MB: tl.constexpr,
+                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr,
+                  GJ: tl.constexpr, QUANT: tl.constexpr, F32_DOT: tl.constexpr,
+                  TMA: tl.constexpr, INTERLEAVED: tl.constexpr, PREFETCH: tl.constexpr,
+                  FUSED_SUM: tl.constexpr):
     """Claim tickets until the work of this logical rank is done (or an error is set).
 
     PREFETCH: claim the next ticket when an item starts, so the atomic's round trip to L2
@@ -267,9 +314,9 @@ def _compute_loop(lr, src, grp, total, ring, hbuf, outb, ctr, err, x_base, x_tab
             b = m * NBM + i2 // N2
             if b * BM < total:
                 ok = _down_item(m, b, i2 % N2, lr, src, grp, hbuf, outb, ctr, err, comb_base,
-                                comb_tab, w2_ptr, ws2_ptr, h_desc, w2_desc, ws2_desc, T, E, Q,
-                                MMAX, budget, H, I, S, COMM, HAS_SHARED, BM, BN, BK, DT,
-                                F32_DOT, TMA)
+                                comb_tab, w2_ptr, ws2_ptr, h_desc, w2_desc, ws2_desc, y_ptr,
+                                p_ptr, sums, T, E, Q, MMAX, budget, H, I, S, K, COMM,
+                                HAS_SHARED, BM, BN, BK, DT, F32_DOT, TMA, FUSED_SUM)
         if PREFETCH:
             tk = tk_next
         else:
@@ -282,6 +329,7 @@ def mok_forward_kernel(
         src_ptr, group_ptr, total_ptr,  # schedule: [L, P] int32, [L, P/BM] int32, [L] int32
         ring_ptr, h_ptr, out_ptr,  # [L, Q, H], [L, Q, I], [L, Q, H] bf16
         ctr_ptr, err_ptr,  # [L, NCTR] int32 counters, [L, 4] int32 error words
+        y_ptr, p_ptr, sum_ptr,  # FUSED_SUM: y [L*T, H] bf16, p [L*T, K] fp32, [L*T, H/BN] i32
         w1_ptr, w2_ptr, ws1_ptr, ws2_ptr,  # [L*E, H, 2I], [L*E, I, H], [H, 2I], [I, H] bf16
         w1_desc, w2_desc, ws1_desc, ws2_desc, h_desc,  # TMA descriptors (None unless TMA)
         T, E, P, Q, NCTR, MMAX, budget, withhold,
@@ -289,7 +337,8 @@ def mok_forward_kernel(
         COMM: tl.constexpr, HAS_SHARED: tl.constexpr, MB: tl.constexpr, BM: tl.constexpr,
         BN: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, GJ: tl.constexpr, CR: tl.constexpr,
         CH: tl.constexpr, QUANT: tl.constexpr, F32_DOT: tl.constexpr, TMA: tl.constexpr,
-        INTERLEAVED: tl.constexpr, PREFETCH: tl.constexpr):
+        INTERLEAVED: tl.constexpr, PREFETCH: tl.constexpr, K: tl.constexpr,
+        FUSED_SUM: tl.constexpr):
     """One persistent program per SM. x_tab/comb_tab hold, for every EP rank r, the element
     offset of rank r's token / combine buffer from x_base / comb_base (peer memory)."""
     pid = tl.program_id(0)
@@ -310,15 +359,15 @@ def mok_forward_kernel(
         else:
             _compute_loop(lr, src, grp, total, ring, hbuf, outb, ctr, err, x_base, x_tab,
                           comb_base, comb_tab, w1_ptr, w2_ptr, ws1_ptr, ws2_ptr, w1_desc,
-                          w2_desc, ws1_desc, ws2_desc, h_desc, T, E, Q, MMAX, budget,
-                          withhold, H, I, S, COMM, HAS_SHARED, MB, BM, BN, BK, DT, GJ, QUANT,
-                          F32_DOT, TMA, INTERLEAVED, PREFETCH)
+                          w2_desc, ws1_desc, ws2_desc, h_desc, y_ptr, p_ptr, sum_ptr, T, E, Q,
+                          MMAX, budget, withhold, H, I, S, K, COMM, HAS_SHARED, MB, BM, BN,
+                          BK, DT, GJ, QUANT, F32_DOT, TMA, INTERLEAVED, PREFETCH, FUSED_SUM)
     else:
         _compute_loop(lr, src, grp, total, ring, hbuf, outb, ctr, err, x_base, x_tab,
                       comb_base, comb_tab, w1_ptr, w2_ptr, ws1_ptr, ws2_ptr, w1_desc, w2_desc,
-                      ws1_desc, ws2_desc, h_desc, T, E, Q, MMAX, budget, withhold, H, I, S,
-                      COMM, HAS_SHARED, MB, BM, BN, BK, DT, GJ, QUANT, F32_DOT, TMA, INTERLEAVED,
-                      PREFETCH)
+                      ws1_desc, ws2_desc, h_desc, y_ptr, p_ptr, sum_ptr, T, E, Q, MMAX, budget,
+                      withhold, H, I, S, K, COMM, HAS_SHARED, MB, BM, BN, BK, DT, GJ, QUANT,
+                      F32_DOT, TMA, INTERLEAVED, PREFETCH, FUSED_SUM)
 
 
 @triton.jit

@@ -58,6 +58,7 @@ class Workspace:
     out_LQH: torch.Tensor
     counters_LC: torch.Tensor
     errors_L4: torch.Tensor
+    sums_LTJ: torch.Tensor  # fused_sum: arrivals per (token, down column tile), int32
     handle: Any = None  # symmetric-memory handle (real EP) or None
     sched: ScheduleTensors | None = None
     extra: dict = field(default_factory=dict)
@@ -106,6 +107,8 @@ def _local_buffers(config: MoKConfig, L: int, T: int, H: int, I: int, P: int, Q:
         "counters_LC": torch.zeros(L, counters_per_rank(P, config), dtype=torch.int32,
                                    device=dev),
         "errors_L4": torch.zeros(L, 4, dtype=torch.int32, device=dev),
+        "sums_LTJ": torch.zeros((L, T, H // config.block_n) if config.fused_sum else (1,),
+                                dtype=torch.int32, device=dev),
     }
 
 
@@ -166,6 +169,9 @@ def get_workspace(config: MoKConfig, *, tokens: int, hidden: int, intermediate: 
         import torch.distributed as dist
 
         world = dist.get_world_size(group)
+    if config.fused_sum and world > 1:
+        raise ValueError(f"fused_sum=True is invalid for an EP group of {world} ranks: allowed "
+                         "one process (one rank or loopback ranks)")
     if loopback_ranks is not None and world > 1:
         raise ValueError("loopback_ranks is for one process; got a group of "
                          f"{world} ranks too")

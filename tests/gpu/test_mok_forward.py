@@ -139,6 +139,43 @@ def test_prefetched_tickets_match_reference_and_rerun_bitwise(comm, ranks):
     assert rel_err(y1, reference(x, idx, p, w)) < 1e-2 and torch.equal(y1, y2)
 
 
+@pytest.mark.parametrize("ranks, shared, tiles, topk", [(1, False, 2, 8), (2, True, 1, 4),
+                                                       (4, True, 2, 10)])
+def test_fused_sum_matches_reference_and_unfused(ranks, shared, tiles, topk):
+    """fused_sum: the last down item of each (token, column tile) writes y; against the
+    reference, against the separate weighted-sum pass, bitwise on a rerun, and every
+    (token, column item) counted exactly S times."""
+    kw = dict(minibatch=256, macrobatch=768, tma=True, gate_up_interleaved=True, num_stages=4,
+              down_tiles=tiles, gate_up_tiles=tiles)
+    fused = mk.MoKConfig.for_shape(4096, 1024, fused_sum=True, **kw)
+    x, idx, p, w = make_layer(ranks, 256, 4096, 1024, 4, topk, shared=shared, seed=17)
+    w_il = (mk.interleave_gate_up(w[0]), w[1],
+            mk.interleave_gate_up(w[2]) if shared else None, w[3])
+    y1, ws = run_mok(fused, ranks, x, idx, p, w_il, 4)
+    y2, _ = run_mok(fused, ranks, x, idx, p, w_il, 4)
+    y0, _ = run_mok(mk.MoKConfig.for_shape(4096, 1024, **kw), ranks, x, idx, p, w_il, 4)
+    mk.check_errors(ws)
+    assert rel_err(y1, reference(x, idx, p, w)) < 1e-2 and torch.equal(y1, y2)
+    assert (y1.float() - y0.float()).abs().max().item() <= 2 ** -6 * y0.float().abs().max()
+    used = 4096 // 256 // tiles
+    assert (ws.sums_LTJ[:, :, :used] == topk + int(shared)).all()
+
+
+def test_fused_sum_cuda_graph_replay_equals_eager():
+    cfg = mk.MoKConfig.for_shape(2048, 256, minibatch=256, macrobatch=768, fused_sum=True)
+    L, T, E, K = 2, 256, 4, 4
+    x, idx, p, w = make_layer(L, T, 2048, 256, E, K, seed=21)
+    gf = mk.GraphedForward(cfg, mk.get_workspace(
+        cfg, tokens=T, hidden=2048, intermediate=256, local_experts=E, topk=K, shared=True,
+        device=DEV, loopback_ranks=L), w)
+    gf(x, idx, p)
+    x2, idx2, p2, _ = make_layer(L, T, 2048, 256, E, K, seed=22)
+    replayed = gf(x2, idx2, p2)
+    eager, ws = run_mok(cfg, L, x2, idx2, p2, w, E)
+    mk.check_errors(ws)
+    assert torch.equal(replayed, eager)
+
+
 @pytest.mark.parametrize("hidden", [4096, 6144, 7168])
 def test_hidden_sizes(hidden):
     check(mk.MoKConfig.for_shape(hidden, 256, minibatch=256, macrobatch=768), 1, 256, hidden,

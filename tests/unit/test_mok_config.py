@@ -19,6 +19,8 @@ from mok_kernels import MoKConfig, MoKConfigError, plan
     ({"num_warps": 2}, "num_warps"),
     ({"num_stages": 0}, "num_stages"),
     ({"spin_budget": 0}, "spin_budget"),
+    ({"fused_sum": 1}, "fused_sum"),
+    ({"fused_sum": True, "fwd_comm_sms": 8}, "fused_sum"),
 ])
 def test_bad_field_names_field_and_allowed(fields, name):
     with pytest.raises(MoKConfigError) as info:

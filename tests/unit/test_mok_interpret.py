@@ -5,7 +5,8 @@ programs can run there (program 0 claims every ticket in order, so each wait is 
 Both weight paths run: pointer loads and TMA tensor descriptors (``tma``), with one and with
 two tiles per work item (``down_tiles``, ``gate_up_tiles``: the flattened tile loops), and
 with the gate/up columns interleaved (``gate_up_interleaved``: one dot, split in registers),
-and with the next ticket claimed early (``prefetch_ticket``).
+with the next ticket claimed early (``prefetch_ticket``), and with the router-weighted sum
+inside the kernel (``fused_sum``).
 The interpreter truncates fp32 -> bf16 (the GPU rounds to nearest), hence the looser bound.
 """
 
@@ -38,15 +39,17 @@ SCRIPT = textwrap.dedent("""
         return y
 
     cases = [(1, 24, 4, 2, True), (2, 13, 3, 2, True), (3, 8, 2, 1, False)]
-    knobs = [(False, 1, False, False), (True, 1, False, False), (False, 2, False, False),
-             (True, 2, False, True), (False, 1, True, True), (True, 2, True, False)]
-    for (L, T, E, K, shared), (tma, nt, il, pf) in [(c, kn) for kn in knobs for c in cases]:
+    knobs = [(False, 1, False, False, False), (True, 1, False, False, False),
+             (False, 2, False, False, False), (True, 2, False, True, False),
+             (False, 1, True, True, False), (True, 2, True, False, False),
+             (False, 1, False, False, True), (True, 2, True, False, True)]
+    for (L, T, E, K, shared), (tma, nt, il, pf, fs) in [(c, kn) for kn in knobs for c in cases]:
         torch.manual_seed(L)
         H, I = 64, 32
         cfg = mk.MoKConfig(minibatch=32, macrobatch=64, block_m=16, block_n=32, block_k=16,
                            num_warps=4, num_stages=1, spin_budget=1000, tma=tma,
                            down_tiles=nt, gate_up_tiles=nt, gate_up_interleaved=il,
-                           prefetch_ticket=pf)
+                           prefetch_ticket=pf, fused_sum=fs)
         ws = mk.get_workspace(cfg, tokens=T, hidden=H, intermediate=I, local_experts=E,
                               topk=K, shared=shared, device="cpu", loopback_ranks=L)
         x = torch.randn(L * T, H).bfloat16()
@@ -62,8 +65,10 @@ SCRIPT = textwrap.dedent("""
         mk.check_errors(ws)
         r = ref(x, idx, p, w1, w2, ws1, ws2)
         err = ((y.float() - r).norm() / r.norm()).item()
-        assert err < 2e-2, (L, tma, nt, il, pf, err)
-        print("ok", L, tma, nt, il, pf, err)
+        assert err < 2e-2, (L, tma, nt, il, pf, fs, err)
+        if fs:  # every token's every column tile was summed exactly once
+            assert (ws.sums_LTJ[:, :, :H // 32 // nt] == K + int(shared)).all(), ws.sums_LTJ
+        print("ok", L, tma, nt, il, pf, fs, err)
 """)
 
 
@@ -73,4 +78,4 @@ def test_forward_in_interpreter_matches_reference():
     out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("ok") == 18
+    assert out.stdout.count("ok") == 24

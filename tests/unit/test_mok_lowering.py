@@ -42,6 +42,16 @@ def test_hopper_build_of_the_defaults(world_size, shared, experts, tokens, tiles
     assert mmas == {"wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16"}, mmas
 
 
+def test_hopper_build_with_the_sum_inside():
+    """fused_sum at 48 x 16384 (two tiles per item): the summing code after the down tiles
+    keeps the build free of spills and serialised MMAs."""
+    cfg = mk.MoKConfig.for_shape(H, I, **{**default_config_fields(H, I, 16384, 8, 132, 1, 48),
+                                          "fused_sum": True})
+    lw = mk.compile_megakernel(cfg, H, I)
+    assert lw.shared_bytes <= SMEM_LIMIT
+    assert not lw.spills and not lw.mma_serialized, lw.ptxas_log
+
+
 def test_blackwell_build_of_the_defaults():
     cfg = _defaults(2, arch=100)
     assert (cfg.gate_up_tiles, cfg.down_tiles) == (1, 1)  # the tile rule is Hopper's

@@ -52,6 +52,20 @@ def test_bad_variants_fail_before_launch(label, needle):
     assert needle in str(e.value) and "\n" not in str(e.value)
 
 
+def test_fused_sum_refused_across_processes():
+    sw = _sweep(["mok@fused_sum=true"])
+    assert [c.backend for c in expand(sw, 1).cells] == ["mok@fused_sum=true"]
+    sw["world_sizes"] = [2]
+    with pytest.raises(ScenarioError) as e:  # 16 communication programs by default there
+        expand(sw, 2)
+    assert "fused_sum=True is invalid: allowed false when fwd_comm_sms > 0" in str(e.value)
+    sw["backends"] = ["mok@fused_sum=true,fwd_comm_sms=0"]
+    with pytest.raises(ScenarioError) as e:
+        expand(sw, 2)
+    assert "fused_sum=True is invalid at world_size 2: allowed only at world_size 1" \
+        in str(e.value)
+
+
 def test_knob_chart_drawn_for_a_minibatch_sweep(tmp_path):
     rows = [new_row(status="ok", backend="nccl_torch", is_baseline=True, median_ms=10.0,
                     scenario_id="s", hidden=7168, intermediate=2048, tflops=1.0,
