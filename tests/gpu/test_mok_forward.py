@@ -148,12 +148,12 @@ def test_fused_sum_matches_reference_and_unfused(ranks, shared, tiles, topk):
     kw = dict(minibatch=256, macrobatch=768, tma=True, gate_up_interleaved=True, num_stages=4,
               down_tiles=tiles, gate_up_tiles=tiles)
     fused = mk.MoKConfig.for_shape(4096, 1024, fused_sum=True, **kw)
-    x, idx, p, w = make_layer(ranks, 256, 4096, 1024, 4, topk, shared=shared, seed=17)
+    x, idx, p, w = make_layer(ranks, 256, 4096, 1024, 12, topk, shared=shared, seed=17)
     w_il = (mk.interleave_gate_up(w[0]), w[1],
             mk.interleave_gate_up(w[2]) if shared else None, w[3])
-    y1, ws = run_mok(fused, ranks, x, idx, p, w_il, 4)
-    y2, _ = run_mok(fused, ranks, x, idx, p, w_il, 4)
-    y0, _ = run_mok(mk.MoKConfig.for_shape(4096, 1024, **kw), ranks, x, idx, p, w_il, 4)
+    y1, ws = run_mok(fused, ranks, x, idx, p, w_il, 12)
+    y2, _ = run_mok(fused, ranks, x, idx, p, w_il, 12)
+    y0, _ = run_mok(mk.MoKConfig.for_shape(4096, 1024, **kw), ranks, x, idx, p, w_il, 12)
     mk.check_errors(ws)
     assert rel_err(y1, reference(x, idx, p, w)) < 1e-2 and torch.equal(y1, y2)
     assert (y1.float() - y0.float()).abs().max().item() <= 2 ** -6 * y0.float().abs().max()
