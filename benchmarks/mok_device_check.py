@@ -150,15 +150,17 @@ def timing(log, T=16384, H=7168, I=2048, E=48, K=8):
 def breakdown(show, ws, cfg, x, idx, p, w):
     """Each stage alone (the others already done once): where the time goes."""
     sched = mk.build_schedule(ws, idx)
+    y = torch.empty_like(x)
+    p32 = p.float().contiguous()
     show("  stage: schedule", bench(lambda: mk.build_schedule(ws, idx)))
     show("  stage: x copy + counter reset", bench(
         lambda: (ws.x_LTH.view(-1, ws.H).copy_(x), ws.counters_LC.zero_())))
 
     def kernel_only():
         ws.counters_LC.zero_()
-        launch_megakernel(ws, sched.tensors, *w)
+        launch_megakernel(ws, sched.tensors, *w, y_NH=y, p_NK=p32)
     show("  stage: megakernel", bench(kernel_only))
-    show("  stage: weighted sum", bench(lambda: weighted_sum(ws, p)))
+    show("  stage: weighted sum", bench(lambda: weighted_sum(ws, p32, y)))
     mk.check_errors(ws)
 
 

@@ -117,14 +117,14 @@ def kernel_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots: i
 
 
 def launch_megakernel(ws: Workspace, st: ScheduleTensors, w1: torch.Tensor, w2: torch.Tensor,
-                      ws1: torch.Tensor | None, ws2: torch.Tensor | None, withhold: int = 0,
+                      ws1: torch.Tensor | None, ws2: torch.Tensor | None, *, y_NH: torch.Tensor,
+                      p_NK: torch.Tensor, withhold: int = 0,
                       programs: tuple[int, int] | None = None,
-                      x_LTH: torch.Tensor | None = None, y_NH: torch.Tensor | None = None,
-                      p_NK: torch.Tensor | None = None) -> None:
+                      x_LTH: torch.Tensor | None = None) -> None:
     """One persistent launch for all L logical ranks (grid = SMs, split among them).
     ``x_LTH``: where the token rows are read (default: the workspace's token buffer).
-    ``y_NH`` / ``p_NK`` (N = L*T; ``fused_sum`` only): the output and the fp32 router
-    weights."""
+    ``y_NH`` / ``p_NK`` (N = L*T): the output and the fp32 router weights, which the kernel
+    reads and writes only with ``fused_sum``."""
     from mok_kernels._details.tl_mega import mok_forward_kernel
 
     cfg = ws.config
@@ -135,26 +135,23 @@ def launch_megakernel(ws: Workspace, st: ScheduleTensors, w1: torch.Tensor, w2: 
         ws.x_LTH if x_LTH is None else x_LTH, ws.x_tab_R, ws.comb_LTSH, ws.comb_tab_R,
         st.src_LP, st.group_LB, st.total_L,
         ws.ring_LQH, ws.h_LQI, ws.out_LQH, ws.counters_LC, ws.errors_L4,
-        ws.x_LTH if y_NH is None else y_NH,
-        torch.empty(1, dtype=torch.float32, device=ws.device) if p_NK is None else p_NK,
-        ws.sums_LTJ, w1, w2, ws1 if ws1 is not None else w1, ws2 if ws2 is not None else w2, *descs,
+        y_NH, p_NK, ws.sums_LTJ,
+        w1, w2, ws1 if ws1 is not None else w1, ws2 if ws2 is not None else w2, *descs,
         ws.T, ws.E, ws.P, ws.Q, ws.counters_LC.shape[1], ws.mmax, cfg.spin_budget, withhold,
         **kernel_constants(cfg, hidden=ws.H, intermediate=ws.I, slots=ws.S, shared=ws.shared,
                            programs=progs, comm=comm, interpreting=_interpreting()),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra)
 
 
-def weighted_sum(ws: Workspace, topk_weights_TK: torch.Tensor) -> torch.Tensor:
-    """y = sum_k p_k * comb[:, k] (+ shared slot), fixed order; [L*T, H] bf16."""
+def weighted_sum(ws: Workspace, p_NK: torch.Tensor, y_NH: torch.Tensor) -> None:
+    """y = sum_k p_k * comb[:, k] (+ shared slot), fixed order, into y_NH [L*T, H] bf16;
+    p_NK [L*T, K] fp32 contiguous."""
     from mok_kernels._details.tl_mega import weighted_sum_kernel
 
     n = ws.L * ws.T
-    y = torch.empty(n, ws.H, dtype=torch.bfloat16, device=ws.device)
     bh = min(1024, 1 << (ws.H - 1).bit_length())
-    p = topk_weights_TK.to(torch.float32).contiguous()
-    weighted_sum_kernel[(n, -(-ws.H // bh))](ws.comb_LTSH, p, y, H=ws.H, K=ws.K, S=ws.S, BH=bh,
-                                             num_warps=4)
-    return y
+    weighted_sum_kernel[(n, -(-ws.H // bh))](ws.comb_LTSH, p_NK, y_NH, H=ws.H, K=ws.K, S=ws.S,
+                                             BH=bh, num_warps=4)
 
 
 def interleave_gate_up(w_gate_up: torch.Tensor) -> torch.Tensor:
@@ -211,16 +208,15 @@ def forward(config: MoKConfig, ws: Workspace, schedule: Schedule, x_TH: torch.Te
                          f"{tuple(topk_weights_TK.shape)}: want {(L * T, H)} / {(L * T, ws.K)}")
     _check_weights(ws, w_gate_up, w_down, shared_gate_up, shared_down)
     x_src = _token_source(ws, x_TH)
+    y_NH = torch.empty(L * T, H, dtype=torch.bfloat16, device=ws.device)
+    p_NK = topk_weights_TK.to(torch.float32).contiguous()
     ws.counters_LC.zero_()
     if config.fused_sum:  # the megakernel writes y itself (every slot is in this process)
         ws.sums_LTJ.zero_()
-        y_NH = torch.empty(L * T, H, dtype=torch.bfloat16, device=ws.device)
-        p_NK = topk_weights_TK.to(torch.float32).contiguous()
-        launch_megakernel(ws, schedule.tensors, w_gate_up, w_down, shared_gate_up,
-                          shared_down, _withhold, x_LTH=x_src, y_NH=y_NH, p_NK=p_NK)
-        return y_NH
     ws.barrier()
     launch_megakernel(ws, schedule.tensors, w_gate_up, w_down, shared_gate_up, shared_down,
-                      _withhold, x_LTH=x_src)
+                      y_NH=y_NH, p_NK=p_NK, withhold=_withhold, x_LTH=x_src)
     ws.barrier()
-    return weighted_sum(ws, topk_weights_TK)
+    if not config.fused_sum:
+        weighted_sum(ws, p_NK, y_NH)
+    return y_NH
