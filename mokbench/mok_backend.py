@@ -48,7 +48,10 @@ def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int
     384 x 4096 (85 rows per expert) 9.014 against 8.880, so one tile there. Between the two
     points it is unmeasured; 2048 keeps the rule to the measured side. Without
     ``local_experts`` the rule is off, and on Blackwell (``arch`` 100 and up: compute
-    capability x 10) too: unmeasured there, and its sm_100 build spills 40 bytes."""
+    capability x 10) too: unmeasured there, and its sm_100 build spills 40 bytes. Four and
+    four rather than two and two (they build for sm_90 without spills): 19.854 against
+    20.050 and 20.007 against 20.222 ms at 48 x 16384 in two runs
+    (results/20261130-003817-h200-mok-e48-tiles, results/20261130-004207-h200-mok-e48-tiles4)."""
     from mok_kernels import plan
 
     bound = plan(hidden, intermediate, num_sms, 0).minibatch
@@ -56,7 +59,7 @@ def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int
     mb = max(4096, bound)
     mb = min(mb, -(-rows // 128) * 128)
     loaded = bool(local_experts) and tokens * topk >= 2048 * local_experts
-    tiles = 2 if loaded and arch < 100 else 1
+    tiles = 4 if loaded and arch < 100 else 1
     return {"minibatch": mb, "macrobatch": 3 * mb, "fwd_comm_sms": 0 if world_size == 1 else 16,
             "tma": True, "gate_up_interleaved": True, "num_stages": 4,
             "compile_schedule": True, "gate_up_tiles": tiles, "down_tiles": tiles}

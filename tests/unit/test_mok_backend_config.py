@@ -24,14 +24,14 @@ def test_defaults_follow_two_waves_and_cap_at_rows():
     # TMA weight tiles, interleaved gate/up columns, four stages (measured faster on H200)
     assert big["tma"] is True and big["gate_up_interleaved"] is True
     assert big["num_stages"] == 4 and big["compile_schedule"] is True
-    # two tiles per work item only where experts average >= 2048 rows (tokens x topk / local)
+    # four tiles per work item only where experts average >= 2048 rows (tokens x topk / local)
     assert (big["gate_up_tiles"], big["down_tiles"]) == (1, 1)  # experts unknown: rule off
     e48 = default_config_fields(7168, 2048, 16384, 8, 132, local_experts=48)
-    assert (e48["gate_up_tiles"], e48["down_tiles"]) == (2, 2)  # 2731 rows per expert
+    assert (e48["gate_up_tiles"], e48["down_tiles"]) == (4, 4)  # 2731 rows per expert
     e384 = default_config_fields(7168, 2048, 4096, 8, 132, local_experts=384)
     assert (e384["gate_up_tiles"], e384["down_tiles"]) == (1, 1)  # 85 rows per expert
     edge = default_config_fields(7168, 2048, 2048, 8, 132, local_experts=8)
-    assert edge["gate_up_tiles"] == 2  # exactly 2048 rows per expert
+    assert edge["gate_up_tiles"] == 4  # exactly 2048 rows per expert
     assert default_config_fields(7168, 2048, 2047, 8, 132, local_experts=8)["down_tiles"] == 1
 
 
