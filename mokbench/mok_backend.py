@@ -51,7 +51,7 @@ def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int
     capability x 10) too: unmeasured there, and its sm_100 build spills 40 bytes. Four and
     four rather than two and two (they build for sm_90 without spills): 19.854 against
     20.050 and 20.007 against 20.222 ms at 48 x 16384 in two runs
-    (results/20261130-003817-h200-mok-e48-tiles, results/20261130-004207-h200-mok-e48-tiles4)."""
+    (results/20261130-003817-h200-mok-e48-tiles, results/20261130-004151-h200-mok-e48-tiles4)."""
     from mok_kernels import plan
 
     bound = plan(hidden, intermediate, num_sms, 0).minibatch

@@ -23,8 +23,8 @@ def _defaults(world_size: int = 1, experts: int = 48, tokens: int = 16384,
 
 
 @pytest.mark.parametrize("world_size, shared, experts, tokens, tiles", [
-    (1, False, 48, 16384, 2),   # well loaded: two tiles per work item, one flattened loop
-    (2, True, 48, 16384, 2),
+    (1, False, 48, 16384, 4),   # well loaded: four tiles per work item, one flattened loop
+    (2, True, 48, 16384, 4),
     (1, False, 384, 4096, 1),   # 85 rows per expert: one tile
 ])
 def test_hopper_build_of_the_defaults(world_size, shared, experts, tokens, tiles):
@@ -43,7 +43,7 @@ def test_hopper_build_of_the_defaults(world_size, shared, experts, tokens, tiles
 
 
 def test_hopper_build_with_the_sum_inside():
-    """fused_sum at 48 x 16384 (two tiles per item): the summing code after the down tiles
+    """fused_sum at 48 x 16384 (four tiles per item): the summing code after the down tiles
     keeps the build free of spills and serialised MMAs."""
     cfg = mk.MoKConfig.for_shape(H, I, **{**default_config_fields(H, I, 16384, 8, 132, 1, 48),
                                           "fused_sum": True})
