@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from baselines.transformer_engine import fp8_recipe_name, te_reason
+from baselines.transformer_engine import fp8_align, fp8_recipe_name, te_reason
 from mokbench.backend import BackendBase, Capabilities, RunContext
 
 INSTALL_HINT = "pip install 'mokbench[megatron]'"
@@ -151,19 +151,19 @@ def dropped_tokens(expected_E: list[int], got_E: list[int]) -> int:
     return sum(e - g for e, g in zip(expected_E, got_E))
 
 
-
 def fp8_shared_tokens_reason(scenario, cc: tuple[int, int] | None) -> str | None:
     """Megatron's shared expert runs on all tokens of the rank, unpadded; TE's block-scaled
     GEMMs need the reduction dimension divisible by 16 (32 for MXFP8), and in the shared
     expert's weight-gradient GEMM that is the token count ("Caller must pad" from TE)."""
     if not scenario.shared_expert:
         return None
-    align = 32 if cc is not None and (fp8_recipe_name(cc) or "").startswith("MXFP8") else 16
+    align = fp8_align(fp8_recipe_name(cc))
     if scenario.tokens_per_rank % align:
         return (f"tokens_per_rank={scenario.tokens_per_rank} with the shared expert at fp8: "
                 f"allowed a multiple of {align} (TE's block-scaled GEMMs; Megatron does not "
                 "pad the shared expert's tokens)")
     return None
+
 
 class PresetRouter(torch.nn.Module):
     """Stands in for Megatron's TopKRouter: returns the probs/routing map set by ``set``."""

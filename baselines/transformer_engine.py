@@ -62,6 +62,12 @@ def fp8_recipe_name(cc: tuple[int, int] | None) -> str | None:
     return {9: "Float8BlockScaling", 10: "MXFP8BlockScaling"}.get(cc[0])
 
 
+def fp8_align(recipe: str | None) -> int:
+    """Divisibility TE's block-scaled GEMMs need of each dimension (the reduction one
+    included): 32 for MXFP8's 32-element blocks, 16 otherwise."""
+    return 32 if (recipe or "").startswith("MXFP8") else 16
+
+
 def te_reason(precision: str, cc: tuple[int, int] | None, hidden: int, inter: int, *,
               installed: bool) -> str | None:
     """Why the TE baseline cannot run this cell (None when it can). Pure: facts passed in."""
@@ -73,7 +79,7 @@ def te_reason(precision: str, cc: tuple[int, int] | None, hidden: int, inter: in
             have = "no GPU" if cc is None else f"GPU has {cc[0]}.{cc[1]}"
             return ("fp8 needs compute capability 9.x (Float8BlockScaling) or 10.x "
                     f"(MXFP8BlockScaling); {have}")
-        align = 32 if recipe.startswith("MXFP8") else 16
+        align = fp8_align(recipe)
         if hidden % align or inter % align:
             return f"{recipe} needs hidden and intermediate multiples of {align}"
     return None

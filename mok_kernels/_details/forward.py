@@ -98,6 +98,12 @@ def descriptor_boxes(cfg: MoKConfig) -> dict[str, list[int]]:
             "h_desc": [cfg.block_m, cfg.block_k]}
 
 
+def _row_chunk(H: int) -> int:
+    """Columns a program handles at once when it streams whole H-wide rows (row copies, the
+    weighted sum): H rounded up to a power of two, at most 1024 (masked past H)."""
+    return min(1024, 1 << (H - 1).bit_length())
+
+
 def kernel_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots: int,
                      shared: bool, programs: int, comm: int, interpreting: bool = False
                      ) -> dict:
@@ -105,7 +111,7 @@ def kernel_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots: i
     launch and by ``lowering.compile_megakernel``). Tiles per item fall back to 1 where they
     do not divide the row block's column tiles."""
     H, I = hidden, intermediate
-    ch = min(1024, 1 << (H - 1).bit_length())
+    ch = _row_chunk(H)
     return dict(
         H=H, I=I, S=slots, PROGS=programs, COMM=comm, HAS_SHARED=shared,
         MB=cfg.minibatch, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
@@ -149,7 +155,7 @@ def weighted_sum(ws: Workspace, p_NK: torch.Tensor, y_NH: torch.Tensor) -> None:
     from mok_kernels._details.tl_mega import weighted_sum_kernel
 
     n = ws.L * ws.T
-    bh = min(1024, 1 << (ws.H - 1).bit_length())
+    bh = _row_chunk(ws.H)
     weighted_sum_kernel[(n, -(-ws.H // bh))](ws.comb_LTSH, p_NK, y_NH, H=ws.H, K=ws.K, S=ws.S,
                                              BH=bh, num_warps=4)
 

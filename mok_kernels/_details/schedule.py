@@ -117,7 +117,6 @@ def build_schedule_tensors(idx_NK: torch.Tensor, ranks_L: torch.Tensor, *, token
 
 
 @functools.cache
-@functools.cache
 def compiled_schedule_builder():
     """``build_schedule_tensors`` through ``torch.compile`` (static shapes: compiled once per
     shape and keyword values). The same ops, so the same result bit for bit; on CUDA the ~50
