@@ -1,4 +1,4 @@
-"""MoK-style MoE forward megakernel in Triton (BF16), on one GPU, in loopback, or over EP.
+"""MoK-style MoE megakernels (forward and backward) in Triton (BF16), on one GPU, in loopback, or over EP.
 
 Legend: L logical ranks of one launch (1 in real EP, R in loopback), T tokens per rank,
 H hidden, I expert intermediate, E local experts, K top-k.
@@ -12,6 +12,11 @@ Use::
     y_TH = forward(cfg, ws, sched, x_TH, topk_weights_TK, w1_EHF, w2_EIH, ws1_HF, ws2_IH)
     check_errors(ws)                                                 # the one host sync
 
+Training: ``y_TH, ctx = forward_train(...)`` (same arguments) keeps what the backward needs
+(``ctx.nbytes``); ``g = backward(cfg, ws, ctx, dy_TH, w1_EHF, w2_EIH, ws1_HF, ws2_IH)``
+returns dx, the router-weight gradient and every weight gradient (:class:`Gradients`), in one
+persistent launch plus two fixed-order sums, with no host sync.
+
 ``GraphedForward(cfg, ws, weights)`` captures schedule + forward in one CUDA graph.
 ``compile_megakernel(cfg, H, I, arch=90)`` builds the kernel for Hopper (or 100: Blackwell) on
 any host, GPU or not, and reports shared memory, spills and ptxas's warnings.
@@ -23,6 +28,7 @@ w2_EIH [E, I, H]; in loopback they hold all L*E experts, rank-major. With
 imports mokbench.
 """
 
+from mok_kernels._details.backward import Gradients, backward
 from mok_kernels._details.config import MoKConfig, MoKConfigError, Plan, plan
 from mok_kernels._details.errors import (
     MoKCapacityError,
@@ -31,12 +37,15 @@ from mok_kernels._details.errors import (
     check_errors,
 )
 from mok_kernels._details.forward import (
+    WITHHOLD_DGRAD,
     WITHHOLD_DISPATCH,
     WITHHOLD_NONE,
     WITHHOLD_ROWBLOCK,
+    ForwardContext,
     Schedule,
     build_schedule,
     forward,
+    forward_train,
     interleave_gate_up,
 )
 from mok_kernels._details.graph import GraphedForward
@@ -44,6 +53,8 @@ from mok_kernels._details.lowering import Lowered, compile_megakernel
 from mok_kernels._details.workspace import Workspace, clear_workspace_cache, get_workspace
 
 __all__ = [
+    "ForwardContext",
+    "Gradients",
     "GraphedForward",
     "Lowered",
     "MoKCapacityError",
@@ -56,12 +67,15 @@ __all__ = [
     "WITHHOLD_DISPATCH",
     "WITHHOLD_NONE",
     "WITHHOLD_ROWBLOCK",
+    "WITHHOLD_DGRAD",
     "Workspace",
+    "backward",
     "build_schedule",
     "check_errors",
     "clear_workspace_cache",
     "compile_megakernel",
     "forward",
+    "forward_train",
     "get_workspace",
     "interleave_gate_up",
     "plan",

@@ -14,6 +14,8 @@ ERR_WAIT_DISPATCHED = 2  # gate+up GEMM waited for "minibatch m is in the ring"
 ERR_WAIT_ROWBLOCK = 3  # down GEMM waited for "row block b of SwiGLU output ready"
 ERR_WAIT_OUTPUT = 4  # combine waited for "minibatch m output ready"
 ERR_WAIT_HSLOT_FREE = 5  # gate+up GEMM (no comm programs) waited for a SwiGLU ring slot
+ERR_WAIT_DGRAD_ROWBLOCK = 6  # backward dgrad gate+up waited for the row block's dA tiles
+ERR_WAIT_DGRAD_GROUP = 7  # backward gate+up weight gradient waited for its expert's dA tiles
 ERR_CAPACITY = 16  # routing needed more schedule rows than capacity_mult allows
 
 WAIT_NAMES = {
@@ -22,6 +24,8 @@ WAIT_NAMES = {
     ERR_WAIT_ROWBLOCK: "down GEMM <- gate+up GEMM: row block ready",
     ERR_WAIT_OUTPUT: "combine <- down GEMM: minibatch output ready",
     ERR_WAIT_HSLOT_FREE: "gate+up GEMM <- down GEMM: SwiGLU ring slot released",
+    ERR_WAIT_DGRAD_ROWBLOCK: "backward dX GEMM <- dA GEMM: row block ready",
+    ERR_WAIT_DGRAD_GROUP: "backward gate+up weight gradient <- dA GEMM: expert rows ready",
 }
 
 
@@ -44,7 +48,8 @@ def describe(rank: int, code: int, detail: int, detail2: int) -> MoKError:
             f"MoK rank {rank}: routing needs {detail} schedule rows but capacity is {detail2};"
             " raise capacity_mult (1.0 always fits)")
     if code in WAIT_NAMES:
-        what = "row block" if code == ERR_WAIT_ROWBLOCK else "minibatch"
+        what = {ERR_WAIT_ROWBLOCK: "row block", ERR_WAIT_DGRAD_ROWBLOCK: "row block",
+                ERR_WAIT_DGRAD_GROUP: "expert group"}.get(code, "minibatch")
         return MoKTimeoutError(
             f"MoK rank {rank}: wait '{WAIT_NAMES[code]}' timed out at {what} {detail}"
             " (spin_budget exhausted; a signal never came)")

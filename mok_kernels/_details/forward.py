@@ -23,7 +23,7 @@ from mok_kernels._details.schedule import (
 from mok_kernels._details.workspace import Workspace
 
 # Test-only switch: withhold one signal so a bounded wait must expire (0 = off).
-WITHHOLD_NONE, WITHHOLD_DISPATCH, WITHHOLD_ROWBLOCK = 0, 1, 2
+WITHHOLD_NONE, WITHHOLD_DISPATCH, WITHHOLD_ROWBLOCK, WITHHOLD_DGRAD = 0, 1, 2, 3
 
 
 @dataclass
@@ -71,7 +71,7 @@ def _interpreting() -> bool:
 
 
 def _descriptors(ws: Workspace, w1: torch.Tensor, w2: torch.Tensor, ws1: torch.Tensor | None,
-                 ws2: torch.Tensor | None) -> tuple:
+                 ws2: torch.Tensor | None, h: torch.Tensor) -> tuple:
     """Host TMA descriptors (w1, w2, shared w1, shared w2, h ring) over 2-D views: weights
     [experts*H, F] / [experts*I, H] with [BK, BN/2] / [BK, BN] boxes, h [L*Q, I] with [BM, BK]
     boxes. Built per launch (host only, no GPU work); a CUDA graph keeps them as parameters."""
@@ -86,7 +86,7 @@ def _descriptors(ws: Workspace, w1: torch.Tensor, w2: torch.Tensor, ws1: torch.T
     return (desc(w1, F, boxes["w1_desc"]), desc(w2, ws.H, boxes["w2_desc"]),
             desc(ws1, F, boxes["ws1_desc"]) if ws1 is not None else None,
             desc(ws2, ws.H, boxes["ws2_desc"]) if ws2 is not None else None,
-            desc(ws.h_LQI, ws.I, boxes["h_desc"]))
+            desc(h, ws.I, boxes["h_desc"]))
 
 
 def descriptor_boxes(cfg: MoKConfig) -> dict[str, list[int]]:
@@ -105,8 +105,8 @@ def _row_chunk(H: int) -> int:
 
 
 def kernel_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots: int,
-                     shared: bool, programs: int, comm: int, interpreting: bool = False
-                     ) -> dict:
+                     shared: bool, programs: int, comm: int, interpreting: bool = False,
+                     save_pre: bool = False) -> dict:
     """The megakernel's compile-time arguments for a config and shape (one place, used by the
     launch and by ``lowering.compile_megakernel``). Tiles per item fall back to 1 where they
     do not divide the row block's column tiles."""
@@ -119,16 +119,20 @@ def kernel_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots: i
         GJ=cfg.gate_up_tiles if (2 * I // cfg.block_n) % cfg.gate_up_tiles == 0 else 1,
         CR=max(1, 4096 // ch), CH=ch, QUANT=0, F32_DOT=interpreting, TMA=cfg.tma,
         INTERLEAVED=cfg.gate_up_interleaved, PREFETCH=cfg.prefetch_ticket,
-        K=slots - int(shared), FUSED_SUM=cfg.fused_sum)
+        K=slots - int(shared), FUSED_SUM=cfg.fused_sum, SAVE_PRE=save_pre)
 
 
 def launch_megakernel(ws: Workspace, st: ScheduleTensors, w1: torch.Tensor, w2: torch.Tensor,
                       ws1: torch.Tensor | None, ws2: torch.Tensor | None, *, y_NH: torch.Tensor,
                       p_NK: torch.Tensor, withhold: int = 0,
                       programs: tuple[int, int] | None = None,
-                      x_LTH: torch.Tensor | None = None) -> None:
+                      x_LTH: torch.Tensor | None = None,
+                      saved: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """One persistent launch for all L logical ranks (grid = SMs, split among them).
     ``x_LTH``: where the token rows are read (default: the workspace's token buffer).
+    ``saved``: the training forward's (pre_LPF, h_LPI): gate/up pre-activations and SwiGLU
+    output of every schedule row, kept for the backward (default: SwiGLU rows go to the
+    workspace's ring of macrobatch rows and nothing is kept).
     ``y_NH`` / ``p_NK`` (N = L*T): the output and the fp32 router weights, which the kernel
     reads and writes only with ``fused_sum``."""
     from mok_kernels._details.tl_mega import mok_forward_kernel
@@ -136,16 +140,20 @@ def launch_megakernel(ws: Workspace, st: ScheduleTensors, w1: torch.Tensor, w2: 
     cfg = ws.config
     progs, comm = programs or _programs(ws)
     extra = {} if _interpreting() else {"launch_cooperative_grid": True}
-    descs = _descriptors(ws, w1, w2, ws1, ws2) if cfg.tma else (None,) * 5
+    pre, h = saved if saved is not None else (ws.h_LQI, ws.h_LQI)
+    qh = ws.P if saved is not None else ws.Q
+    descs = _descriptors(ws, w1, w2, ws1, ws2, h) if cfg.tma else (None,) * 5
     mok_forward_kernel[(ws.L * progs,)](
         ws.x_LTH if x_LTH is None else x_LTH, ws.x_tab_R, ws.comb_LTSH, ws.comb_tab_R,
         st.src_LP, st.group_LB, st.total_L,
-        ws.ring_LQH, ws.h_LQI, ws.out_LQH, ws.counters_LC, ws.errors_L4,
+        ws.ring_LQH, h, ws.out_LQH, pre, ws.counters_LC, ws.errors_L4,
         y_NH, p_NK, ws.sums_LTJ,
         w1, w2, ws1 if ws1 is not None else w1, ws2 if ws2 is not None else w2, *descs,
-        ws.T, ws.E, ws.P, ws.Q, ws.counters_LC.shape[1], ws.mmax, cfg.spin_budget, withhold,
+        ws.T, ws.E, ws.P, ws.Q, qh, ws.counters_LC.shape[1], ws.mmax, cfg.spin_budget,
+        withhold,
         **kernel_constants(cfg, hidden=ws.H, intermediate=ws.I, slots=ws.S, shared=ws.shared,
-                           programs=progs, comm=comm, interpreting=_interpreting()),
+                           programs=progs, comm=comm, interpreting=_interpreting(),
+                           save_pre=saved is not None),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra)
 
 
@@ -199,11 +207,8 @@ def _token_source(ws: Workspace, x_TH: torch.Tensor) -> torch.Tensor:
     return ws.x_LTH
 
 
-def forward(config: MoKConfig, ws: Workspace, schedule: Schedule, x_TH: torch.Tensor,
-            topk_weights_TK: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
-            shared_gate_up: torch.Tensor | None = None,
-            shared_down: torch.Tensor | None = None, *, _withhold: int = 0) -> torch.Tensor:
-    """The MoE layer forward for this rank (or all loopback ranks): y [L*T, H] bf16."""
+def _check_call(config: MoKConfig, ws: Workspace, schedule: Schedule, x_TH: torch.Tensor,
+                topk_weights_TK: torch.Tensor) -> None:
     if config != ws.config:
         raise ValueError("config differs from the one the workspace was built for")
     if schedule.workspace is not ws:
@@ -212,17 +217,78 @@ def forward(config: MoKConfig, ws: Workspace, schedule: Schedule, x_TH: torch.Te
     if tuple(x_TH.shape) != (L * T, H) or tuple(topk_weights_TK.shape) != (L * T, ws.K):
         raise ValueError(f"x {tuple(x_TH.shape)} / router weights "
                          f"{tuple(topk_weights_TK.shape)}: want {(L * T, H)} / {(L * T, ws.K)}")
-    _check_weights(ws, w_gate_up, w_down, shared_gate_up, shared_down)
+
+
+def _run(config: MoKConfig, ws: Workspace, schedule: Schedule, x_TH: torch.Tensor,
+         p_NK: torch.Tensor, weights: tuple, withhold: int,
+         saved: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """Barrier, one megakernel launch, barrier, weighted sum: y [L*T, H] bf16."""
+    _check_weights(ws, *weights)
     x_src = _token_source(ws, x_TH)
-    y_NH = torch.empty(L * T, H, dtype=torch.bfloat16, device=ws.device)
-    p_NK = topk_weights_TK.to(torch.float32).contiguous()
+    y_NH = torch.empty(ws.L * ws.T, ws.H, dtype=torch.bfloat16, device=ws.device)
     ws.counters_LC.zero_()
     if config.fused_sum:  # the megakernel writes y itself (every slot is in this process)
         ws.sums_LTJ.zero_()
     ws.barrier()
-    launch_megakernel(ws, schedule.tensors, w_gate_up, w_down, shared_gate_up, shared_down,
-                      y_NH=y_NH, p_NK=p_NK, withhold=_withhold, x_LTH=x_src)
+    launch_megakernel(ws, schedule.tensors, *weights, y_NH=y_NH, p_NK=p_NK, withhold=withhold,
+                      x_LTH=x_src, saved=saved)
     ws.barrier()
     if not config.fused_sum:
         weighted_sum(ws, p_NK, y_NH)
     return y_NH
+
+
+def forward(config: MoKConfig, ws: Workspace, schedule: Schedule, x_TH: torch.Tensor,
+            topk_weights_TK: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+            shared_gate_up: torch.Tensor | None = None,
+            shared_down: torch.Tensor | None = None, *, _withhold: int = 0) -> torch.Tensor:
+    """The MoE layer forward for this rank (or all loopback ranks): y [L*T, H] bf16. Keeps
+    nothing for a backward (inference); see :func:`forward_train`."""
+    _check_call(config, ws, schedule, x_TH, topk_weights_TK)
+    p_NK = topk_weights_TK.to(torch.float32).contiguous()
+    return _run(config, ws, schedule, x_TH, p_NK,
+                (w_gate_up, w_down, shared_gate_up, shared_down), _withhold, None)
+
+
+@dataclass
+class ForwardContext:
+    """What the training forward keeps for :func:`mok_kernels.backward`.
+
+    x_TH: the layer input as given (its rows are read again for the gate+up weight
+    gradient); p_NK: the router weights, fp32 [L*T, K]; schedule: the forward's schedule
+    (row -> (rank, token, k), groups), reused by the backward in reverse; pre_LPF: gate and
+    up pre-activations of every schedule row, bf16 [L, P, 2I] in the gate+up weights' column
+    layout (the backward overwrites them with their gradients); h_LPI: the SwiGLU output of
+    every schedule row, bf16 [L, P, I]. Nothing else is recomputed or saved.
+    """
+
+    schedule: Schedule
+    x_TH: torch.Tensor
+    p_NK: torch.Tensor
+    pre_LPF: torch.Tensor
+    h_LPI: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the context holds beyond the layer's inputs: the saved activations and the
+        schedule (P rows x 3I bf16, plus 4 bytes per row and per row block)."""
+        st = self.schedule.tensors
+        sched = sum(t.numel() * t.element_size() for t in (st.src_LP, st.group_LB))
+        return (self.pre_LPF.numel() + self.h_LPI.numel()) * 2 + sched
+
+
+def forward_train(config: MoKConfig, ws: Workspace, schedule: Schedule, x_TH: torch.Tensor,
+                  topk_weights_TK: torch.Tensor, w_gate_up: torch.Tensor,
+                  w_down: torch.Tensor, shared_gate_up: torch.Tensor | None = None,
+                  shared_down: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, ForwardContext]:
+    """The training forward: y as :func:`forward`, and the context its backward needs. The
+    gate+up tiles also store their pre-activations, and the SwiGLU rows go to a buffer of all
+    P schedule rows instead of the ring (so the forward's own reads are unchanged)."""
+    _check_call(config, ws, schedule, x_TH, topk_weights_TK)
+    p_NK = topk_weights_TK.to(torch.float32).contiguous()
+    pre = torch.empty(ws.L, ws.P, 2 * ws.I, dtype=torch.bfloat16, device=ws.device)
+    h = torch.empty(ws.L, ws.P, ws.I, dtype=torch.bfloat16, device=ws.device)
+    y = _run(config, ws, schedule, x_TH, p_NK, (w_gate_up, w_down, shared_gate_up,
+                                                  shared_down), 0, (pre, h))
+    return y, ForwardContext(schedule, x_TH, p_NK, pre, h)

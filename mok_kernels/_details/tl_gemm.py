@@ -44,10 +44,11 @@ def _a_tile(a_row_ptrs, a_mask, k, offs_k, MASK_A: tl.constexpr):
 
 @triton.jit
 def gate_up_swiglu_tiles(a_row_ptrs, a_mask, w1, j0, h_row_ptrs, w1_desc, w_row0,
-                         H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr,
+                         pre_row_ptrs, H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr,
                          BN: tl.constexpr, BK: tl.constexpr, GJ: tl.constexpr,
                          QUANT: tl.constexpr, MASK_A: tl.constexpr, F32_DOT: tl.constexpr,
-                         TMA: tl.constexpr, INTERLEAVED: tl.constexpr):
+                         TMA: tl.constexpr, INTERLEAVED: tl.constexpr,
+                         SAVE_PRE: tl.constexpr):
     """h[rows, j*BN/2 : (j+1)*BN/2] = silu(A @ Wg) * (A @ Wu) for one BM-row block and the GJ
     column tiles j = j0 .. j0+GJ-1.
 
@@ -62,6 +63,9 @@ def gate_up_swiglu_tiles(a_row_ptrs, a_mask, w1, j0, h_row_ptrs, w1_desc, w_row0
     and two dots sharing the A tile.
     The tile loop and the K loop are one flattened loop, so the software pipeline keeps
     loading (the next tile's first K steps) across a tile's SwiGLU epilogue.
+    SAVE_PRE (training forward): also store the gate and up pre-activations in bf16 to
+    ``pre_row_ptrs`` ([BM] pointers to 2I-wide rows, in w1's column layout), which the
+    SwiGLU backward reads.
     """
     HALF: tl.constexpr = BN // 2
     F: tl.constexpr = 2 * I
@@ -78,6 +82,8 @@ def gate_up_swiglu_tiles(a_row_ptrs, a_mask, w1, j0, h_row_ptrs, w1_desc, w_row0
                 else:
                     b = tl.load(w1 + (k + offs_k)[:, None].to(tl.int64) * F + wcols[None, :])
                 acc = mma(a, b, acc, F32_DOT)
+            if SAVE_PRE:
+                tl.store(pre_row_ptrs[:, None] + wcols[None, :], acc.to(tl.bfloat16))
             acc_g, acc_u = tl.split(tl.reshape(acc, (BM, HALF, 2)))
         else:
             acc_g = tl.zeros((BM, HALF), dtype=tl.float32)
@@ -93,6 +99,9 @@ def gate_up_swiglu_tiles(a_row_ptrs, a_mask, w1, j0, h_row_ptrs, w1_desc, w_row0
                     bu = tl.load(b_ptrs + I)
                 acc_g = mma(a, bg, acc_g, F32_DOT)
                 acc_u = mma(a, bu, acc_u, F32_DOT)
+            if SAVE_PRE:
+                tl.store(pre_row_ptrs[:, None] + cols[None, :], acc_g.to(tl.bfloat16))
+                tl.store(pre_row_ptrs[:, None] + (I + cols)[None, :], acc_u.to(tl.bfloat16))
         h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
         h = quant_hook(h.to(tl.bfloat16), QUANT)
         tl.store(h_row_ptrs[:, None] + cols[None, :], h)

@@ -60,6 +60,7 @@ class Workspace:
     errors_L4: torch.Tensor
     sums_LTJ: torch.Tensor  # fused_sum: arrivals per (token, down column tile), int32
     handle: Any = None  # symmetric-memory handle (real EP) or None
+    group: Any = None  # the EP process group (real EP) or None
     sched: ScheduleTensors | None = None
     extra: dict = field(default_factory=dict)
 
@@ -188,7 +189,8 @@ def get_workspace(config: MoKConfig, *, tokens: int, hidden: int, intermediate: 
     sym = (_symmetric(tokens, hidden, topk, S, group, dev) if world > 1
            else _loopback(L, tokens, hidden, topk, S, dev))
     ws = Workspace(config=config, L=L, T=tokens, H=hidden, I=intermediate, E=local_experts,
-                   K=topk, shared=shared, P=P, Q=Q, device=dev, **sym,
+                   K=topk, shared=shared, P=P, Q=Q, device=dev, group=group if world > 1
+                   else None, **sym,
                    **_local_buffers(config, L, tokens, hidden, intermediate, P, Q, dev))
     _CACHE[key] = ws
     return ws

@@ -1,0 +1,281 @@
+"""The persistent backward megakernel: reverse-combine pull, dgrad, SwiGLU backward, router
+gradient, reverse-dispatch push and the weight gradients, in one launch.
+
+Legend: L logical ranks in the launch (program l // PROGS serves logical rank l), T tokens per
+rank, H hidden, I intermediate, K top-k, S combine slots per token (K, +1 shared), E local
+experts, G = E (+1 shared) GEMM groups, P schedule rows (the forward's schedule), NB = total/BM
+row blocks in use, BM/BN/BK the forward's tiles, HALF = BN/2, BKW = min(BK, BM) rows per
+weight-gradient reduction step.
+
+Work items, claimed from one ticket counter per logical rank in this global order:
+    A  dgrad down, one per (row block b, I tile of HALF columns): pull the block's dY rows
+       from the tokens' home ranks (reverse-combine), dA = dY @ W_down^T; epilogue: SwiGLU
+       backward from the saved gate/up pre-activations, the router-weight partial
+       sum_cols(dA * h) pushed to the home rank (routed rows), and dG, dU (scaled by the
+       router weight) written over the pre-activations in place; signals the row block and
+       the group.
+    C  weight gradient of down, one per (group g, I tile of HALF, H tile of BN):
+       dW_down[g] = h[rows of g]^T @ (r * dY[rows of g]); needs only forward data.
+    B  dgrad gate+up, one per (row block b, H tile of BN); waits for b's A items:
+       dX = [dG dU] @ W_gate_up^T (one GEMM over 2I), pushed to the home rank's (token, k)
+       slot (reverse-dispatch).
+    D  weight gradient of gate+up, one per (group g, H tile of HALF, 2I tile of BN); waits for
+       every A item of g: dW_gate_up[g] = x[rows of g]^T @ [dG dU][rows of g], written in the
+       canonical layout (gate columns, then up columns).
+An item waits only on smaller tickets, so the order is deadlock free. Groups run
+largest-first in C and D (the shared expert, whose rows are every token of the rank, first).
+Every sum has a fixed order (no float atomics): bitwise reproducible. A group with no rows
+gets zero weight gradients (its loops run zero times).
+
+Counters of one logical rank (int32, zeroed before the launch):
+    [0]            ticket
+    [1 + b]        rowblock_ready[b]  (+1 per A item of block b; complete at I / HALF)
+    [1 + NBMAX + g] group_ready[g]    (+1 per A item of group g)
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from mok_kernels._details.tl_gemm import mma
+from mok_kernels._details.tl_mega import _slot_rows, _weight_desc
+from mok_kernels._details.tl_sync import no_error, signal, wait_geq
+
+_E_DGRAD_ROWBLOCK: tl.constexpr = tl.constexpr(6)
+_E_DGRAD_GROUP: tl.constexpr = tl.constexpr(7)
+
+
+@triton.jit
+def _row_meta(src, rows, T, S: tl.constexpr, K: tl.constexpr):
+    """Per schedule row: (valid, home rank, token on that rank, slot k, routed)."""
+    s = tl.load(src + rows, mask=rows >= 0, other=-1)
+    valid = s >= 0
+    s64 = tl.maximum(s, 0).to(tl.int64)
+    tok = s64 // S
+    k = s64 % S
+    return valid, tok // T, tok % T, k, valid & (k < K)
+
+
+@triton.jit
+def _router_weight(p_base, tab32, rank, t, k, routed, K: tl.constexpr):
+    """Router weight of each row's (token, k) at its home rank; 1 for the shared slot and
+    padding rows."""
+    off = tl.load(tab32 + rank, mask=routed, other=0)
+    return tl.load(p_base + off + t * K + k, mask=routed, other=1.0)
+
+
+@triton.jit
+def _dgrad_down_item(b, jt, lr, src, grp, pre, ctr, dy_base, tab16, p_base, drp_base, tab32,
+                     w2_desc, ws2_desc, T, E, NBMAX, withhold, H: tl.constexpr,
+                     I: tl.constexpr, S: tl.constexpr, K: tl.constexpr,
+                     HAS_SHARED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                     BK: tl.constexpr, F32_DOT: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """A item: dA[rows of block b, I tile jt] and its epilogue (see the module docstring)."""
+    HALF: tl.constexpr = BN // 2
+    NJ: tl.constexpr = I // HALF
+    g = tl.load(grp + b)
+    rows = b * BM + tl.arange(0, BM)
+    valid, rank, t, k, routed = _row_meta(src, rows, T, S, K)
+    dy_rows = dy_base + tl.load(tab16 + rank, mask=valid, other=0) + t * H
+    d2, w_row0 = _weight_desc(lr, g, E, w2_desc, ws2_desc, I, True, HAS_SHARED)
+    offs_k = tl.arange(0, BK)
+    acc = tl.zeros((BM, HALF), dtype=tl.float32)
+    for kk in range(0, H, BK):
+        a = tl.load(dy_rows[:, None] + (kk + offs_k)[None, :], mask=valid[:, None], other=0.0)
+        bt = d2.load([w_row0 + jt * HALF, kk])  # W_down[I tile, H step]: [HALF, BK]
+        acc = mma(a, tl.trans(bt), acc, F32_DOT)
+    pre_rows = pre + rows.to(tl.int64) * (2 * I)
+    cols = jt * HALF + tl.arange(0, HALF)
+    if INTERLEAVED:
+        wcols = jt * BN + tl.arange(0, BN)
+        gu = tl.load(pre_rows[:, None] + wcols[None, :]).to(tl.float32)
+        gate, up = tl.split(tl.reshape(gu, (BM, HALF, 2)))
+    else:
+        gate = tl.load(pre_rows[:, None] + cols[None, :]).to(tl.float32)
+        up = tl.load(pre_rows[:, None] + (I + cols)[None, :]).to(tl.float32)
+    sig = 1.0 / (1.0 + tl.exp(-gate))
+    silu = gate * sig
+    # Router-weight gradient: d r = sum_I dA_raw * h (h = silu(gate) * up), partial per tile.
+    part = tl.sum(acc * (silu * up), axis=1)
+    drp_off = tl.load(tab32 + rank, mask=routed, other=0)
+    tl.store(drp_base + drp_off + (t * K + k) * NJ + jt, part, mask=routed)
+    r = _router_weight(p_base, tab32, rank, t, k, routed, K)
+    da = acc * r[:, None]
+    d_up = da * silu
+    d_gate = da * up * sig * (1.0 + gate * (1.0 - sig))
+    if INTERLEAVED:
+        dgu = tl.reshape(tl.join(d_gate, d_up), (BM, BN))
+        tl.store(pre_rows[:, None] + wcols[None, :], dgu.to(tl.bfloat16))
+    else:
+        tl.store(pre_rows[:, None] + cols[None, :], d_gate.to(tl.bfloat16))
+        tl.store(pre_rows[:, None] + (I + cols)[None, :], d_up.to(tl.bfloat16))
+    if (withhold != 3) | (b != 0) | (jt != 0):
+        tl.debug_barrier()
+        tl.atomic_add(ctr + 1 + b, 1, sem="release", scope="gpu")
+        tl.atomic_add(ctr + 1 + NBMAX + g, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _dgrad_gate_up_item(b, jn, lr, src, grp, pre, ctr, err, comb_base, comb_tab, w1_desc,
+                        ws1_desc, T, E, budget, H: tl.constexpr, I: tl.constexpr,
+                        S: tl.constexpr, HAS_SHARED: tl.constexpr, BM: tl.constexpr,
+                        BN: tl.constexpr, BK: tl.constexpr, F32_DOT: tl.constexpr):
+    """B item: dX[rows of block b, H tile jn] = dGU @ W_gate_up^T, pushed to the home slots.
+    dGU and W_gate_up share one column layout, so the contraction over 2I needs no
+    reordering."""
+    ok = wait_geq(ctr + 1 + b, I // (BN // 2), err, budget, _E_DGRAD_ROWBLOCK, b)
+    if ok != 0:
+        g = tl.load(grp + b)
+        rows = b * BM + tl.arange(0, BM)
+        pre_rows = pre + rows.to(tl.int64) * (2 * I)
+        d1, w_row0 = _weight_desc(lr, g, E, w1_desc, ws1_desc, H, True, HAS_SHARED)
+        offs_k = tl.arange(0, BK)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for kk in range(0, 2 * I, BK):
+            a = tl.load(pre_rows[:, None] + (kk + offs_k)[None, :])
+            bt = d1.load([w_row0 + jn * BN, kk])  # W_gate_up[H tile, 2I step]: [BN, BK]
+            acc = mma(a, tl.trans(bt), acc, F32_DOT)
+        dst, valid = _slot_rows(src, rows, rows >= 0, T, S, comb_tab, comb_base, H)
+        cols = jn * BN + tl.arange(0, BN)
+        tl.store(dst[:, None] + cols[None, :], acc.to(tl.bfloat16), mask=valid[:, None])
+    return ok
+
+
+@triton.jit
+def _group_rows(gst, g, total):
+    """First and end (exclusive, padded) schedule row of group g, clipped to ``total``."""
+    start = tl.minimum(tl.load(gst + g), total)
+    end = tl.minimum(tl.load(gst + g + 1), total)
+    return start, end
+
+
+@triton.jit
+def _wgrad_down_item(g, it, jn, lr, src, gst, total, hbuf, dy_base, tab16, p_base, tab32,
+                     dw2, dws2, T, E, H: tl.constexpr, I: tl.constexpr, S: tl.constexpr,
+                     K: tl.constexpr, HAS_SHARED: tl.constexpr, BN: tl.constexpr,
+                     BKW: tl.constexpr, F32_DOT: tl.constexpr):
+    """C item: dW_down[g][I tile it, H tile jn] = sum over g's rows of h^T (r * dY)."""
+    HALF: tl.constexpr = BN // 2
+    start, end = _group_rows(gst, g, total)
+    icols = it * HALF + tl.arange(0, HALF)
+    hcols = jn * BN + tl.arange(0, BN)
+    acc = tl.zeros((HALF, BN), dtype=tl.float32)
+    for r0 in range(start, end, BKW):
+        rows = r0 + tl.arange(0, BKW)
+        valid, rank, t, k, routed = _row_meta(src, rows, T, S, K)
+        r = _router_weight(p_base, tab32, rank, t, k, routed, K)
+        h = tl.load(hbuf + rows.to(tl.int64)[:, None] * I + icols[None, :])
+        dy_rows = dy_base + tl.load(tab16 + rank, mask=valid, other=0) + t * H
+        dy = tl.load(dy_rows[:, None] + hcols[None, :], mask=valid[:, None], other=0.0)
+        dys = (dy.to(tl.float32) * r[:, None]).to(tl.bfloat16)
+        acc = mma(tl.trans(h), dys, acc, F32_DOT)
+    out = dw2 + (lr * E + g).to(tl.int64) * (I * H)
+    if HAS_SHARED:
+        if g == E:
+            out = dws2 + lr.to(tl.int64) * (I * H)
+    tl.store(out + icols.to(tl.int64)[:, None] * H + hcols[None, :], acc.to(tl.bfloat16))
+
+
+@triton.jit
+def _wgrad_gate_up_item(g, it, jn, lr, src, gst, total, pre, ctr, err, x_base, x_tab, dw1,
+                        dws1, T, E, NBMAX, budget, H: tl.constexpr, I: tl.constexpr,
+                        S: tl.constexpr, K: tl.constexpr, HAS_SHARED: tl.constexpr,
+                        BM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr,
+                        F32_DOT: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """D item: dW_gate_up[g][H tile it, 2I tile jn] = sum over g's rows of x^T [dG dU]."""
+    HALF: tl.constexpr = BN // 2
+    start, end = _group_rows(gst, g, total)
+    want = (end - start) // BM * (I // HALF)
+    ok = wait_geq(ctr + 1 + NBMAX + g, want, err, budget, _E_DGRAD_GROUP, g)
+    if ok != 0:
+        hcols = it * HALF + tl.arange(0, HALF)
+        fcols = jn * BN + tl.arange(0, BN)
+        acc = tl.zeros((HALF, BN), dtype=tl.float32)
+        for r0 in range(start, end, BKW):
+            rows = r0 + tl.arange(0, BKW)
+            valid, rank, t, k, routed = _row_meta(src, rows, T, S, K)
+            x_rows = x_base + tl.load(x_tab + rank, mask=valid, other=0) + t * H
+            x = tl.load(x_rows[:, None] + hcols[None, :], mask=valid[:, None], other=0.0)
+            dgu = tl.load(pre + rows.to(tl.int64)[:, None] * (2 * I) + fcols[None, :])
+            acc = mma(tl.trans(x), dgu, acc, F32_DOT)
+        out = dw1 + (lr * E + g).to(tl.int64) * (H * 2 * I)
+        if HAS_SHARED:
+            if g == E:
+                out = dws1 + lr.to(tl.int64) * (H * 2 * I)
+        out_rows = out + hcols.to(tl.int64)[:, None] * (2 * I)
+        if INTERLEAVED:  # columns alternate gate c, up c: back to the canonical layout
+            dg, du = tl.split(tl.reshape(acc, (HALF, HALF, 2)))
+            c = jn * HALF + tl.arange(0, HALF)
+            tl.store(out_rows + c[None, :], dg.to(tl.bfloat16))
+            tl.store(out_rows + (I + c)[None, :], du.to(tl.bfloat16))
+        else:
+            tl.store(out_rows + fcols[None, :], acc.to(tl.bfloat16))
+    return ok
+
+
+@triton.jit
+def mok_backward_kernel(
+        x_base, x_tab,  # token rows x (peer memory) and [R] int64 element offsets
+        dy_base, tab16, p_base, drp_base, tab32,  # backward buffers; [R] offsets (bf16, fp32)
+        comb_base, comb_tab,  # dX slots [T, S, H] per rank (peer memory)
+        src_ptr, group_ptr, total_ptr, gstart_ptr,  # schedule; gstart [L, G+1] int32
+        pre_ptr, h_ptr,  # saved [L, P, 2I] (overwritten with dG, dU) and [L, P, I] bf16
+        ctr_ptr, err_ptr,  # [L, NCTR] int32 counters, [L, 4] int32 error words
+        dw1_ptr, dw2_ptr, dws1_ptr, dws2_ptr,  # [L*E, H, 2I], [L*E, I, H], [L, H, 2I], [L, I, H]
+        w1_desc, w2_desc, ws1_desc, ws2_desc,  # weight descriptors ([BN, BK] / [BN/2, BK])
+        T, E, NG, P, NCTR, budget, withhold,
+        H: tl.constexpr, I: tl.constexpr, S: tl.constexpr, K: tl.constexpr,
+        PROGS: tl.constexpr, HAS_SHARED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+        BK: tl.constexpr, BKW: tl.constexpr, F32_DOT: tl.constexpr,
+        INTERLEAVED: tl.constexpr):
+    """One persistent program per SM; see the module docstring for the work order."""
+    HALF: tl.constexpr = BN // 2
+    NA: tl.constexpr = I // HALF  # A items per row block
+    NB: tl.constexpr = H // BN  # B items per row block
+    NC: tl.constexpr = (I // HALF) * (H // BN)  # C items per group
+    ND: tl.constexpr = (H // HALF) * (2 * I // BN)  # D items per group
+    pid = tl.program_id(0)
+    lr = pid // PROGS
+    ctr = ctr_ptr + lr * NCTR
+    err = err_ptr + lr * 4
+    src = src_ptr + lr.to(tl.int64) * P
+    grp = group_ptr + lr * (P // BM)
+    total = tl.load(total_ptr + lr)
+    gst = gstart_ptr + lr * (NG + 1)
+    pre = pre_ptr + lr.to(tl.int64) * P * (2 * I)
+    hbuf = h_ptr + lr.to(tl.int64) * P * I
+    NBMAX = P // BM
+    nb = total // BM
+    end_a = nb * NA
+    end_c = end_a + NG * NC
+    end_b = end_c + nb * NB
+    n_items = end_b + NG * ND
+    ok = no_error(err)
+    tk = tl.atomic_add(ctr, 1, sem="relaxed", scope="gpu")
+    while (tk < n_items) & (ok != 0):
+        if tk < end_a:
+            _dgrad_down_item(tk // NA, tk % NA, lr, src, grp, pre, ctr, dy_base, tab16, p_base,
+                             drp_base, tab32, w2_desc, ws2_desc, T, E, NBMAX, withhold, H, I,
+                             S, K, HAS_SHARED, BM, BN, BK, F32_DOT, INTERLEAVED)
+        elif tk < end_c:
+            i = tk - end_a
+            g = NG - 1 - i // NC
+            c = i % NC
+            _wgrad_down_item(g, c // (H // BN), c % (H // BN), lr, src, gst, total, hbuf,
+                             dy_base, tab16, p_base, tab32, dw2_ptr, dws2_ptr, T, E, H, I, S,
+                             K, HAS_SHARED, BN, BKW, F32_DOT)
+        elif tk < end_b:
+            i = tk - end_c
+            ok = _dgrad_gate_up_item(i // NB, i % NB, lr, src, grp, pre, ctr, err, comb_base,
+                                     comb_tab, w1_desc, ws1_desc, T, E, budget, H, I, S,
+                                     HAS_SHARED, BM, BN, BK, F32_DOT)
+        else:
+            i = tk - end_b
+            g = NG - 1 - i // ND
+            d = i % ND
+            ok = _wgrad_gate_up_item(g, d // (2 * I // BN), d % (2 * I // BN), lr, src, gst,
+                                     total, pre, ctr, err, x_base, x_tab, dw1_ptr, dws1_ptr, T,
+                                     E, NBMAX, budget, H, I, S, K, HAS_SHARED, BM, BN, BKW,
+                                     F32_DOT, INTERLEAVED)
+        tk = tl.atomic_add(ctr, 1, sem="relaxed", scope="gpu")
