@@ -1,4 +1,4 @@
-"""MoK-style MoE megakernels (forward and backward) in Triton (BF16), on one GPU, in loopback, or over EP.
+"""MoK-style MoE megakernels, forward and backward, in Triton (BF16): one GPU, loopback or EP.
 
 Legend: L logical ranks of one launch (1 in real EP, R in loopback), T tokens per rank,
 H hidden, I expert intermediate, E local experts, K top-k.

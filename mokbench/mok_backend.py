@@ -1,12 +1,19 @@
-"""The ``mok`` backend: our MoK-style Triton megakernel forward (BF16), one rank of the EP group.
+"""The ``mok`` backend: our MoK-style Triton megakernels (BF16), one rank of the EP group.
 
 Legend: T tokens on this rank, H hidden, I intermediate, E local experts, K top-k.
 
 Knobs: defaults fit the shape (``MoKConfig.for_shape``: minibatch / macrobatch sized from the
 two-waves rule on this GPU's SM count); override any field with the JSON in
 $MOKBENCH_MOK_CONFIG, e.g. ``{"minibatch": 4096, "fwd_comm_sms": 8}``; the extra key
-``"cuda_graph"`` (default false) replays schedule + forward as one CUDA graph.
-Forward only: the output does not require grad (the backward is a later piece of work).
+``"cuda_graph"`` (default false) replays schedule + forward as one CUDA graph (inference
+only).
+
+With autograd on and x or the router weights requiring grad, the forward is the training
+forward (``mok_kernels.forward_train``: it keeps the gate/up pre-activations and SwiGLU rows)
+inside a ``torch.autograd.Function`` whose backward is the backward megakernel, so
+``y.backward(dy)`` gives dx, the router-weight gradient and the weight gradients. Under
+``torch.no_grad()`` (or with no input requiring grad) it is the inference forward, which keeps
+nothing.
 """
 
 from __future__ import annotations
@@ -107,14 +114,42 @@ def config_from_env(hidden: int, intermediate: int, defaults: dict,
     return MoKConfig.for_shape(hidden, intermediate, **fields)
 
 
+class _MoKLayer(torch.autograd.Function):
+    """y = MoE(x, router weights); backward through the backward megakernel. The weights are
+    not autograd inputs: their gradients land in ``backend.grads`` (canonical layout)."""
+
+    @staticmethod
+    def forward(fctx, x_TH, topk_weights_TK, backend, topk_idx_TK):
+        import mok_kernels
+
+        sched = mok_kernels.build_schedule(backend.ws, topk_idx_TK)
+        y, saved = mok_kernels.forward_train(backend.config, backend.ws, sched, x_TH,
+                                             topk_weights_TK, *backend.w)
+        fctx.saved_mok = saved
+        fctx.backend = backend
+        fctx.p_dtype = topk_weights_TK.dtype
+        return y
+
+    @staticmethod
+    def backward(fctx, dy_TH):
+        import mok_kernels
+
+        b = fctx.backend
+        g = mok_kernels.backward(b.config, b.ws, fctx.saved_mok, dy_TH.contiguous(), *b.w)
+        fctx.saved_mok = None  # its pre-activations now hold their gradients
+        b.accumulate({"w1_EHF": g.w_gate_up, "w2_EIH": g.w_down,
+                      "ws1_HF": g.shared_gate_up, "ws2_IH": g.shared_down})
+        return g.dx_TH, g.d_router_weights_TK.to(fctx.p_dtype), None, None
+
+
 class MoKBackend(BackendBase):
     """Pull dispatch, fused SwiGLU grouped GEMM and push combine in one persistent kernel."""
 
     name = "mok"
     capabilities = Capabilities(
-        passes=("forward",), precisions=("bf16",), needs_gpu=True, min_cc=(9, 0),
+        passes=("forward", "backward"), precisions=("bf16",), needs_gpu=True, min_cc=(9, 0),
         packages=("triton",), is_baseline=False,
-        notes="Triton persistent megakernel; forward only for now")
+        notes="Triton persistent megakernels, forward and backward")
 
     def setup(self, scenario, ctx, weights) -> None:
         import mok_kernels
@@ -139,6 +174,7 @@ class MoKBackend(BackendBase):
                   None if weights.ws1_HF is None else lay(weights.ws1_HF),
                   None if weights.ws2_IH is None else weights.ws2_IH.contiguous())
         self.params = {}
+        self.grads: dict = {}
         self.graphed = (mok_kernels.GraphedForward(self.config, self.ws, self.w)
                         if graph_option(options) else None)
         c = self.config
@@ -166,9 +202,26 @@ class MoKBackend(BackendBase):
                                  f"{scenario.world_size}: allowed only at world_size 1 (every "
                                  "combine slot in one process)")
 
+    def accumulate(self, grads: dict) -> None:
+        """Add one backward's weight gradients (None entries skipped) to ``self.grads``."""
+        for name, g in grads.items():
+            if g is None:
+                continue
+            self.grads[name] = g if name not in self.grads else self.grads[name] + g
+
+    def weight_grads(self) -> dict:
+        return dict(self.grads)
+
+    def zero_grad(self) -> None:
+        self.grads = {}
+
     def forward(self, x_TH, topk_idx_TK, topk_weights_TK):
         import mok_kernels
 
+        training = torch.is_grad_enabled() and (x_TH.requires_grad
+                                                or topk_weights_TK.requires_grad)
+        if training:
+            return _MoKLayer.apply(x_TH, topk_weights_TK, self, topk_idx_TK)
         with torch.no_grad():
             if self.graphed is not None:
                 return self.graphed(x_TH.detach(), topk_idx_TK, topk_weights_TK.detach())
@@ -183,6 +236,7 @@ class MoKBackend(BackendBase):
         mok_kernels.check_errors(self.ws)
 
     def teardown(self) -> None:
+        self.grads = {}
         self.graphed = None
         self.ws = None
         self.w = ()

@@ -19,6 +19,9 @@ from mok_kernels._details.config import MoKConfig
 _POINTERS = {"x_base": "*bf16", "x_tab": "*i64", "comb_base": "*bf16", "comb_tab": "*i64",
              "src_ptr": "*i32", "group_ptr": "*i32", "total_ptr": "*i32", "ring_ptr": "*bf16",
              "h_ptr": "*bf16", "out_ptr": "*bf16", "ctr_ptr": "*i32", "err_ptr": "*i32",
+             "pre_ptr": "*bf16", "dy_base": "*bf16", "tab16": "*i64", "p_base": "*fp32",
+             "drp_base": "*fp32", "tab32": "*i64", "gstart_ptr": "*i32", "dw1_ptr": "*bf16",
+             "dw2_ptr": "*bf16", "dws1_ptr": "*bf16", "dws2_ptr": "*bf16",
              "y_ptr": "*bf16", "p_ptr": "*fp32", "sum_ptr": "*i32",
              "w1_ptr": "*bf16", "w2_ptr": "*bf16", "ws1_ptr": "*bf16", "ws2_ptr": "*bf16"}
 
@@ -71,22 +74,38 @@ def _ptxas(arch: int):
 
 def compile_megakernel(config: MoKConfig, hidden: int, intermediate: int, *, topk: int = 8,
                        shared: bool = False, comm_programs: int = 0, programs: int = 132,
-                       arch: int = 90) -> Lowered:
-    """Compile ``mok_forward_kernel`` as the launch would for this config and shape, for
-    ``sm_<arch>`` (90 Hopper, 100 Blackwell), then run ptxas -v on its PTX."""
+                       arch: int = 90, kernel: str = "forward") -> Lowered:
+    """Compile ``mok_forward_kernel`` (``kernel="backward"``: ``mok_backward_kernel``) as the
+    launch would for this config and shape, for ``sm_<arch>`` (90 Hopper, 100 Blackwell),
+    then run ptxas -v on its PTX."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from mok_kernels._details.backward import backward_constants
     from mok_kernels._details.forward import descriptor_boxes, kernel_constants
-    from mok_kernels._details.tl_mega import mok_forward_kernel as kern
+    from mok_kernels._details.tl_backward import mok_backward_kernel
+    from mok_kernels._details.tl_mega import mok_forward_kernel
 
     cfg = config
     cfg.check_shape(hidden, intermediate)
-    consts = kernel_constants(cfg, hidden=hidden, intermediate=intermediate,
-                              slots=topk + int(shared), shared=shared, programs=programs,
-                              comm=comm_programs)
-    descs = descriptor_boxes(cfg)
+    if kernel not in ("forward", "backward"):
+        raise ValueError(f"kernel={kernel!r} is invalid: allowed forward | backward")
+    if kernel == "forward":
+        kern = mok_forward_kernel
+        consts = kernel_constants(cfg, hidden=hidden, intermediate=intermediate,
+                                  slots=topk + int(shared), shared=shared, programs=programs,
+                                  comm=comm_programs)
+        descs = descriptor_boxes(cfg)
+    else:
+        kern = mok_backward_kernel
+        consts = backward_constants(cfg, hidden=hidden, intermediate=intermediate,
+                                    slots=topk + int(shared), shared=shared,
+                                    programs=programs)
+        w1, w2 = [cfg.block_n, cfg.block_k], [cfg.block_n // 2, cfg.block_k]
+        descs = {"w1_desc": w1, "w2_desc": w2, "ws1_desc": w1, "ws2_desc": w2}
+        if not cfg.tma:  # the backward always reads weight tiles through TMA
+            cfg = cfg.__class__(**{**cfg.__dict__, "tma": True})
     sig: dict[str, str] = {}
     constexprs: dict[tuple[int, ...], object] = {}
     for i, name in enumerate(kern.arg_names):
@@ -102,7 +121,8 @@ def compile_megakernel(config: MoKConfig, hidden: int, intermediate: int, *, top
         else:
             sig[name] = "i32"
     # Tensors from the caching allocator are 16-byte aligned, as the launch specialises.
-    attrs = {(kern.arg_names.index(n),): [["tt.divisibility", 16]] for n in _POINTERS}
+    attrs = {(kern.arg_names.index(n),): [["tt.divisibility", 16]] for n in _POINTERS
+             if n in kern.arg_names}
     src = ASTSource(fn=kern, signature=sig, constexprs=constexprs, attrs=attrs)
     target = GPUTarget("cuda", arch, 64 if arch == 90 else 32)
     c = triton.compile(src, target=target, options={"num_warps": cfg.num_warps,

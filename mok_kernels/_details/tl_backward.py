@@ -40,7 +40,7 @@ import triton.language as tl
 
 from mok_kernels._details.tl_gemm import mma
 from mok_kernels._details.tl_mega import _slot_rows, _weight_desc
-from mok_kernels._details.tl_sync import no_error, signal, wait_geq
+from mok_kernels._details.tl_sync import no_error, wait_geq
 
 _E_DGRAD_ROWBLOCK: tl.constexpr = tl.constexpr(6)
 _E_DGRAD_GROUP: tl.constexpr = tl.constexpr(7)

@@ -1,0 +1,235 @@
+"""mok backward on one GPU (and real EP over two GPUs when there are two): every gradient
+against the float32 autograd reference, edge routings, loopback EP, bitwise reruns, CUDA-graph
+replay of forward + backward, the bounded-wait timeout, and the backend's autograd path."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.gpu
+pytest.importorskip("triton")
+
+import mok_kernels as mk  # noqa: E402
+from tests.gpu.test_mok_forward import make_layer  # noqa: E402
+
+DEV = "cuda"
+TOL = 1e-2  # bf16 against float32, Frobenius-relative (mokbench.check)
+
+
+def reference_grads(x, idx, p, w, dy):
+    """Float32 autograd through the layer over all tokens and experts (any loopback size)."""
+    w1, w2, ws1, ws2 = w
+    I = w2.shape[1]
+    xf = x.float().requires_grad_(True)
+    pf = p.float().requires_grad_(True)
+    W = [t.float().requires_grad_(True) if t is not None else None for t in w]
+
+    def ffn(a, g1, g2):
+        h = a @ g1
+        return (F.silu(h[:, :I]) * h[:, I:]) @ g2
+
+    y = torch.zeros_like(xf)
+    for e in range(w1.shape[0]):
+        t, k = (idx == e).nonzero(as_tuple=True)
+        if len(t):
+            y = y.index_add(0, t, ffn(xf[t], W[0][e], W[1][e]) * pf[t, k].unsqueeze(1))
+    if ws1 is not None:
+        y = y + ffn(xf, W[2], W[3])
+    (y * dy.float()).sum().backward()
+    return {"y": y.detach(), "dx": xf.grad, "dp": pf.grad, "dw1": W[0].grad, "dw2": W[1].grad,
+            "dws1": W[2].grad if ws1 is not None else None,
+            "dws2": W[3].grad if ws1 is not None else None}
+
+
+def run_train(cfg, L, x, idx, p, w, E, dy, withhold=0):
+    """Training forward + backward on L loopback ranks; weights in the config's layout."""
+    T = x.shape[0] // L
+    ws = mk.get_workspace(cfg, tokens=T, hidden=x.shape[1], intermediate=w[1].shape[1],
+                          local_experts=E, topk=idx.shape[1], shared=w[2] is not None,
+                          device=DEV, loopback_ranks=L)
+    lay = mk.interleave_gate_up if cfg.gate_up_interleaved else (lambda t: t)
+    wk = (lay(w[0]), w[1], lay(w[2]) if w[2] is not None else None, w[3])
+    y, saved = mk.forward_train(cfg, ws, mk.build_schedule(ws, idx), x, p, *wk)
+    g = mk.backward(cfg, ws, saved, dy, *wk, _withhold=withhold)
+    return y, g, ws
+
+
+def grads_of(y, g):
+    return {"y": y, "dx": g.dx_TH, "dp": g.d_router_weights_TK, "dw1": g.w_gate_up,
+            "dw2": g.w_down, "dws1": g.shared_gate_up, "dws2": g.shared_down}
+
+
+def check(cfg, L, T, H, I, E, K, shared=True, idx=None, seed=0):
+    x, idx, p, w = make_layer(L, T, H, I, E, K, shared, seed, idx)
+    dy = torch.randn(L * T, H, device=DEV, generator=torch.Generator(DEV).manual_seed(seed + 1)
+                     ).bfloat16()
+    y, g, ws = run_train(cfg, L, x, idx, p, w, E, dy)
+    mk.check_errors(ws)
+    ref = reference_grads(x, idx, p, w, dy)
+    out = grads_of(y, g)
+    for name, r in ref.items():
+        if r is None:
+            assert out[name] is None
+            continue
+        o = out[name]
+        assert o.shape == r.shape, (name, o.shape, r.shape)
+        assert torch.isfinite(o.float()).all(), name
+        err = ((o.float() - r).norm() / r.norm().clamp_min(1e-30)).item()
+        assert err < TOL, (name, err)
+    return out, ref
+
+
+def cfg_for(H, I, **kw):
+    base = dict(minibatch=256, macrobatch=768, tma=True, num_stages=4)
+    base.update(kw)
+    return mk.MoKConfig.for_shape(H, I, **base)
+
+
+@pytest.mark.parametrize("hidden", [2048, 4096, 7168])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_gradients_match_reference(hidden, interleaved):
+    check(cfg_for(hidden, 512, gate_up_interleaved=interleaved), 1, 384, hidden, 512, 8, 4)
+
+
+@pytest.mark.parametrize("topk, shared", [(1, True), (4, False), (10, True)])
+def test_topk(topk, shared):
+    check(cfg_for(2048, 256, gate_up_interleaved=True), 1, 256, 2048, 256, 16, topk, shared)
+
+
+def test_empty_experts_get_zero_and_one_hot_expert():
+    T, E, K = 384, 8, 4
+    idx = torch.tensor([0, 5, 6, 7], device=DEV).repeat(T, 1)  # experts 1-4 get nothing
+    idx[: T // 2] = torch.tensor([7, 5, 6, 0], device=DEV)  # another order, same hot experts
+    out, _ = check(cfg_for(2048, 256), 1, T, 2048, 256, E, K, idx=idx)
+    assert torch.count_nonzero(out["dw1"][1:5]) == 0 and torch.count_nonzero(out["dw2"][1:5]) == 0
+
+
+def test_ragged_token_counts():
+    check(cfg_for(2048, 256, minibatch=384), 1, 301, 2048, 256, 8, 4)
+
+
+@pytest.mark.parametrize("ranks", [2, 4, 8])
+def test_loopback_ranks(ranks):
+    check(cfg_for(2048, 256, gate_up_interleaved=True), ranks, 128, 2048, 256, 2, 4)
+
+
+def test_loopback_after_forward_with_comm_programs():
+    check(cfg_for(2048, 256, fwd_comm_sms=8), 2, 256, 2048, 256, 4, 4)
+
+
+def test_two_runs_bitwise_equal():
+    cfg = cfg_for(4096, 1024, gate_up_interleaved=True, gate_up_tiles=2, down_tiles=2)
+    x, idx, p, w = make_layer(2, 384, 4096, 1024, 6, 8, seed=3)
+    dy = torch.randn_like(x)
+    a = grads_of(*run_train(cfg, 2, x, idx, p, w, 6, dy)[:2])
+    b = grads_of(*run_train(cfg, 2, x, idx, p, w, 6, dy)[:2])
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_cuda_graph_replay_of_forward_and_backward_equals_eager():
+    cfg = cfg_for(2048, 256, gate_up_interleaved=True, compile_schedule=True)
+    L, T, E, K = 2, 256, 4, 4
+    x, idx, p, w = make_layer(L, T, 2048, 256, E, K, seed=4)
+    dy = torch.randn_like(x)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run_train(cfg, L, x, idx, p, w, E, dy)  # compile and warm up outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y, g, ws = run_train(cfg, L, x, idx, p, w, E, dy)
+    x2, idx2, p2, _ = make_layer(L, T, 2048, 256, E, K, seed=5)
+    x.copy_(x2), idx.copy_(idx2), p.copy_(p2), dy.copy_(torch.randn_like(dy))
+    graph.replay()
+    y2, g2, _ = run_train(cfg, L, x, idx, p, w, E, dy)
+    torch.cuda.synchronize()
+    mk.check_errors(ws)
+    replayed, eager = grads_of(y, g), grads_of(y2, g2)
+    for name in replayed:
+        assert torch.equal(replayed[name], eager[name]), name
+
+
+def test_withheld_signal_times_out_with_a_named_wait():
+    cfg = cfg_for(2048, 256, spin_budget=20_000)
+    x, idx, p, w = make_layer(1, 512, 2048, 256, 8, 4, seed=6)
+    dy = torch.randn_like(x)
+    _, _, ws = run_train(cfg, 1, x, idx, p, w, 8, dy, withhold=mk.WITHHOLD_DGRAD)
+    torch.cuda.synchronize()  # returns: the kernel exits instead of hanging
+    with pytest.raises(mk.MoKTimeoutError, match=r"wait 'backward .+' timed out"):
+        mk.check_errors(ws)
+    check(cfg, 1, 512, 2048, 256, 8, 4, seed=6)  # the workspace is usable again
+
+
+def test_backend_autograd_matches_reference(monkeypatch):
+    """The harness path: y.backward(dy) through the backend's autograd Function."""
+    from mokbench.scenario import ModelShape, Scenario
+    from tests.layer_check import check_single_rank
+
+    monkeypatch.setenv("MOKBENCH_MOK_CONFIG", '{"minibatch": 256}')
+    sc = Scenario(ModelShape("t", 16, 2048, 256, 4), tokens_per_rank=500, world_size=1)
+    res = check_single_rank("mok", sc, torch.device(DEV))
+    assert res.forward.ok, res.forward.reason()
+    assert res.backward.ok, res.backward.reason()
+    assert res.backward.max_rel_err < TOL
+
+
+EP_SCRIPT = r"""
+import os, torch, torch.distributed as dist
+import mok_kernels as mk
+from tests.gpu.test_mok_backward import make_layer, reference_grads, grads_of
+rank = int(os.environ["RANK"]); torch.cuda.set_device(rank)
+dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+R, T, H, I, E, K = 2, 256, 2048, 256, 4, 4
+x, idx, p, w = make_layer(R, T, H, I, E, K, seed=9)   # the whole group's data, same seed
+gen = torch.Generator("cuda").manual_seed(1)
+dy = torch.randn(R * T, H, device="cuda", generator=gen).bfloat16()
+ref = reference_grads(x, idx, p, w, dy)
+mine = slice(rank * T, (rank + 1) * T)
+for comm in (0, 8):
+    cfg = mk.MoKConfig.for_shape(H, I, minibatch=256, macrobatch=768, tma=True,
+                                 fwd_comm_sms=comm)
+    ws = mk.get_workspace(cfg, tokens=T, hidden=H, intermediate=I, local_experts=E, topk=K,
+                          shared=True, device="cuda", group=dist.group.WORLD)
+    mine_e = slice(rank * E, (rank + 1) * E)
+    wk = (w[0][mine_e].contiguous(), w[1][mine_e].contiguous(), w[2], w[3])
+    sched = mk.build_schedule(ws, idx[mine])
+    y, saved = mk.forward_train(cfg, ws, sched, x[mine], p[mine], *wk)
+    g = mk.backward(cfg, ws, saved, dy[mine].contiguous(), *wk)
+    mk.check_errors(ws)
+    out = grads_of(y, g)
+    for name, r in ref.items():
+        if name in ("dws1", "dws2"):  # each rank holds its tokens' share: sum over the group
+            t = out[name].float()
+            dist.all_reduce(t)
+            out[name] = t
+        elif name in ("y", "dx", "dp"):
+            r = r[mine]
+        else:
+            r = r[mine_e]
+        err = ((out[name].float() - r).norm() / r.norm()).item()
+        assert err < 1e-2, (rank, comm, name, err)
+    print("rank", rank, "comm", comm, "ok")
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_real_ep_over_two_gpus():
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(repo), TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+               NCCL_NVLS_ENABLE="0")
+    script = Path("/tmp") / "mok_bwd_ep.py"
+    script.write_text(EP_SCRIPT)
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          str(script)], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.stdout.count("ok") == 4
