@@ -29,6 +29,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--options", default="{}", help="JSON MoKConfig overrides")
+    ap.add_argument("--phases", default="", help="comma-separated backward item masks to time "
+                    "alone (1 dA, 2 dX, 4 dW_down, 8 dW_gate_up; profiling only)")
     a = ap.parse_args()
     H, I, E, T, K = a.hidden, a.intermediate, a.experts, a.tokens, a.topk
     dev = torch.device("cuda")
@@ -72,12 +74,15 @@ def main() -> None:
     res = {"inference": timed(lambda _: infer()), "forward_train": timed(lambda _: train()),
            "backward": timed(lambda c: mk.backward(cfg, ws, c[1], dy, *w), train)}
     mk.check_errors(ws)
+    for ph in filter(None, a.phases.split(",")):
+        res[f"backward[{ph}]"] = timed(
+            lambda c, m=int(ph): mk.backward(cfg, ws, c[1], dy, *w, _phases=m), train)
     ctx = train()[1]
     print(f"shape H{H} I{I} E{E} T{T} k{K} shared={a.shared}; config {cfg}")
     print(f"context memory {ctx.nbytes / 2**30:.2f} GiB")
     for name, t in res.items():
         med = statistics.median(t)
-        fl = fwd_flops * (2 if name == "backward" else 1)
+        fl = fwd_flops * (2 if name.startswith("backward") else 1)
         print(f"{name:14s} median {med:8.3f} ms  min {min(t):8.3f}  max {max(t):8.3f}  "
               f"{fl / med / 1e9:7.1f} TFLOP/s")
 

@@ -133,19 +133,46 @@ def _descriptors(ws: Workspace, weights: tuple) -> tuple:
     return desc(w1, F, b1), desc(w2, ws.H, b2), desc(ws1, F, b1), desc(ws2, ws.H, b2)
 
 
+def wgrad_rows(cfg: MoKConfig) -> int:
+    """Rows per reduction step of the weight-gradient items (BKW): 32, or block_m if smaller.
+    With 64 the gathered rows' pointers push the gate+up weight-gradient item over 255
+    registers (spills in the sm_90 build at block_n 256); 32 builds without spills."""
+    return min(32, cfg.block_m)
+
+
+def _activation_descriptors(cfg: MoKConfig, pre_LPF: torch.Tensor, hs_LPI: torch.Tensor
+                            ) -> tuple:
+    """(pre for the dA epilogue, r*h for the dA epilogue, r*h for dW_down, dGU for
+    dW_gate_up) over [L*P, cols] views: epilogue boxes cover a quarter tile of I columns
+    (half of an I tile; interleaved gate/up: both of its halves), weight-gradient boxes
+    BKW rows."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    bm, bn, bkw = cfg.block_m, cfg.block_n, wgrad_rows(cfg)
+    q = bn // 4
+    pre = pre_LPF.view(-1, pre_LPF.shape[-1])
+    hs = hs_LPI.view(-1, hs_LPI.shape[-1])
+    return (TensorDescriptor.from_tensor(pre, [bm, 2 * q if cfg.gate_up_interleaved else q]),
+            TensorDescriptor.from_tensor(hs, [bm, q]),
+            TensorDescriptor.from_tensor(hs, [bkw, bn // 2]),
+            TensorDescriptor.from_tensor(pre, [bkw, bn]))
+
+
 def backward_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots: int,
-                       shared: bool, programs: int, interpreting: bool = False) -> dict:
+                       shared: bool, programs: int, interpreting: bool = False,
+                       phases: int = 15) -> dict:
     """The backward kernel's compile-time arguments (the launch and the lowering check)."""
     return dict(H=hidden, I=intermediate, S=slots, K=slots - int(shared), PROGS=programs,
                 HAS_SHARED=shared, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
-                BKW=min(cfg.block_k, cfg.block_m), F32_DOT=interpreting,
-                INTERLEAVED=cfg.gate_up_interleaved)
+                BKW=wgrad_rows(cfg), F32_DOT=interpreting,
+                INTERLEAVED=cfg.gate_up_interleaved, PHASES=phases)
 
 
 def backward(config: MoKConfig, ws: Workspace, context: ForwardContext, dy_TH: torch.Tensor,
              w_gate_up: torch.Tensor, w_down: torch.Tensor,
              shared_gate_up: torch.Tensor | None = None,
-             shared_down: torch.Tensor | None = None, *, _withhold: int = 0) -> Gradients:
+             shared_down: torch.Tensor | None = None, *, _withhold: int = 0,
+             _phases: int = 15) -> Gradients:
     """Gradients of the layer for the training forward that made ``context`` (once per
     context: the saved pre-activations are overwritten by their gradients)."""
     from mok_kernels._details.tl_backward import mok_backward_kernel
@@ -171,6 +198,7 @@ def backward(config: MoKConfig, ws: Workspace, context: ForwardContext, dy_TH: t
                        device=ws.device)
     dws2 = torch.empty((L, I, H) if ws.shared else (1,), dtype=torch.bfloat16,
                        device=ws.device)
+    hs = torch.empty(L, ws.P, I, dtype=torch.bfloat16, device=ws.device)  # r * h, per row
     bb.counters_LC.zero_()
     ws.barrier()
     progs, _ = _programs(ws)
@@ -179,12 +207,12 @@ def backward(config: MoKConfig, ws: Workspace, context: ForwardContext, dy_TH: t
     mok_backward_kernel[(L * progs,)](
         x_src, ws.x_tab_R, bb.dy_LTH, bb.tab16_R, bb.p_LTK, bb.drp_LTKJ, bb.tab32_R,
         ws.comb_LTSH, ws.comb_tab_R, st.src_LP, st.group_LB, st.total_L, gst,
-        context.pre_LPF, context.h_LPI, bb.counters_LC, ws.errors_L4,
-        dw1, dw2, dws1, dws2, *descs,
+        context.pre_LPF, hs, bb.counters_LC, ws.errors_L4,
+        dw1, dw2, dws1, dws2, *descs, *_activation_descriptors(config, context.pre_LPF, hs),
         T, E, E + int(ws.shared), ws.P, bb.counters_LC.shape[1], config.spin_budget,
         _withhold,
         **backward_constants(config, hidden=H, intermediate=I, slots=ws.S, shared=ws.shared,
-                             programs=progs, interpreting=_interpreting()),
+                             programs=progs, interpreting=_interpreting(), phases=_phases),
         num_warps=config.num_warps, num_stages=config.num_stages, **extra)
     ws.barrier()
     dx = torch.empty(L * T, H, dtype=torch.bfloat16, device=ws.device)

@@ -127,12 +127,11 @@ def launch_megakernel(ws: Workspace, st: ScheduleTensors, w1: torch.Tensor, w2: 
                       p_NK: torch.Tensor, withhold: int = 0,
                       programs: tuple[int, int] | None = None,
                       x_LTH: torch.Tensor | None = None,
-                      saved: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                      pre_LPF: torch.Tensor | None = None) -> None:
     """One persistent launch for all L logical ranks (grid = SMs, split among them).
     ``x_LTH``: where the token rows are read (default: the workspace's token buffer).
-    ``saved``: the training forward's (pre_LPF, h_LPI): gate/up pre-activations and SwiGLU
-    output of every schedule row, kept for the backward (default: SwiGLU rows go to the
-    workspace's ring of macrobatch rows and nothing is kept).
+    ``pre_LPF``: the training forward's buffer for the gate/up pre-activations of every
+    schedule row, kept for the backward (default: nothing is kept).
     ``y_NH`` / ``p_NK`` (N = L*T): the output and the fp32 router weights, which the kernel
     reads and writes only with ``fused_sum``."""
     from mok_kernels._details.tl_mega import mok_forward_kernel
@@ -140,8 +139,8 @@ def launch_megakernel(ws: Workspace, st: ScheduleTensors, w1: torch.Tensor, w2: 
     cfg = ws.config
     progs, comm = programs or _programs(ws)
     extra = {} if _interpreting() else {"launch_cooperative_grid": True}
-    pre, h = saved if saved is not None else (ws.h_LQI, ws.h_LQI)
-    qh = ws.P if saved is not None else ws.Q
+    h, qh = ws.h_LQI, ws.Q  # SwiGLU rows: the ring (a buffer of QH rows, indexed row % QH)
+    pre = pre_LPF if pre_LPF is not None else h
     descs = _descriptors(ws, w1, w2, ws1, ws2, h) if cfg.tma else (None,) * 5
     mok_forward_kernel[(ws.L * progs,)](
         ws.x_LTH if x_LTH is None else x_LTH, ws.x_tab_R, ws.comb_LTSH, ws.comb_tab_R,
@@ -153,7 +152,7 @@ def launch_megakernel(ws: Workspace, st: ScheduleTensors, w1: torch.Tensor, w2: 
         withhold,
         **kernel_constants(cfg, hidden=ws.H, intermediate=ws.I, slots=ws.S, shared=ws.shared,
                            programs=progs, comm=comm, interpreting=_interpreting(),
-                           save_pre=saved is not None),
+                           save_pre=pre_LPF is not None),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra)
 
 
@@ -221,7 +220,7 @@ def _check_call(config: MoKConfig, ws: Workspace, schedule: Schedule, x_TH: torc
 
 def _run(config: MoKConfig, ws: Workspace, schedule: Schedule, x_TH: torch.Tensor,
          p_NK: torch.Tensor, weights: tuple, withhold: int,
-         saved: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+         pre_LPF: torch.Tensor | None) -> torch.Tensor:
     """Barrier, one megakernel launch, barrier, weighted sum: y [L*T, H] bf16."""
     _check_weights(ws, *weights)
     x_src = _token_source(ws, x_TH)
@@ -231,7 +230,7 @@ def _run(config: MoKConfig, ws: Workspace, schedule: Schedule, x_TH: torch.Tenso
         ws.sums_LTJ.zero_()
     ws.barrier()
     launch_megakernel(ws, schedule.tensors, *weights, y_NH=y_NH, p_NK=p_NK, withhold=withhold,
-                      x_LTH=x_src, saved=saved)
+                      x_LTH=x_src, pre_LPF=pre_LPF)
     ws.barrier()
     if not config.fused_sum:
         weighted_sum(ws, p_NK, y_NH)
@@ -258,23 +257,22 @@ class ForwardContext:
     gradient); p_NK: the router weights, fp32 [L*T, K]; schedule: the forward's schedule
     (row -> (rank, token, k), groups), reused by the backward in reverse; pre_LPF: gate and
     up pre-activations of every schedule row, bf16 [L, P, 2I] in the gate+up weights' column
-    layout (the backward overwrites them with their gradients); h_LPI: the SwiGLU output of
-    every schedule row, bf16 [L, P, I]. Nothing else is recomputed or saved.
+    layout (the backward overwrites them with their gradients). The SwiGLU output is
+    recomputed from them in the backward's dA epilogue (elementwise, no GEMM replayed).
     """
 
     schedule: Schedule
     x_TH: torch.Tensor
     p_NK: torch.Tensor
     pre_LPF: torch.Tensor
-    h_LPI: torch.Tensor
 
     @property
     def nbytes(self) -> int:
         """Bytes the context holds beyond the layer's inputs: the saved activations and the
-        schedule (P rows x 3I bf16, plus 4 bytes per row and per row block)."""
+        schedule (P rows x 2I bf16, plus 4 bytes per row and per row block)."""
         st = self.schedule.tensors
         sched = sum(t.numel() * t.element_size() for t in (st.src_LP, st.group_LB))
-        return (self.pre_LPF.numel() + self.h_LPI.numel()) * 2 + sched
+        return self.pre_LPF.numel() * 2 + sched
 
 
 def forward_train(config: MoKConfig, ws: Workspace, schedule: Schedule, x_TH: torch.Tensor,
@@ -282,13 +280,11 @@ def forward_train(config: MoKConfig, ws: Workspace, schedule: Schedule, x_TH: to
                   w_down: torch.Tensor, shared_gate_up: torch.Tensor | None = None,
                   shared_down: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, ForwardContext]:
-    """The training forward: y as :func:`forward`, and the context its backward needs. The
-    gate+up tiles also store their pre-activations, and the SwiGLU rows go to a buffer of all
-    P schedule rows instead of the ring (so the forward's own reads are unchanged)."""
+    """The training forward: y as :func:`forward`, and the context its backward needs: the
+    gate+up tiles also store their pre-activations (one more bf16 store per tile)."""
     _check_call(config, ws, schedule, x_TH, topk_weights_TK)
     p_NK = topk_weights_TK.to(torch.float32).contiguous()
     pre = torch.empty(ws.L, ws.P, 2 * ws.I, dtype=torch.bfloat16, device=ws.device)
-    h = torch.empty(ws.L, ws.P, ws.I, dtype=torch.bfloat16, device=ws.device)
     y = _run(config, ws, schedule, x_TH, p_NK, (w_gate_up, w_down, shared_gate_up,
-                                                  shared_down), 0, (pre, h))
-    return y, ForwardContext(schedule, x_TH, p_NK, pre, h)
+                                                  shared_down), 0, pre)
+    return y, ForwardContext(schedule, x_TH, p_NK, pre)

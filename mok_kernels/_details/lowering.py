@@ -19,9 +19,9 @@ from mok_kernels._details.config import MoKConfig
 _POINTERS = {"x_base": "*bf16", "x_tab": "*i64", "comb_base": "*bf16", "comb_tab": "*i64",
              "src_ptr": "*i32", "group_ptr": "*i32", "total_ptr": "*i32", "ring_ptr": "*bf16",
              "h_ptr": "*bf16", "out_ptr": "*bf16", "ctr_ptr": "*i32", "err_ptr": "*i32",
-             "pre_ptr": "*bf16", "dy_base": "*bf16", "tab16": "*i64", "p_base": "*fp32",
-             "drp_base": "*fp32", "tab32": "*i64", "gstart_ptr": "*i32", "dw1_ptr": "*bf16",
-             "dw2_ptr": "*bf16", "dws1_ptr": "*bf16", "dws2_ptr": "*bf16",
+             "pre_ptr": "*bf16", "hs_ptr": "*bf16", "dy_base": "*bf16", "tab16": "*i64",
+             "p_base": "*fp32", "drp_base": "*fp32", "tab32": "*i64", "gstart_ptr": "*i32",
+             "dw1_ptr": "*bf16", "dw2_ptr": "*bf16", "dws1_ptr": "*bf16", "dws2_ptr": "*bf16",
              "y_ptr": "*bf16", "p_ptr": "*fp32", "sum_ptr": "*i32",
              "w1_ptr": "*bf16", "w2_ptr": "*bf16", "ws1_ptr": "*bf16", "ws2_ptr": "*bf16"}
 
@@ -74,7 +74,7 @@ def _ptxas(arch: int):
 
 def compile_megakernel(config: MoKConfig, hidden: int, intermediate: int, *, topk: int = 8,
                        shared: bool = False, comm_programs: int = 0, programs: int = 132,
-                       arch: int = 90, kernel: str = "forward") -> Lowered:
+                       arch: int = 90, kernel: str = "forward", phases: int = 15) -> Lowered:
     """Compile ``mok_forward_kernel`` (``kernel="backward"``: ``mok_backward_kernel``) as the
     launch would for this config and shape, for ``sm_<arch>`` (90 Hopper, 100 Blackwell),
     then run ptxas -v on its PTX."""
@@ -82,7 +82,7 @@ def compile_megakernel(config: MoKConfig, hidden: int, intermediate: int, *, top
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from mok_kernels._details.backward import backward_constants
+    from mok_kernels._details.backward import backward_constants, wgrad_rows
     from mok_kernels._details.forward import descriptor_boxes, kernel_constants
     from mok_kernels._details.tl_backward import mok_backward_kernel
     from mok_kernels._details.tl_mega import mok_forward_kernel
@@ -101,9 +101,13 @@ def compile_megakernel(config: MoKConfig, hidden: int, intermediate: int, *, top
         kern = mok_backward_kernel
         consts = backward_constants(cfg, hidden=hidden, intermediate=intermediate,
                                     slots=topk + int(shared), shared=shared,
-                                    programs=programs)
+                                    programs=programs, phases=phases)
         w1, w2 = [cfg.block_n, cfg.block_k], [cfg.block_n // 2, cfg.block_k]
-        descs = {"w1_desc": w1, "w2_desc": w2, "ws1_desc": w1, "ws2_desc": w2}
+        q, bkw = cfg.block_n // 4, wgrad_rows(cfg)
+        descs = {"w1_desc": w1, "w2_desc": w2, "ws1_desc": w1, "ws2_desc": w2,
+                 "pre_a_desc": [cfg.block_m, 2 * q if cfg.gate_up_interleaved else q],
+                 "hs_a_desc": [cfg.block_m, q], "hs_c_desc": [bkw, cfg.block_n // 2],
+                 "pre_d_desc": [bkw, cfg.block_n]}
         if not cfg.tma:  # the backward always reads weight tiles through TMA
             cfg = cfg.__class__(**{**cfg.__dict__, "tma": True})
     sig: dict[str, str] = {}
@@ -112,7 +116,7 @@ def compile_megakernel(config: MoKConfig, hidden: int, intermediate: int, *, top
         if name in _POINTERS:
             sig[name] = _POINTERS[name]
         elif name in descs:
-            if cfg.tma and (shared or not name.startswith("ws")):
+            if (cfg.tma or kernel == "backward") and (shared or not name.startswith("ws")):
                 sig[name] = f"tensordesc<bf16[{descs[name][0]}, {descs[name][1]}]>"
             else:
                 sig[name], constexprs[(i,)] = "constexpr", None

@@ -4,21 +4,22 @@ gradient, reverse-dispatch push and the weight gradients, in one launch.
 Legend: L logical ranks in the launch (program l // PROGS serves logical rank l), T tokens per
 rank, H hidden, I intermediate, K top-k, S combine slots per token (K, +1 shared), E local
 experts, G = E (+1 shared) GEMM groups, P schedule rows (the forward's schedule), NB = total/BM
-row blocks in use, BM/BN/BK the forward's tiles, HALF = BN/2, BKW = min(BK, BM) rows per
+row blocks in use, BM/BN/BK the forward's tiles, HALF = BN/2, BKW rows per
 weight-gradient reduction step.
 
-Work items, claimed from one ticket counter per logical rank in this global order:
+Work items, claimed from one ticket counter per logical rank in the global order A, B, C, D
+(``PHASES``, a bit mask, skips kinds for profiling; 15 runs all):
     A  dgrad down, one per (row block b, I tile of HALF columns): pull the block's dY rows
        from the tokens' home ranks (reverse-combine), dA = dY @ W_down^T; epilogue: SwiGLU
-       backward from the saved gate/up pre-activations, the router-weight partial
-       sum_cols(dA * h) pushed to the home rank (routed rows), and dG, dU (scaled by the
-       router weight) written over the pre-activations in place; signals the row block and
-       the group.
-    C  weight gradient of down, one per (group g, I tile of HALF, H tile of BN):
-       dW_down[g] = h[rows of g]^T @ (r * dY[rows of g]); needs only forward data.
+       backward from the saved gate/up pre-activations (h = silu(gate) * up recomputed),
+       the router-weight partial sum_cols(dA * h) pushed to the home rank (routed rows), r * h
+       stored for C, and dG, dU (scaled by the router weight) written over the
+       pre-activations in place; signals the row block and the group.
     B  dgrad gate+up, one per (row block b, H tile of BN); waits for b's A items:
        dX = [dG dU] @ W_gate_up^T (one GEMM over 2I), pushed to the home rank's (token, k)
        slot (reverse-dispatch).
+    C  weight gradient of down, one per (group g, I tile of HALF, H tile of BN); waits for
+       every A item of g: dW_down[g] = (r h)[rows of g]^T @ dY[rows of g].
     D  weight gradient of gate+up, one per (group g, H tile of HALF, 2I tile of BN); waits for
        every A item of g: dW_gate_up[g] = x[rows of g]^T @ [dG dU][rows of g], written in the
        canonical layout (gate columns, then up columns).
@@ -66,13 +67,43 @@ def _router_weight(p_base, tab32, rank, t, k, routed, K: tl.constexpr):
 
 
 @triton.jit
-def _dgrad_down_item(b, jt, lr, src, grp, pre, ctr, dy_base, tab16, p_base, drp_base, tab32,
-                     w2_desc, ws2_desc, T, E, NBMAX, withhold, H: tl.constexpr,
-                     I: tl.constexpr, S: tl.constexpr, K: tl.constexpr,
+def _swiglu_bwd_half(da_raw, c0, prow, pre_desc, hs_desc, r, I: tl.constexpr, BM: tl.constexpr,
+                     Q: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """SwiGLU backward for Q columns c0.. of a row block (rows from ``prow`` in the [L*P, ...]
+    views): reads gate/up through ``pre_desc``, writes dG, dU over them and r * h through
+    ``hs_desc``; returns the router-gradient partial sum_cols(da_raw * h) [BM]."""
+    if INTERLEAVED:  # gate c at column 2c, up c at 2c + 1: one [BM, 2Q] box
+        gate, up = tl.split(tl.reshape(pre_desc.load([prow, 2 * c0]).to(tl.float32),
+                                       (BM, Q, 2)))
+    else:
+        gate = pre_desc.load([prow, c0]).to(tl.float32)
+        up = pre_desc.load([prow, I + c0]).to(tl.float32)
+    sig = 1.0 / (1.0 + tl.exp(-gate))
+    silu = gate * sig
+    h = silu * up
+    part = tl.sum(da_raw * h, axis=1)
+    hs_desc.store([prow, c0], (h * r[:, None]).to(tl.bfloat16))
+    da = da_raw * r[:, None]
+    d_up = (da * silu).to(tl.bfloat16)
+    d_gate = (da * up * sig * (1.0 + gate * (1.0 - sig))).to(tl.bfloat16)
+    if INTERLEAVED:
+        pre_desc.store([prow, 2 * c0], tl.reshape(tl.join(d_gate, d_up), (BM, 2 * Q)))
+    else:
+        pre_desc.store([prow, c0], d_gate)
+        pre_desc.store([prow, I + c0], d_up)
+    return part
+
+
+@triton.jit
+def _dgrad_down_item(b, jt, lr, src, grp, P, ctr, dy_base, tab16, p_base, drp_base, tab32,
+                     w2_desc, ws2_desc, pre_a_desc, hs_a_desc, T, E, NBMAX, withhold,
+                     H: tl.constexpr, I: tl.constexpr, S: tl.constexpr, K: tl.constexpr,
                      HAS_SHARED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                      BK: tl.constexpr, F32_DOT: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """A item: dA[rows of block b, I tile jt] and its epilogue (see the module docstring)."""
+    """A item: dA[rows of block b, I tile jt] and its epilogue (see the module docstring),
+    the epilogue in two column halves so its fp32 temporaries fit in registers."""
     HALF: tl.constexpr = BN // 2
+    Q: tl.constexpr = HALF // 2
     NJ: tl.constexpr = I // HALF
     g = tl.load(grp + b)
     rows = b * BM + tl.arange(0, BM)
@@ -85,31 +116,16 @@ def _dgrad_down_item(b, jt, lr, src, grp, pre, ctr, dy_base, tab16, p_base, drp_
         a = tl.load(dy_rows[:, None] + (kk + offs_k)[None, :], mask=valid[:, None], other=0.0)
         bt = d2.load([w_row0 + jt * HALF, kk])  # W_down[I tile, H step]: [HALF, BK]
         acc = mma(a, tl.trans(bt), acc, F32_DOT)
-    pre_rows = pre + rows.to(tl.int64) * (2 * I)
-    cols = jt * HALF + tl.arange(0, HALF)
-    if INTERLEAVED:
-        wcols = jt * BN + tl.arange(0, BN)
-        gu = tl.load(pre_rows[:, None] + wcols[None, :]).to(tl.float32)
-        gate, up = tl.split(tl.reshape(gu, (BM, HALF, 2)))
-    else:
-        gate = tl.load(pre_rows[:, None] + cols[None, :]).to(tl.float32)
-        up = tl.load(pre_rows[:, None] + (I + cols)[None, :]).to(tl.float32)
-    sig = 1.0 / (1.0 + tl.exp(-gate))
-    silu = gate * sig
-    # Router-weight gradient: d r = sum_I dA_raw * h (h = silu(gate) * up), partial per tile.
-    part = tl.sum(acc * (silu * up), axis=1)
+    r = _router_weight(p_base, tab32, rank, t, k, routed, K)
+    a0, a1 = tl.split(tl.permute(tl.reshape(acc, (BM, 2, Q)), (0, 2, 1)))
+    prow = lr * P + b * BM
+    part = _swiglu_bwd_half(a0, jt * HALF, prow, pre_a_desc, hs_a_desc, r, I, BM, Q,
+                            INTERLEAVED)
+    part += _swiglu_bwd_half(a1, jt * HALF + Q, prow, pre_a_desc, hs_a_desc, r, I, BM, Q,
+                             INTERLEAVED)
+    # Router-weight gradient: d r = sum_I dA_raw * h, one partial per I tile.
     drp_off = tl.load(tab32 + rank, mask=routed, other=0)
     tl.store(drp_base + drp_off + (t * K + k) * NJ + jt, part, mask=routed)
-    r = _router_weight(p_base, tab32, rank, t, k, routed, K)
-    da = acc * r[:, None]
-    d_up = da * silu
-    d_gate = da * up * sig * (1.0 + gate * (1.0 - sig))
-    if INTERLEAVED:
-        dgu = tl.reshape(tl.join(d_gate, d_up), (BM, BN))
-        tl.store(pre_rows[:, None] + wcols[None, :], dgu.to(tl.bfloat16))
-    else:
-        tl.store(pre_rows[:, None] + cols[None, :], d_gate.to(tl.bfloat16))
-        tl.store(pre_rows[:, None] + (I + cols)[None, :], d_up.to(tl.bfloat16))
     if (withhold != 3) | (b != 0) | (jt != 0):
         tl.debug_barrier()
         tl.atomic_add(ctr + 1 + b, 1, sem="release", scope="gpu")
@@ -151,35 +167,39 @@ def _group_rows(gst, g, total):
 
 
 @triton.jit
-def _wgrad_down_item(g, it, jn, lr, src, gst, total, hbuf, dy_base, tab16, p_base, tab32,
-                     dw2, dws2, T, E, H: tl.constexpr, I: tl.constexpr, S: tl.constexpr,
-                     K: tl.constexpr, HAS_SHARED: tl.constexpr, BN: tl.constexpr,
-                     BKW: tl.constexpr, F32_DOT: tl.constexpr):
-    """C item: dW_down[g][I tile it, H tile jn] = sum over g's rows of h^T (r * dY)."""
+def _wgrad_down_item(g, it, jn, lr, src, gst, total, P, hs_c_desc, ctr, err, dy_base, tab16,
+                     dw2, dws2, T, E, NBMAX, budget, H: tl.constexpr, I: tl.constexpr,
+                     S: tl.constexpr, K: tl.constexpr, HAS_SHARED: tl.constexpr, BM: tl.constexpr,
+                     BN: tl.constexpr, BKW: tl.constexpr, F32_DOT: tl.constexpr):
+    """C item: dW_down[g][I tile it, H tile jn] = sum over g's rows of (r h)^T dY; waits for
+    every A item of g (they write r h). Tiles of HALF x HALF: the gathered dY rows' pointers
+    stay in registers."""
     HALF: tl.constexpr = BN // 2
     start, end = _group_rows(gst, g, total)
-    icols = it * HALF + tl.arange(0, HALF)
-    hcols = jn * BN + tl.arange(0, BN)
-    acc = tl.zeros((HALF, BN), dtype=tl.float32)
-    for r0 in range(start, end, BKW):
-        rows = r0 + tl.arange(0, BKW)
-        valid, rank, t, k, routed = _row_meta(src, rows, T, S, K)
-        r = _router_weight(p_base, tab32, rank, t, k, routed, K)
-        h = tl.load(hbuf + rows.to(tl.int64)[:, None] * I + icols[None, :])
-        dy_rows = dy_base + tl.load(tab16 + rank, mask=valid, other=0) + t * H
-        dy = tl.load(dy_rows[:, None] + hcols[None, :], mask=valid[:, None], other=0.0)
-        dys = (dy.to(tl.float32) * r[:, None]).to(tl.bfloat16)
-        acc = mma(tl.trans(h), dys, acc, F32_DOT)
-    out = dw2 + (lr * E + g).to(tl.int64) * (I * H)
-    if HAS_SHARED:
-        if g == E:
-            out = dws2 + lr.to(tl.int64) * (I * H)
-    tl.store(out + icols.to(tl.int64)[:, None] * H + hcols[None, :], acc.to(tl.bfloat16))
+    ok = wait_geq(ctr + 1 + NBMAX + g, (end - start) // BM * (I // HALF), err, budget,
+                  _E_DGRAD_GROUP, g)
+    if ok != 0:
+        icols = it * HALF + tl.arange(0, HALF)
+        hcols = jn * HALF + tl.arange(0, HALF)
+        acc = tl.zeros((HALF, HALF), dtype=tl.float32)
+        for r0 in range(start, end, BKW):
+            rows = r0 + tl.arange(0, BKW)
+            valid, rank, t, k, routed = _row_meta(src, rows, T, S, K)
+            h = hs_c_desc.load([lr * P + r0, it * HALF])  # [BKW, HALF]
+            dy_rows = dy_base + tl.load(tab16 + rank, mask=valid, other=0) + t * H
+            dy = tl.load(dy_rows[:, None] + hcols[None, :], mask=valid[:, None], other=0.0)
+            acc = mma(tl.trans(h), dy, acc, F32_DOT)
+        out = dw2 + (lr * E + g).to(tl.int64) * (I * H)
+        if HAS_SHARED:
+            if g == E:
+                out = dws2 + lr.to(tl.int64) * (I * H)
+        tl.store(out + icols.to(tl.int64)[:, None] * H + hcols[None, :], acc.to(tl.bfloat16))
+    return ok
 
 
 @triton.jit
-def _wgrad_gate_up_item(g, it, jn, lr, src, gst, total, pre, ctr, err, x_base, x_tab, dw1,
-                        dws1, T, E, NBMAX, budget, H: tl.constexpr, I: tl.constexpr,
+def _wgrad_gate_up_item(g, it, jn, lr, src, gst, total, P, pre_d_desc, ctr, err, x_base,
+                        x_tab, dw1, dws1, T, E, NBMAX, budget, H: tl.constexpr, I: tl.constexpr,
                         S: tl.constexpr, K: tl.constexpr, HAS_SHARED: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr,
                         F32_DOT: tl.constexpr, INTERLEAVED: tl.constexpr):
@@ -197,7 +217,7 @@ def _wgrad_gate_up_item(g, it, jn, lr, src, gst, total, pre, ctr, err, x_base, x
             valid, rank, t, k, routed = _row_meta(src, rows, T, S, K)
             x_rows = x_base + tl.load(x_tab + rank, mask=valid, other=0) + t * H
             x = tl.load(x_rows[:, None] + hcols[None, :], mask=valid[:, None], other=0.0)
-            dgu = tl.load(pre + rows.to(tl.int64)[:, None] * (2 * I) + fcols[None, :])
+            dgu = pre_d_desc.load([lr * P + r0, jn * BN])  # [BKW, BN]
             acc = mma(tl.trans(x), dgu, acc, F32_DOT)
         out = dw1 + (lr * E + g).to(tl.int64) * (H * 2 * I)
         if HAS_SHARED:
@@ -220,20 +240,21 @@ def mok_backward_kernel(
         dy_base, tab16, p_base, drp_base, tab32,  # backward buffers; [R] offsets (bf16, fp32)
         comb_base, comb_tab,  # dX slots [T, S, H] per rank (peer memory)
         src_ptr, group_ptr, total_ptr, gstart_ptr,  # schedule; gstart [L, G+1] int32
-        pre_ptr, h_ptr,  # saved [L, P, 2I] (overwritten with dG, dU) and [L, P, I] bf16
+        pre_ptr, hs_ptr,  # saved [L, P, 2I] (overwritten with dG, dU); r*h scratch [L, P, I]
         ctr_ptr, err_ptr,  # [L, NCTR] int32 counters, [L, 4] int32 error words
         dw1_ptr, dw2_ptr, dws1_ptr, dws2_ptr,  # [L*E, H, 2I], [L*E, I, H], [L, H, 2I], [L, I, H]
         w1_desc, w2_desc, ws1_desc, ws2_desc,  # weight descriptors ([BN, BK] / [BN/2, BK])
+        pre_a_desc, hs_a_desc, hs_c_desc, pre_d_desc,  # activation descriptors (see host)
         T, E, NG, P, NCTR, budget, withhold,
         H: tl.constexpr, I: tl.constexpr, S: tl.constexpr, K: tl.constexpr,
         PROGS: tl.constexpr, HAS_SHARED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
         BK: tl.constexpr, BKW: tl.constexpr, F32_DOT: tl.constexpr,
-        INTERLEAVED: tl.constexpr):
+        INTERLEAVED: tl.constexpr, PHASES: tl.constexpr):
     """One persistent program per SM; see the module docstring for the work order."""
     HALF: tl.constexpr = BN // 2
     NA: tl.constexpr = I // HALF  # A items per row block
     NB: tl.constexpr = H // BN  # B items per row block
-    NC: tl.constexpr = (I // HALF) * (H // BN)  # C items per group
+    NC: tl.constexpr = (I // HALF) * (H // HALF)  # C items per group
     ND: tl.constexpr = (H // HALF) * (2 * I // BN)  # D items per group
     pid = tl.program_id(0)
     lr = pid // PROGS
@@ -244,38 +265,44 @@ def mok_backward_kernel(
     total = tl.load(total_ptr + lr)
     gst = gstart_ptr + lr * (NG + 1)
     pre = pre_ptr + lr.to(tl.int64) * P * (2 * I)
-    hbuf = h_ptr + lr.to(tl.int64) * P * I
     NBMAX = P // BM
     nb = total // BM
     end_a = nb * NA
-    end_c = end_a + NG * NC
-    end_b = end_c + nb * NB
-    n_items = end_b + NG * ND
+    end_b = end_a + nb * NB
+    end_c = end_b + NG * NC
+    n_items = end_c + NG * ND
     ok = no_error(err)
     tk = tl.atomic_add(ctr, 1, sem="relaxed", scope="gpu")
     while (tk < n_items) & (ok != 0):
         if tk < end_a:
-            _dgrad_down_item(tk // NA, tk % NA, lr, src, grp, pre, ctr, dy_base, tab16, p_base,
-                             drp_base, tab32, w2_desc, ws2_desc, T, E, NBMAX, withhold, H, I,
-                             S, K, HAS_SHARED, BM, BN, BK, F32_DOT, INTERLEAVED)
-        elif tk < end_c:
-            i = tk - end_a
-            g = NG - 1 - i // NC
-            c = i % NC
-            _wgrad_down_item(g, c // (H // BN), c % (H // BN), lr, src, gst, total, hbuf,
-                             dy_base, tab16, p_base, tab32, dw2_ptr, dws2_ptr, T, E, H, I, S,
-                             K, HAS_SHARED, BN, BKW, F32_DOT)
+            if PHASES & 1:
+                _dgrad_down_item(tk // NA, tk % NA, lr, src, grp, P, ctr, dy_base, tab16,
+                                 p_base, drp_base, tab32, w2_desc, ws2_desc, pre_a_desc,
+                                 hs_a_desc, T, E, NBMAX, withhold, H, I, S, K, HAS_SHARED, BM,
+                                 BN, BK, F32_DOT, INTERLEAVED)
         elif tk < end_b:
-            i = tk - end_c
-            ok = _dgrad_gate_up_item(i // NB, i % NB, lr, src, grp, pre, ctr, err, comb_base,
-                                     comb_tab, w1_desc, ws1_desc, T, E, budget, H, I, S,
-                                     HAS_SHARED, BM, BN, BK, F32_DOT)
+            if PHASES & 2:
+                i = tk - end_a
+                ok = _dgrad_gate_up_item(i // NB, i % NB, lr, src, grp, pre, ctr, err,
+                                         comb_base, comb_tab, w1_desc, ws1_desc, T, E, budget,
+                                         H, I, S, HAS_SHARED, BM, BN, BK, F32_DOT)
+        elif tk < end_c:
+            if PHASES & 4:
+                i = tk - end_b
+                g = NG - 1 - i // NC
+                c = i % NC
+                ok = _wgrad_down_item(g, c // (H // HALF), c % (H // HALF), lr, src, gst, total,
+                                      P, hs_c_desc, ctr, err, dy_base, tab16, dw2_ptr, dws2_ptr, T, E,
+                                      NBMAX, budget, H, I, S, K, HAS_SHARED, BM, BN, BKW,
+                                      F32_DOT)
         else:
-            i = tk - end_b
-            g = NG - 1 - i // ND
-            d = i % ND
-            ok = _wgrad_gate_up_item(g, d // (2 * I // BN), d % (2 * I // BN), lr, src, gst,
-                                     total, pre, ctr, err, x_base, x_tab, dw1_ptr, dws1_ptr, T,
-                                     E, NBMAX, budget, H, I, S, K, HAS_SHARED, BM, BN, BKW,
-                                     F32_DOT, INTERLEAVED)
+            if PHASES & 8:
+                i = tk - end_c
+                g = NG - 1 - i // ND
+                d = i % ND
+                ok = _wgrad_gate_up_item(g, d // (2 * I // BN), d % (2 * I // BN), lr, src,
+                                         gst, total, P, pre_d_desc, ctr, err, x_base, x_tab,
+                                         dw1_ptr,
+                                         dws1_ptr, T, E, NBMAX, budget, H, I, S, K, HAS_SHARED,
+                                         BM, BN, BKW, F32_DOT, INTERLEAVED)
         tk = tl.atomic_add(ctr, 1, sem="relaxed", scope="gpu")
