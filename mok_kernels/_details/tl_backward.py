@@ -293,8 +293,8 @@ def mok_backward_kernel(
                 c = i % NC
                 ok = _wgrad_down_item(g, c // (H // HALF), c % (H // HALF), lr, src, gst, total,
                                       P, hs_c_desc, ctr, err, dy_base, tab16, dw2_ptr,
-                                      dws2_ptr, T, E, NBMAX, budget, H, I, S, K, HAS_SHARED, BM, BN, BKW,
-                                      F32_DOT)
+                                      dws2_ptr, T, E, NBMAX, budget, H, I, S, K, HAS_SHARED,
+                                      BM, BN, BKW, F32_DOT)
         else:
             if PHASES & 8:
                 i = tk - end_c
