@@ -134,28 +134,31 @@ def _descriptors(ws: Workspace, weights: tuple) -> tuple:
 
 
 def wgrad_rows(cfg: MoKConfig) -> int:
-    """Rows per reduction step of the weight-gradient items (BKW): 32, or block_m if smaller.
-    With 64 the gathered rows' pointers push the gate+up weight-gradient item over 255
-    registers (spills in the sm_90 build at block_n 256); 32 builds without spills."""
-    return min(32, cfg.block_m)
+    """Rows per reduction step of the weight-gradient items (BKW): 64, or block_m if smaller
+    (every row operand comes through TMA from the pulled rows, so no pointer tensors)."""
+    return min(64, cfg.block_m)
 
 
-def _activation_descriptors(cfg: MoKConfig, pre_LPF: torch.Tensor, hs_LPI: torch.Tensor
-                            ) -> tuple:
+def _activation_descriptors(cfg: MoKConfig, pre_LPF: torch.Tensor, hs_LPI: torch.Tensor,
+                            xg_LPH: torch.Tensor, dyg_LPH: torch.Tensor) -> tuple:
     """(pre for the dA epilogue, r*h for the dA epilogue, r*h for dW_down, dGU for
-    dW_gate_up) over [L*P, cols] views: epilogue boxes cover a quarter tile of I columns
-    (half of an I tile; interleaved gate/up: both of its halves), weight-gradient boxes
-    BKW rows."""
+    dW_gate_up), then the pulled rows (dY for dA, dY for dW_down, x for dW_gate_up), over
+    [L*P, cols] views: epilogue boxes cover a quarter tile of I columns (half of an I tile;
+    interleaved gate/up: both of its halves), weight-gradient boxes BKW rows."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     bm, bn, bkw = cfg.block_m, cfg.block_n, wgrad_rows(cfg)
     q = bn // 4
     pre = pre_LPF.view(-1, pre_LPF.shape[-1])
     hs = hs_LPI.view(-1, hs_LPI.shape[-1])
+    xg, dyg = xg_LPH.view(-1, xg_LPH.shape[-1]), dyg_LPH.view(-1, dyg_LPH.shape[-1])
     return (TensorDescriptor.from_tensor(pre, [bm, 2 * q if cfg.gate_up_interleaved else q]),
             TensorDescriptor.from_tensor(hs, [bm, q]),
             TensorDescriptor.from_tensor(hs, [bkw, bn // 2]),
-            TensorDescriptor.from_tensor(pre, [bkw, bn]))
+            TensorDescriptor.from_tensor(pre, [bkw, bn]),
+            TensorDescriptor.from_tensor(dyg, [bm, cfg.block_k]),
+            TensorDescriptor.from_tensor(dyg, [bkw, bn]),
+            TensorDescriptor.from_tensor(xg, [bkw, bn // 2]))
 
 
 def backward_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots: int,
@@ -175,7 +178,7 @@ def backward(config: MoKConfig, ws: Workspace, context: ForwardContext, dy_TH: t
              _phases: int = 15) -> Gradients:
     """Gradients of the layer for the training forward that made ``context`` (once per
     context: the saved pre-activations are overwritten by their gradients)."""
-    from mok_kernels._details.tl_backward import mok_backward_kernel
+    from mok_kernels._details.tl_backward import mok_backward_kernel, pull_rows_kernel
     from mok_kernels._details.tl_mega import weighted_sum_kernel
 
     if config != ws.config or context.schedule.workspace is not ws:
@@ -199,8 +202,14 @@ def backward(config: MoKConfig, ws: Workspace, context: ForwardContext, dy_TH: t
     dws2 = torch.empty((L, I, H) if ws.shared else (1,), dtype=torch.bfloat16,
                        device=ws.device)
     hs = torch.empty(L, ws.P, I, dtype=torch.bfloat16, device=ws.device)  # r * h, per row
+    xg = torch.empty(L, ws.P, H, dtype=torch.bfloat16, device=ws.device)  # pulled x rows
+    dyg = torch.empty(L, ws.P, H, dtype=torch.bfloat16, device=ws.device)  # pulled dY rows
     bb.counters_LC.zero_()
     ws.barrier()
+    br = 16
+    pull_rows_kernel[(L, ws.P // br)](st.src_LP, st.total_L, x_src, ws.x_tab_R, bb.dy_LTH,
+                                      bb.tab16_R, xg, dyg, T, ws.P, H=H, S=ws.S, BR=br,
+                                      CH=_row_chunk(H), num_warps=4)
     progs, _ = _programs(ws)
     extra = {} if _interpreting() else {"launch_cooperative_grid": True}
     descs = _descriptors(ws, weights)
@@ -208,7 +217,8 @@ def backward(config: MoKConfig, ws: Workspace, context: ForwardContext, dy_TH: t
         x_src, ws.x_tab_R, bb.dy_LTH, bb.tab16_R, bb.p_LTK, bb.drp_LTKJ, bb.tab32_R,
         ws.comb_LTSH, ws.comb_tab_R, st.src_LP, st.group_LB, st.total_L, gst,
         context.pre_LPF, hs, bb.counters_LC, ws.errors_L4,
-        dw1, dw2, dws1, dws2, *descs, *_activation_descriptors(config, context.pre_LPF, hs),
+        dw1, dw2, dws1, dws2, *descs,
+        *_activation_descriptors(config, context.pre_LPF, hs, xg, dyg),
         T, E, E + int(ws.shared), ws.P, bb.counters_LC.shape[1], config.spin_budget,
         _withhold,
         **backward_constants(config, hidden=H, intermediate=I, slots=ws.S, shared=ws.shared,

@@ -107,7 +107,8 @@ def compile_megakernel(config: MoKConfig, hidden: int, intermediate: int, *, top
         descs = {"w1_desc": w1, "w2_desc": w2, "ws1_desc": w1, "ws2_desc": w2,
                  "pre_a_desc": [cfg.block_m, 2 * q if cfg.gate_up_interleaved else q],
                  "hs_a_desc": [cfg.block_m, q], "hs_c_desc": [bkw, cfg.block_n // 2],
-                 "pre_d_desc": [bkw, cfg.block_n]}
+                 "pre_d_desc": [bkw, cfg.block_n], "dyg_a_desc": [cfg.block_m, cfg.block_k],
+                 "dyg_c_desc": [bkw, cfg.block_n], "xg_d_desc": [bkw, cfg.block_n // 2]}
         if not cfg.tma:  # the backward always reads weight tiles through TMA
             cfg = cfg.__class__(**{**cfg.__dict__, "tma": True})
     sig: dict[str, str] = {}

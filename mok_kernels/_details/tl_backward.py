@@ -95,7 +95,7 @@ def _swiglu_bwd_half(da_raw, c0, prow, pre_desc, hs_desc, r, I: tl.constexpr, BM
 
 
 @triton.jit
-def _dgrad_down_item(b, jt, lr, src, grp, P, ctr, dy_base, tab16, p_base, drp_base, tab32,
+def _dgrad_down_item(b, jt, lr, src, grp, P, ctr, dyg_a_desc, p_base, drp_base, tab32,
                      w2_desc, ws2_desc, pre_a_desc, hs_a_desc, T, E, NBMAX, withhold,
                      H: tl.constexpr, I: tl.constexpr, S: tl.constexpr, K: tl.constexpr,
                      HAS_SHARED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
@@ -108,17 +108,15 @@ def _dgrad_down_item(b, jt, lr, src, grp, P, ctr, dy_base, tab16, p_base, drp_ba
     g = tl.load(grp + b)
     rows = b * BM + tl.arange(0, BM)
     valid, rank, t, k, routed = _row_meta(src, rows, T, S, K)
-    dy_rows = dy_base + tl.load(tab16 + rank, mask=valid, other=0) + t * H
     d2, w_row0 = _weight_desc(lr, g, E, w2_desc, ws2_desc, I, True, HAS_SHARED)
-    offs_k = tl.arange(0, BK)
+    prow = lr * P + b * BM
     acc = tl.zeros((BM, HALF), dtype=tl.float32)
     for kk in range(0, H, BK):
-        a = tl.load(dy_rows[:, None] + (kk + offs_k)[None, :], mask=valid[:, None], other=0.0)
+        a = dyg_a_desc.load([prow, kk])  # pulled dY rows [BM, BK]
         bt = d2.load([w_row0 + jt * HALF, kk])  # W_down[I tile, H step]: [HALF, BK]
         acc = mma(a, tl.trans(bt), acc, F32_DOT)
     r = _router_weight(p_base, tab32, rank, t, k, routed, K)
     a0, a1 = tl.split(tl.permute(tl.reshape(acc, (BM, 2, Q)), (0, 2, 1)))
-    prow = lr * P + b * BM
     part = _swiglu_bwd_half(a0, jt * HALF, prow, pre_a_desc, hs_a_desc, r, I, BM, Q,
                             INTERLEAVED)
     part += _swiglu_bwd_half(a1, jt * HALF + Q, prow, pre_a_desc, hs_a_desc, r, I, BM, Q,
@@ -167,27 +165,23 @@ def _group_rows(gst, g, total):
 
 
 @triton.jit
-def _wgrad_down_item(g, it, jn, lr, src, gst, total, P, hs_c_desc, ctr, err, dy_base, tab16,
+def _wgrad_down_item(g, it, jn, lr, gst, total, P, hs_c_desc, dyg_c_desc, ctr, err,
                      dw2, dws2, T, E, NBMAX, budget, H: tl.constexpr, I: tl.constexpr,
                      S: tl.constexpr, K: tl.constexpr, HAS_SHARED: tl.constexpr, BM: tl.constexpr,
                      BN: tl.constexpr, BKW: tl.constexpr, F32_DOT: tl.constexpr):
     """C item: dW_down[g][I tile it, H tile jn] = sum over g's rows of (r h)^T dY; waits for
-    every A item of g (they write r h). Tiles of HALF x HALF: the gathered dY rows' pointers
-    stay in registers."""
+    every A item of g (they write r h)."""
     HALF: tl.constexpr = BN // 2
     start, end = _group_rows(gst, g, total)
     ok = wait_geq(ctr + 1 + NBMAX + g, (end - start) // BM * (I // HALF), err, budget,
                   _E_DGRAD_GROUP, g)
     if ok != 0:
         icols = it * HALF + tl.arange(0, HALF)
-        hcols = jn * HALF + tl.arange(0, HALF)
-        acc = tl.zeros((HALF, HALF), dtype=tl.float32)
+        hcols = jn * BN + tl.arange(0, BN)
+        acc = tl.zeros((HALF, BN), dtype=tl.float32)
         for r0 in range(start, end, BKW):
-            rows = r0 + tl.arange(0, BKW)
-            valid, rank, t, k, routed = _row_meta(src, rows, T, S, K)
             h = hs_c_desc.load([lr * P + r0, it * HALF])  # [BKW, HALF]
-            dy_rows = dy_base + tl.load(tab16 + rank, mask=valid, other=0) + t * H
-            dy = tl.load(dy_rows[:, None] + hcols[None, :], mask=valid[:, None], other=0.0)
+            dy = dyg_c_desc.load([lr * P + r0, jn * BN])  # [BKW, BN]
             acc = mma(tl.trans(h), dy, acc, F32_DOT)
         out = dw2 + (lr * E + g).to(tl.int64) * (I * H)
         if HAS_SHARED:
@@ -198,8 +192,8 @@ def _wgrad_down_item(g, it, jn, lr, src, gst, total, P, hs_c_desc, ctr, err, dy_
 
 
 @triton.jit
-def _wgrad_gate_up_item(g, it, jn, lr, src, gst, total, P, pre_d_desc, ctr, err, x_base,
-                        x_tab, dw1, dws1, T, E, NBMAX, budget, H: tl.constexpr, I: tl.constexpr,
+def _wgrad_gate_up_item(g, it, jn, lr, gst, total, P, pre_d_desc, xg_d_desc, ctr, err,
+                        dw1, dws1, T, E, NBMAX, budget, H: tl.constexpr, I: tl.constexpr,
                         S: tl.constexpr, K: tl.constexpr, HAS_SHARED: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr,
                         F32_DOT: tl.constexpr, INTERLEAVED: tl.constexpr):
@@ -213,10 +207,7 @@ def _wgrad_gate_up_item(g, it, jn, lr, src, gst, total, P, pre_d_desc, ctr, err,
         fcols = jn * BN + tl.arange(0, BN)
         acc = tl.zeros((HALF, BN), dtype=tl.float32)
         for r0 in range(start, end, BKW):
-            rows = r0 + tl.arange(0, BKW)
-            valid, rank, t, k, routed = _row_meta(src, rows, T, S, K)
-            x_rows = x_base + tl.load(x_tab + rank, mask=valid, other=0) + t * H
-            x = tl.load(x_rows[:, None] + hcols[None, :], mask=valid[:, None], other=0.0)
+            x = xg_d_desc.load([lr * P + r0, it * HALF])  # pulled x rows [BKW, HALF]
             dgu = pre_d_desc.load([lr * P + r0, jn * BN])  # [BKW, BN]
             acc = mma(tl.trans(x), dgu, acc, F32_DOT)
         out = dw1 + (lr * E + g).to(tl.int64) * (H * 2 * I)
@@ -245,6 +236,7 @@ def mok_backward_kernel(
         dw1_ptr, dw2_ptr, dws1_ptr, dws2_ptr,  # [L*E, H, 2I], [L*E, I, H], [L, H, 2I], [L, I, H]
         w1_desc, w2_desc, ws1_desc, ws2_desc,  # weight descriptors ([BN, BK] / [BN/2, BK])
         pre_a_desc, hs_a_desc, hs_c_desc, pre_d_desc,  # activation descriptors (see host)
+        dyg_a_desc, dyg_c_desc, xg_d_desc,  # pulled dY and x rows [L*P, H] (see host)
         T, E, NG, P, NCTR, budget, withhold,
         H: tl.constexpr, I: tl.constexpr, S: tl.constexpr, K: tl.constexpr,
         PROGS: tl.constexpr, HAS_SHARED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
@@ -254,7 +246,7 @@ def mok_backward_kernel(
     HALF: tl.constexpr = BN // 2
     NA: tl.constexpr = I // HALF  # A items per row block
     NB: tl.constexpr = H // BN  # B items per row block
-    NC: tl.constexpr = (I // HALF) * (H // HALF)  # C items per group
+    NC: tl.constexpr = (I // HALF) * (H // BN)  # C items per group
     ND: tl.constexpr = (H // HALF) * (2 * I // BN)  # D items per group
     pid = tl.program_id(0)
     lr = pid // PROGS
@@ -276,9 +268,8 @@ def mok_backward_kernel(
     while (tk < n_items) & (ok != 0):
         if tk < end_a:
             if PHASES & 1:
-                _dgrad_down_item(tk // NA, tk % NA, lr, src, grp, P, ctr, dy_base, tab16,
-                                 p_base, drp_base, tab32, w2_desc, ws2_desc, pre_a_desc,
-                                 hs_a_desc, T, E, NBMAX, withhold, H, I, S, K, HAS_SHARED, BM,
+                _dgrad_down_item(tk // NA, tk % NA, lr, src, grp, P, ctr, dyg_a_desc, p_base,
+                                 drp_base, tab32, w2_desc, ws2_desc, pre_a_desc, hs_a_desc, T, E, NBMAX, withhold, H, I, S, K, HAS_SHARED, BM,
                                  BN, BK, F32_DOT, INTERLEAVED)
         elif tk < end_b:
             if PHASES & 2:
@@ -291,18 +282,45 @@ def mok_backward_kernel(
                 i = tk - end_b
                 g = NG - 1 - i // NC
                 c = i % NC
-                ok = _wgrad_down_item(g, c // (H // HALF), c % (H // HALF), lr, src, gst, total,
-                                      P, hs_c_desc, ctr, err, dy_base, tab16, dw2_ptr,
-                                      dws2_ptr, T, E, NBMAX, budget, H, I, S, K, HAS_SHARED,
-                                      BM, BN, BKW, F32_DOT)
+                ok = _wgrad_down_item(g, c // (H // BN), c % (H // BN), lr, gst, total, P,
+                                      hs_c_desc, dyg_c_desc, ctr, err, dw2_ptr, dws2_ptr, T,
+                                      E, NBMAX, budget, H, I, S, K, HAS_SHARED, BM, BN, BKW,
+                                      F32_DOT)
         else:
             if PHASES & 8:
                 i = tk - end_c
                 g = NG - 1 - i // ND
                 d = i % ND
-                ok = _wgrad_gate_up_item(g, d // (2 * I // BN), d % (2 * I // BN), lr, src,
-                                         gst, total, P, pre_d_desc, ctr, err, x_base, x_tab,
-                                         dw1_ptr,
+                ok = _wgrad_gate_up_item(g, d // (2 * I // BN), d % (2 * I // BN), lr, gst,
+                                         total, P, pre_d_desc, xg_d_desc, ctr, err, dw1_ptr,
                                          dws1_ptr, T, E, NBMAX, budget, H, I, S, K, HAS_SHARED,
                                          BM, BN, BKW, F32_DOT, INTERLEAVED)
         tk = tl.atomic_add(ctr, 1, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def pull_rows_kernel(src_ptr, total_ptr, x_base, x_tab, dy_base, tab16, xg_ptr, dyg_ptr, T, P,
+                     H: tl.constexpr, S: tl.constexpr, BR: tl.constexpr, CH: tl.constexpr):
+    """Reverse-combine pull: the x and dY rows of BR schedule rows, from the tokens' home
+    ranks (peer memory), into contiguous [L, P, H] buffers (zeros for padding rows), so every
+    backward GEMM reads its row operands as plain tiles. Program (l, i) does rows i*BR.. of
+    logical rank l; rows past the rank's total are left alone."""
+    lr = tl.program_id(0)
+    rows = tl.program_id(1) * BR + tl.arange(0, BR)
+    total = tl.load(total_ptr + lr)
+    if tl.program_id(1) * BR < total:
+        s = tl.load(src_ptr + lr.to(tl.int64) * P + rows)
+        valid = s >= 0
+        tok = (tl.maximum(s, 0) // S).to(tl.int64)
+        rank, t = tok // T, tok % T
+        x_rows = x_base + tl.load(x_tab + rank, mask=valid, other=0) + t * H
+        dy_rows = dy_base + tl.load(tab16 + rank, mask=valid, other=0) + t * H
+        out = (lr.to(tl.int64) * P + rows) * H
+        for h0 in range(0, H, CH):
+            cols = h0 + tl.arange(0, CH)
+            cm = cols < H
+            m = valid[:, None] & cm[None, :]
+            v = tl.load(x_rows[:, None] + cols[None, :], mask=m, other=0.0)
+            tl.store(xg_ptr + out[:, None] + cols[None, :], v, mask=cm[None, :])
+            v = tl.load(dy_rows[:, None] + cols[None, :], mask=m, other=0.0)
+            tl.store(dyg_ptr + out[:, None] + cols[None, :], v, mask=cm[None, :])
