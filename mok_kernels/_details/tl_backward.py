@@ -269,8 +269,9 @@ def mok_backward_kernel(
         if tk < end_a:
             if PHASES & 1:
                 _dgrad_down_item(tk // NA, tk % NA, lr, src, grp, P, ctr, dyg_a_desc, p_base,
-                                 drp_base, tab32, w2_desc, ws2_desc, pre_a_desc, hs_a_desc, T, E, NBMAX, withhold, H, I, S, K, HAS_SHARED, BM,
-                                 BN, BK, F32_DOT, INTERLEAVED)
+                                 drp_base, tab32, w2_desc, ws2_desc, pre_a_desc, hs_a_desc, T,
+                                 E, NBMAX, withhold, H, I, S, K, HAS_SHARED, BM, BN, BK,
+                                 F32_DOT, INTERLEAVED)
         elif tk < end_b:
             if PHASES & 2:
                 i = tk - end_a
