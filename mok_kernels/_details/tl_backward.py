@@ -67,11 +67,13 @@ def _router_weight(p_base, tab32, rank, t, k, routed, K: tl.constexpr):
 
 
 @triton.jit
-def _swiglu_bwd_half(da_raw, c0, prow, pre_desc, hs_desc, r, I: tl.constexpr, BM: tl.constexpr,
-                     Q: tl.constexpr, INTERLEAVED: tl.constexpr):
+def _swiglu_bwd_half(da_raw, c0, prow, pre_desc, pre_rows, hs_rows, r, I: tl.constexpr,
+                     BM: tl.constexpr, Q: tl.constexpr, INTERLEAVED: tl.constexpr):
     """SwiGLU backward for Q columns c0.. of a row block (rows from ``prow`` in the [L*P, ...]
-    views): reads gate/up through ``pre_desc``, writes dG, dU over them and r * h through
-    ``hs_desc``; returns the router-gradient partial sum_cols(da_raw * h) [BM]."""
+    views): reads gate/up through ``pre_desc``, writes dG, dU over them and r * h to
+    ``hs_rows`` with plain stores (a TMA store's completion is not ordered before the
+    release that lets other programs read them); returns the router-gradient partial
+    sum_cols(da_raw * h) [BM]."""
     if INTERLEAVED:  # gate c at column 2c, up c at 2c + 1: one [BM, 2Q] box
         gate, up = tl.split(tl.reshape(pre_desc.load([prow, 2 * c0]).to(tl.float32),
                                        (BM, Q, 2)))
@@ -82,21 +84,24 @@ def _swiglu_bwd_half(da_raw, c0, prow, pre_desc, hs_desc, r, I: tl.constexpr, BM
     silu = gate * sig
     h = silu * up
     part = tl.sum(da_raw * h, axis=1)
-    hs_desc.store([prow, c0], (h * r[:, None]).to(tl.bfloat16))
+    cols = c0 + tl.arange(0, Q)
+    tl.store(hs_rows[:, None] + cols[None, :], (h * r[:, None]).to(tl.bfloat16))
     da = da_raw * r[:, None]
     d_up = (da * silu).to(tl.bfloat16)
     d_gate = (da * up * sig * (1.0 + gate * (1.0 - sig))).to(tl.bfloat16)
     if INTERLEAVED:
-        pre_desc.store([prow, 2 * c0], tl.reshape(tl.join(d_gate, d_up), (BM, 2 * Q)))
+        wcols = 2 * c0 + tl.arange(0, 2 * Q)
+        tl.store(pre_rows[:, None] + wcols[None, :],
+                 tl.reshape(tl.join(d_gate, d_up), (BM, 2 * Q)))
     else:
-        pre_desc.store([prow, c0], d_gate)
-        pre_desc.store([prow, I + c0], d_up)
+        tl.store(pre_rows[:, None] + cols[None, :], d_gate)
+        tl.store(pre_rows[:, None] + (I + cols)[None, :], d_up)
     return part
 
 
 @triton.jit
-def _dgrad_down_item(b, jt, lr, src, grp, P, ctr, dyg_a_desc, p_base, drp_base, tab32,
-                     w2_desc, ws2_desc, pre_a_desc, hs_a_desc, T, E, NBMAX, withhold,
+def _dgrad_down_item(b, jt, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, drp_base,
+                     tab32, w2_desc, ws2_desc, pre_a_desc, T, E, NBMAX, withhold,
                      H: tl.constexpr, I: tl.constexpr, S: tl.constexpr, K: tl.constexpr,
                      HAS_SHARED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                      BK: tl.constexpr, F32_DOT: tl.constexpr, INTERLEAVED: tl.constexpr):
@@ -117,10 +122,12 @@ def _dgrad_down_item(b, jt, lr, src, grp, P, ctr, dyg_a_desc, p_base, drp_base, 
         acc = mma(a, tl.trans(bt), acc, F32_DOT)
     r = _router_weight(p_base, tab32, rank, t, k, routed, K)
     a0, a1 = tl.split(tl.permute(tl.reshape(acc, (BM, 2, Q)), (0, 2, 1)))
-    part = _swiglu_bwd_half(a0, jt * HALF, prow, pre_a_desc, hs_a_desc, r, I, BM, Q,
+    pre_rows = pre + rows.to(tl.int64) * (2 * I)
+    hs_rows = hs + rows.to(tl.int64) * I
+    part = _swiglu_bwd_half(a0, jt * HALF, prow, pre_a_desc, pre_rows, hs_rows, r, I, BM, Q,
                             INTERLEAVED)
-    part += _swiglu_bwd_half(a1, jt * HALF + Q, prow, pre_a_desc, hs_a_desc, r, I, BM, Q,
-                             INTERLEAVED)
+    part += _swiglu_bwd_half(a1, jt * HALF + Q, prow, pre_a_desc, pre_rows, hs_rows, r, I, BM,
+                             Q, INTERLEAVED)
     # Router-weight gradient: d r = sum_I dA_raw * h, one partial per I tile.
     drp_off = tl.load(tab32 + rank, mask=routed, other=0)
     tl.store(drp_base + drp_off + (t * K + k) * NJ + jt, part, mask=routed)
@@ -257,6 +264,7 @@ def mok_backward_kernel(
     total = tl.load(total_ptr + lr)
     gst = gstart_ptr + lr * (NG + 1)
     pre = pre_ptr + lr.to(tl.int64) * P * (2 * I)
+    hs = hs_ptr + lr.to(tl.int64) * P * I
     NBMAX = P // BM
     nb = total // BM
     end_a = nb * NA
@@ -268,8 +276,8 @@ def mok_backward_kernel(
     while (tk < n_items) & (ok != 0):
         if tk < end_a:
             if PHASES & 1:
-                _dgrad_down_item(tk // NA, tk % NA, lr, src, grp, P, ctr, dyg_a_desc, p_base,
-                                 drp_base, tab32, w2_desc, ws2_desc, pre_a_desc, hs_a_desc, T,
+                _dgrad_down_item(tk // NA, tk % NA, lr, src, grp, P, pre, hs, ctr, dyg_a_desc,
+                                 p_base, drp_base, tab32, w2_desc, ws2_desc, pre_a_desc, T,
                                  E, NBMAX, withhold, H, I, S, K, HAS_SHARED, BM, BN, BK,
                                  F32_DOT, INTERLEAVED)
         elif tk < end_b:
