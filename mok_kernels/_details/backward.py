@@ -161,6 +161,13 @@ def _activation_descriptors(cfg: MoKConfig, pre_LPF: torch.Tensor, hs_LPI: torch
             TensorDescriptor.from_tensor(xg, [bkw, bn // 2]))
 
 
+def backward_stages(cfg: MoKConfig) -> int:
+    """Pipeline stages of the backward kernel: the forward's, or at most 2 with split gate/up
+    columns, whose build otherwise needs more than 227 KB of shared memory (Triton 3.6, sm_90:
+    393 KB at 4 stages, 295 KB at 3, 197 KB at 2; the interleaved layout fits at 4)."""
+    return cfg.num_stages if cfg.gate_up_interleaved else min(2, cfg.num_stages)
+
+
 def backward_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots: int,
                        shared: bool, programs: int, interpreting: bool = False,
                        phases: int = 15) -> dict:
@@ -223,7 +230,7 @@ def backward(config: MoKConfig, ws: Workspace, context: ForwardContext, dy_TH: t
         _withhold,
         **backward_constants(config, hidden=H, intermediate=I, slots=ws.S, shared=ws.shared,
                              programs=progs, interpreting=_interpreting(), phases=_phases),
-        num_warps=config.num_warps, num_stages=config.num_stages, **extra)
+        num_warps=config.num_warps, num_stages=backward_stages(config), **extra)
     ws.barrier()
     dx = torch.empty(L * T, H, dtype=torch.bfloat16, device=ws.device)
     bh = _row_chunk(H)

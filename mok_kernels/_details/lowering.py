@@ -82,7 +82,7 @@ def compile_megakernel(config: MoKConfig, hidden: int, intermediate: int, *, top
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from mok_kernels._details.backward import backward_constants, wgrad_rows
+    from mok_kernels._details.backward import backward_constants, backward_stages, wgrad_rows
     from mok_kernels._details.forward import descriptor_boxes, kernel_constants
     from mok_kernels._details.tl_backward import mok_backward_kernel
     from mok_kernels._details.tl_mega import mok_forward_kernel
@@ -109,8 +109,8 @@ def compile_megakernel(config: MoKConfig, hidden: int, intermediate: int, *, top
                  "hs_a_desc": [cfg.block_m, q], "hs_c_desc": [bkw, cfg.block_n // 2],
                  "pre_d_desc": [bkw, cfg.block_n], "dyg_a_desc": [cfg.block_m, cfg.block_k],
                  "dyg_c_desc": [bkw, cfg.block_n], "xg_d_desc": [bkw, cfg.block_n // 2]}
-        if not cfg.tma:  # the backward always reads weight tiles through TMA
-            cfg = cfg.__class__(**{**cfg.__dict__, "tma": True})
+        # the backward always reads weight tiles through TMA, with its own stage count
+        cfg = cfg.__class__(**{**cfg.__dict__, "tma": True, "num_stages": backward_stages(cfg)})
     sig: dict[str, str] = {}
     constexprs: dict[tuple[int, ...], object] = {}
     for i, name in enumerate(kern.arg_names):

@@ -77,9 +77,10 @@ def _swiglu_bwd_half(da_raw, c0, prow, pre_desc, pre_rows, hs_rows, r, I: tl.con
     if INTERLEAVED:  # gate c at column 2c, up c at 2c + 1: one [BM, 2Q] box
         gate, up = tl.split(tl.reshape(pre_desc.load([prow, 2 * c0]).to(tl.float32),
                                        (BM, Q, 2)))
-    else:
-        gate = pre_desc.load([prow, c0]).to(tl.float32)
-        up = pre_desc.load([prow, I + c0]).to(tl.float32)
+    else:  # plain loads: two TMA boxes here double the kernel's shared memory (Triton 3.6)
+        qc = c0 + tl.arange(0, Q)
+        gate = tl.load(pre_rows[:, None] + qc[None, :]).to(tl.float32)
+        up = tl.load(pre_rows[:, None] + (I + qc)[None, :]).to(tl.float32)
     sig = 1.0 / (1.0 + tl.exp(-gate))
     silu = gate * sig
     h = silu * up
