@@ -1,7 +1,8 @@
 """Charts derived from a summary (see :func:`mokbench.report.summarize`), as PNG and SVG.
 
-    speedup.{png,svg}         speedup over the fastest ok baseline per scenario, forward and
-                              backward panels, grouped bars per backend, a dashed line at 1.0
+    speedup.{png,svg}         speedup over the fastest ok baseline per scenario, one panel per
+                              pass (forward (training), backward, inference (no_grad)), grouped
+                              bars per backend, a dashed line at 1.0
     time_vs_tokens.{png,svg}  median time (ms, log axis) vs tokens per rank (log2 axis), one line
                               per backend with p10-p90 error bars; one panel per (model shape,
                               world size, pass) group, split further by precision/routing/shared
@@ -28,7 +29,9 @@ import pandas as pd  # noqa: E402
 from matplotlib import ticker  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-PASS_ORDER = ("forward", "backward")
+from mokbench.scenario import PASSES, pass_label  # noqa: E402
+
+PASS_ORDER = PASSES
 FORMATS = ("png", "svg")
 SHAPE_COLS = ["model", "num_experts", "hidden", "intermediate", "topk"]
 SPLIT_COLS = ["precision", "routing", "zipf_s", "shared_expert"]
@@ -101,8 +104,8 @@ def speedup_chart(summary: pd.DataFrame, out_dir: Path) -> list[Path]:
     fig, axes = plt.subplots(len(passes), 1, squeeze=False,
                              figsize=(max(6.0, 1.2 * n_scen + 2), 4.5 * len(passes)))
     for ax, p in zip(axes[:, 0], passes):
-        _speedup_panel(ax, data[data["pass"] == p], colors, f"{p}: speedup over the fastest "
-                       "baseline (same scenario)")
+        _speedup_panel(ax, data[data["pass"] == p], colors, f"{pass_label(p)}: speedup over "
+                       "the fastest baseline (same scenario and pass)")
     axes[0, 0].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     return _save(fig, out_dir, "speedup")
@@ -131,7 +134,7 @@ def _group_title(key: tuple, cols: list[str], pass_: str) -> str:
         parts.append(f"zipf {v['zipf_s']}")
     if key[cols.index("shared_expert")] if "shared_expert" in cols else False:
         parts.append("+shared")
-    return " ".join(p for p in parts if p) + f" - {pass_}"
+    return " ".join(p for p in parts if p) + f" - {pass_label(pass_)}"
 
 
 def _time_panel(ax, part: pd.DataFrame, colors: dict[str, tuple], title: str) -> None:
@@ -156,7 +159,7 @@ def _time_panel(ax, part: pd.DataFrame, colors: dict[str, tuple], title: str) ->
 
 def time_vs_tokens_chart(summary: pd.DataFrame, out_dir: Path) -> list[Path]:
     """time_vs_tokens.{png,svg}: a grid with one row per (shape, world size, precision,
-    routing, shared expert) group and one column per pass (forward, backward)."""
+    routing, shared expert) group and one column per pass."""
     data = _ok(summary)
     data = data[data["tokens_per_rank"].notna()]
     if data.empty:
@@ -231,7 +234,8 @@ def knob_chart(summary: pd.DataFrame, out_dir: Path, sm_count: int | None = None
         ax.set_xscale("log", base=2)
         ax.set_xlabel(knob)
         ax.set_ylabel("median ms")
-        ax.set_title(f"{base} {pass_}: time vs {knob} (dashed: fastest baseline)", fontsize=9)
+        ax.set_title(f"{base} {pass_label(pass_)}: time vs {knob} (dashed: fastest baseline)",
+                     fontsize=9)
         ax.legend(fontsize=6)
     fig.tight_layout()
     return _save(fig, out_dir, "knobs")

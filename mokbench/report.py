@@ -28,22 +28,26 @@ from rich.table import Table
 from rich.text import Text
 
 from mokbench.results import ROW_COLUMNS, read_env, read_rows
+from mokbench.scenario import PASSES, pass_label
 
 KEY = ["scenario_id", "backend", "pass"]
-PASS_ORDER = ("forward", "backward")
+PASS_ORDER = PASSES
 FORMATS = ("table", "md", "csv", "parquet", "json")
 OURS = frozenset({"mok", "mok_upstream"})  # used only when a row lacks is_baseline
 REASON_WIDTH = 60
 
 TIMING_NOTE = (
-    "Times are the median over iterations of the per-iteration max over ranks; forward includes "
-    "schedule/dispatch/experts/combine/weighted sum; backward timed after an untimed forward."
+    "Times are the median over iterations of the per-iteration max over ranks. A forward "
+    "includes schedule/dispatch/experts/combine/weighted sum. forward (training): autograd on, "
+    "x and router weights require grad, each backend keeps what its backward needs; backward: "
+    "timed after an untimed forward; inference (no_grad): the forward under torch.no_grad() on "
+    "inputs without grad."
 )
 FORMULA_NOTE = (
-    "TFLOP/s = per-rank layer FLOPs / median time (forward 6*(T + T*k)*H*I with the shared expert, "
-    "6*T*k*H*I without; backward 2x forward). Speedup = fastest ok baseline median (same "
-    "scenario and pass) / this median. Ceiling = TFLOP/s / dense GEMM TFLOP/s measured on this "
-    "machine for the precision."
+    "TFLOP/s = per-rank layer FLOPs / median time (forward and inference 6*(T + T*k)*H*I with "
+    "the shared expert, 6*T*k*H*I without; backward 2x forward). Speedup = fastest ok baseline "
+    "median (same scenario and pass) / this median. Ceiling = TFLOP/s / dense GEMM TFLOP/s "
+    "measured on this machine for the precision."
 )
 
 
@@ -203,12 +207,13 @@ def _rich_table(part: pd.DataFrame, title: str) -> Table:
 
 
 def render_rich(summary: pd.DataFrame, console: Console) -> None:
-    """Print one rich table per pass (forward, then backward) to ``console``."""
+    """Print one rich table per pass (forward (training), backward, inference (no_grad)) to
+    ``console``."""
     if summary.empty:
         console.print("no rows")
         return
     for p in _passes(summary):
-        console.print(_rich_table(summary[summary["pass"] == p], f"{p} pass"))
+        console.print(_rich_table(summary[summary["pass"] == p], f"{pass_label(p)} pass"))
     console.print(TIMING_NOTE, style="dim")
 
 
@@ -254,7 +259,7 @@ def to_markdown(summary: pd.DataFrame, env: dict[str, Any], run_id: str) -> str:
     if summary.empty:
         parts.append("No rows.")
     for p in _passes(summary):
-        parts += [f"## {p}", "", _md_table(summary[summary["pass"] == p]), ""]
+        parts += [f"## {pass_label(p)}", "", _md_table(summary[summary["pass"] == p]), ""]
     return "\n".join(parts).rstrip() + "\n"
 
 

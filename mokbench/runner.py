@@ -117,7 +117,7 @@ def run_sweep(sweep_file: Path | None, *, data: dict | None = None, backends=Non
                 ms = f"{r['median_ms']:.3f} ms" if r.get("median_ms") else ""
                 style = {"ok": "green", "skipped": "dim"}.get(r["status"], "red")
                 progress.console.print(
-                    f"[{style}]{r['status']:>7}[/{style}] {cell.backend:<20} {r['pass']:<8} "
+                    f"[{style}]{r['status']:>7}[/{style}] {cell.backend:<20} {r['pass']:<9} "
                     f"{ms:>12}  {cell.scenario.scenario_id}"
                     + (f"  [dim]{r['reason'][:100]}[/dim]" if r.get("reason") else ""),
                     soft_wrap=True, markup=True, highlight=False)

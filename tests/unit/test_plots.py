@@ -14,7 +14,7 @@ def synthetic_rows() -> list[dict]:
         for tokens in (256, 512, 1024):
             for backend, base, ms in (("nccl_torch", True, 2.0), ("te", True, 1.5),
                                       ("mok", False, 1.0)):
-                for p, scale in (("forward", 1.0), ("backward", 2.0)):
+                for p, scale in (("forward", 1.0), ("backward", 2.0), ("inference", 0.8)):
                     t = ms * scale * tokens / 256
                     rows.append(new_row(
                         run_id="r", scenario_id=f"tiny-T{tokens}-ep{world}", backend=backend,
@@ -38,8 +38,11 @@ def test_make_plots_writes_png_and_svg(tmp_path):
         assert p.exists() and p.stat().st_size > 1000
     assert paths[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     svg = (tmp_path / "plots" / "time_vs_tokens.svg").read_text()
-    # 2 world sizes x 2 passes = 4 panels, each titled with its group.
-    assert svg.count("EP1") >= 2 and svg.count("EP2") >= 2
+    # 2 world sizes x 3 passes = 6 panels, each titled with its group and pass.
+    assert svg.count("EP1") >= 3 and svg.count("EP2") >= 3
+    for label in ("forward (training)", "inference (no_grad)"):
+        assert label in svg
+        assert label in (tmp_path / "plots" / "speedup.svg").read_text()
 
 
 def test_no_baseline_skips_speedup_chart(tmp_path):

@@ -122,7 +122,7 @@ def test_render_rich_shows_passes_and_reasons(summary):
     console = Console(file=io.StringIO(), width=250, record=True)
     report.render_rich(summary, console)
     text = console.export_text()
-    assert "forward pass" in text and "backward pass" in text
+    assert "forward (training) pass" in text and "backward pass" in text
     assert "2.00x" in text and "1.50x" in text and "50%" in text
     assert "skipped: no TE" in text and "timeout: 600 s" in text
     assert "boom " * 5 in text and "…" in text  # long reason truncated
@@ -153,7 +153,7 @@ def test_write_report_formats(tmp_path, fmt):
         df = pd.read_parquet(path)
         assert df.ceiling_frac.notna().sum() == 5  # ok bf16 rows with tflops
     else:
-        assert path.name == "report.txt" and "forward pass" in path.read_text()
+        assert path.name == "report.txt" and "forward (training) pass" in path.read_text()
 
 
 def test_write_report_rejects_unknown_format(tmp_path):
@@ -187,3 +187,24 @@ def test_variant_is_shown_next_to_backend():
     rows[3]["variant"] = "comm=nccl_a2a"
     md = report.to_markdown(report.summarize(pd.DataFrame(rows), ENV), {}, "r")
     assert "**mok (comm=nccl_a2a)**" in md
+
+
+def test_inference_is_its_own_comparison():
+    """Speedup is per pass: the no_grad forward compares with the baselines' no_grad forwards."""
+    rows = known_rows() + [
+        row(S1, "nccl_torch", "inference", 6.0, tflops=160.0),
+        row(S1, "te", "inference", 7.0, tflops=140.0),
+        row(S1, "mok", "inference", 3.0, baseline=False, tflops=330.0),
+    ]
+    summary = report.summarize(pd.DataFrame(rows), ENV)
+    mok_i = pick(summary, S1, "mok", "inference")
+    assert mok_i.best_baseline == "nccl_torch"
+    assert mok_i.speedup_vs_best_baseline == pytest.approx(6.0 / 3.0)
+    assert pick(summary, S1, "mok", "forward").best_baseline == "te"
+    passes = list(pd.unique(summary[summary.scenario_id == S1]["pass"]))
+    assert passes == ["forward", "backward", "inference"]
+    md = report.to_markdown(summary, ENV, "r")
+    for head in ("## forward (training)", "## backward", "## inference (no_grad)"):
+        assert head in md
+    assert md.index("## backward") < md.index("## inference (no_grad)")
+    assert "torch.no_grad()" in md
