@@ -17,6 +17,7 @@ from mokbench.results import make_run_id, read_rows, write_env
 from mokbench.sweep import Sweep, expand, load_sweep
 
 CPU_DEFAULT_RANKS = 2
+DESCRIPTION_CHARS = 40  # the progress bar's label, so bar and counts fit 80 columns
 
 
 def local_gpus(device: str) -> int:
@@ -111,7 +112,9 @@ def run_sweep(sweep_file: Path | None, *, data: dict | None = None, backends=Non
                   TimeElapsedColumn(), console=console, transient=False) as progress:
         task = progress.add_task("sweep", total=len(todo))
         for index, cell in todo:
-            progress.update(task, description=f"{cell.backend} {cell.scenario.scenario_id}")
+            label = f"{cell.backend} {cell.scenario.scenario_id}"
+            progress.update(task, description=label if len(label) <= DESCRIPTION_CHARS
+                            else label[: DESCRIPTION_CHARS - 1] + "…")
             rows = runner.run(cell, index)
             for r in rows:
                 ms = f"{r['median_ms']:.3f} ms" if r.get("median_ms") else ""

@@ -68,7 +68,8 @@ def test_backend_variants_are_separate_rows(tmp_path):
 def test_default_sweep_runs_on_cpu(tmp_path):
     r = mokbench("sweep", "--device", "cpu", "--out", str(tmp_path / "out"))
     assert r.returncode == 0, r.stdout + r.stderr
-    rows = read_rows(only_run_dir(tmp_path / "out") / "rows.jsonl")
+    run_dir = only_run_dir(tmp_path / "out")
+    rows = read_rows(run_dir / "rows.jsonl")
     ok = [x for x in rows if x["backend"] == "nccl_torch"]
     assert ok and all(x["status"] == "ok" and x["world_size"] == 2 for x in ok)
     mok = [x for x in rows if x["backend"] == "mok"]
@@ -76,6 +77,16 @@ def test_default_sweep_runs_on_cpu(tmp_path):
     assert {x["pass"] for x in ok} == {"forward", "backward", "inference"}
     for label in ("forward (training) pass", "backward pass", "inference (no_grad) pass"):
         assert label in r.stdout
+    # The sweep leaves report.md and the charts; the report reads whole at 80 columns, piped.
+    md = (run_dir / "report.md").read_text()
+    assert "## inference (no_grad)" in md and "plots/speedup.png" in md
+    assert (run_dir / "plots" / "speedup.png").exists()
+    narrow = mokbench("report", str(run_dir), env={"COLUMNS": "80"})
+    assert narrow.returncode == 0, narrow.stdout + narrow.stderr
+    lines = [ln for ln in narrow.stdout.splitlines() if not ln.startswith("run folder:")]
+    assert max(len(line.rstrip()) for line in lines) <= 80
+    for x in ok:
+        assert f"{x['median_ms']:.3f}" in narrow.stdout
 
 
 def test_two_nodes_on_localhost(tmp_path):

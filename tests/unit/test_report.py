@@ -124,9 +124,10 @@ def test_render_rich_shows_passes_and_reasons(summary):
     text = console.export_text()
     assert "forward (training) pass" in text and "backward pass" in text
     assert "2.00x" in text and "1.50x" in text and "50%" in text
-    assert "skipped: no TE" in text and "timeout: 600 s" in text
+    assert "skipped [" in text and "timeout [" in text  # reasons as numbered notes
+    assert "] no TE" in text and "] 600 s" in text
     assert "boom " * 5 in text and "…" in text  # long reason truncated
-    assert "boom " * 30 not in text
+    assert "boom " * 40 not in text
 
 
 @pytest.mark.parametrize("fmt", ["md", "csv", "json", "parquet", "table"])
@@ -182,11 +183,12 @@ def test_empty_run(tmp_path):
     assert "No rows" in report.write_report(run, "md").read_text()
 
 
-def test_variant_is_shown_next_to_backend():
+def test_variant_is_a_tag_with_its_knobs_in_the_legend():
     rows = known_rows()
-    rows[3]["variant"] = "comm=nccl_a2a"
+    rows[3]["variant"] = "comm=nccl_a2a,tiles=4"
     md = report.to_markdown(report.summarize(pd.DataFrame(rows), ENV), {}, "r")
-    assert "**mok (comm=nccl_a2a)**" in md
+    assert "**mok [a]**" in md
+    assert "- [a] mok: comm=nccl_a2a, tiles=4" in md
 
 
 def test_inference_is_its_own_comparison():
