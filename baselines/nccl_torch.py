@@ -97,7 +97,8 @@ class NcclTorchBackend(BackendBase):
 class NcclTorchCompileBackend(NcclTorchBackend):
     """The same layer under torch.compile, as its users run it (graph breaks at the host-side
     split sizes). Mode from $MOKBENCH_COMPILE_MODE (default max-autotune-no-cudagraphs: the
-    token counts change every step, so CUDA graphs would re-record)."""
+    token counts change every step, so CUDA graphs would re-record). The mode is the row's
+    variant (``mode=...``), so runs made in different modes are told apart."""
 
     name = "nccl_torch_compile"
     capabilities = Capabilities(notes="torch.compile of nccl_torch; compiled before timing")
@@ -107,3 +108,4 @@ class NcclTorchCompileBackend(NcclTorchBackend):
         mode = os.environ.get("MOKBENCH_COMPILE_MODE",
                               "max-autotune-no-cudagraphs" if ctx.is_cuda else "default")
         self._fn = torch.compile(moe_alltoall_forward, mode=mode, dynamic=True)
+        self.variant = f"mode={mode}"

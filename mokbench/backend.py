@@ -7,12 +7,16 @@ sum, plus the shared expert) for one rank. The worker calls, in order:
     backend.setup(scenario, ctx, weights)         # build buffers, copy/convert weights
     y_TH = backend.forward(x_TH, topk_idx_TK, topk_weights_TK)
     y_TH.backward(dy_TH)                          # when "backward" in capabilities.passes
+    with torch.no_grad(): backend.forward(...)    # the inference pass (see Capabilities.runs)
     backend.weight_grads()                        # canonical-layout dW for the check
     backend.teardown()                            # explicit: some libraries hang in destructors
 
-``x_TH`` and ``topk_weights_TK`` may require grad; the backward pass must produce their grads
-through autograd. Weight gradients are returned in the canonical layout of
-:class:`mokbench.inputs.MoEWeights` (names ``w1_EHF``, ``w2_EIH``, ``ws1_HF``, ``ws2_IH``).
+In the forward (training) pass ``x_TH`` and ``topk_weights_TK`` require grad and autograd is on:
+the forward keeps what its backward needs and returns ``y_TH`` with its graph (not detached), as
+in training; the backward pass must produce their grads through autograd. In the inference pass
+the forward runs under ``torch.no_grad()`` on inputs that do not require grad. Weight gradients
+are returned in the canonical layout of :class:`mokbench.inputs.MoEWeights` (names ``w1_EHF``,
+``w2_EIH``, ``ws1_HF``, ``ws2_IH``).
 """
 
 from __future__ import annotations
@@ -33,9 +37,14 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What a backend can run. ``world_sizes=None`` means any; ``min_cc=None`` runs on CPU too."""
+    """What a backend can run. ``world_sizes=None`` means any; ``min_cc=None`` runs on CPU too.
+
+    ``passes`` lists "forward" and/or "backward"; the "inference" pass (the forward under
+    ``torch.no_grad()``) runs wherever the forward does, unless ``inference=False`` opts out.
+    """
 
     passes: tuple[str, ...] = ("forward", "backward")
+    inference: bool = True
     precisions: tuple[str, ...] = ("bf16",)
     world_sizes: tuple[int, ...] | None = None
     min_cc: tuple[int, int] | None = None
@@ -44,6 +53,13 @@ class Capabilities:
     packages: tuple[str, ...] = ()  # importable module names it needs
     is_baseline: bool = True
     notes: str = ""
+
+    def runs(self, pass_: str) -> bool:
+        """Whether this backend runs ``pass_`` (inference: wherever forward runs, unless opted
+        out, so a backend need not list it)."""
+        if pass_ == "inference":
+            return self.inference and ("inference" in self.passes or "forward" in self.passes)
+        return pass_ in self.passes
 
 
 @dataclass

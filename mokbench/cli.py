@@ -68,7 +68,7 @@ def sweep(
                       "with [bold]mokbench sweep --resume RUN_DIR[/bold]")
         raise typer.Exit(130) from None
     if run_dir is not None and node_rank == 0:
-        _print_report(run_dir)
+        _print_report(run_dir, finish=True)
 
 
 @app.command()
@@ -82,7 +82,8 @@ def run(
     precision: str = typer.Option("bf16"), routing: str = typer.Option("uniform"),
     zipf_s: float = typer.Option(1.0), seed: int = typer.Option(1234),
     shared_expert: bool = typer.Option(True, "--shared-expert/--no-shared-expert"),
-    passes: str = typer.Option("forward,backward"),
+    passes: str = typer.Option("forward,backward,inference",
+                               help="forward (training) | backward | inference (no_grad)"),
     warmup: int = typer.Option(5), iters: int = typer.Option(20),
     out: Path = typer.Option(Path("results")), timeout_s: float = typer.Option(900.0),
     device: str = typer.Option("auto"),
@@ -111,17 +112,26 @@ def run(
     except ScenarioError as exc:
         _fail(str(exc))
     if run_dir is not None:
-        _print_report(run_dir)
+        _print_report(run_dir, finish=True)
 
 
-def _print_report(run_dir: Path) -> None:
+def _print_report(run_dir: Path, finish: bool = False) -> None:
+    """The run's tables; with ``finish`` (the end of a sweep or run) also report.md and the
+    charts in the run folder."""
     from mokbench import report
     from mokbench.results import read_env
 
     df = report.load_rows(run_dir)
     if len(df):
         report.render_rich(report.summarize(df, read_env(run_dir)), console)
-    console.print(f"run folder: [bold]{run_dir}[/bold]")
+    if finish and len(df):
+        try:
+            written = report.finish_run(run_dir)
+            console.print(f"wrote {written[-1].name} and {len(written) - 1} chart files")
+        except Exception as exc:  # noqa: BLE001 - the rows are safe; say why the report is not
+            console.print(f"[yellow]report not written[/yellow]: {type(exc).__name__}: {exc}",
+                          soft_wrap=True)
+    console.print(f"run folder: [bold]{run_dir}[/bold]", soft_wrap=True)
 
 
 @app.command("report")

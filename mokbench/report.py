@@ -9,9 +9,12 @@ Formulas (per row, i.e. per (scenario, backend, pass)):
                                 / median_ms of this row                (> 1: faster than all)
     ceiling_frac              = tflops / env["ceilings"]["<precision>_tflops"]
                                 (the dense GEMM TFLOP/s measured by ``mokbench calibrate``)
+    within_noise              = this row's [p10_ms, p90_ms] overlaps the fastest baseline's
+                                (a speedup that the iteration spread could account for)
 
 Both derived columns are NaN where they cannot be computed (row not ok, no ok baseline for the
-scenario and pass, no ceiling stored for the precision).
+scenario and pass, no ceiling stored for the precision); within_noise is False there and on
+the fastest baseline's own row. Terminal tables are drawn by :mod:`mokbench.tables`.
 """
 
 from __future__ import annotations
@@ -24,26 +27,30 @@ from typing import Any
 
 import pandas as pd
 from rich.console import Console
-from rich.table import Table
-from rich.text import Text
 
+from mokbench import tables
 from mokbench.results import ROW_COLUMNS, read_env, read_rows
+from mokbench.scenario import PASSES, pass_label
 
 KEY = ["scenario_id", "backend", "pass"]
-PASS_ORDER = ("forward", "backward")
+PASS_ORDER = PASSES
 FORMATS = ("table", "md", "csv", "parquet", "json")
 OURS = frozenset({"mok", "mok_upstream"})  # used only when a row lacks is_baseline
-REASON_WIDTH = 60
+NUMERIC = ["median_ms", "p10_ms", "p90_ms", "min_ms", "max_ms", "tflops", "max_abs_err",
+           "max_rel_err", "peak_mem_bytes"]
 
 TIMING_NOTE = (
-    "Times are the median over iterations of the per-iteration max over ranks; forward includes "
-    "schedule/dispatch/experts/combine/weighted sum; backward timed after an untimed forward."
+    "Times are the median over iterations of the per-iteration max over ranks. A forward "
+    "includes schedule/dispatch/experts/combine/weighted sum. forward (training): autograd on, "
+    "x and router weights require grad, each backend keeps what its backward needs; backward: "
+    "timed after an untimed forward; inference (no_grad): the forward under torch.no_grad() on "
+    "inputs without grad."
 )
 FORMULA_NOTE = (
-    "TFLOP/s = per-rank layer FLOPs / median time (forward 6*(T + T*k)*H*I with the shared expert, "
-    "6*T*k*H*I without; backward 2x forward). Speedup = fastest ok baseline median (same "
-    "scenario and pass) / this median. Ceiling = TFLOP/s / dense GEMM TFLOP/s measured on this "
-    "machine for the precision."
+    "TFLOP/s = per-rank layer FLOPs / median time (forward and inference 6*(T + T*k)*H*I with "
+    "the shared expert, 6*T*k*H*I without; backward 2x forward). Speedup = fastest ok baseline "
+    "median (same scenario and pass) / this median. Ceiling = TFLOP/s / dense GEMM TFLOP/s "
+    "measured on this machine for the precision."
 )
 
 
@@ -68,9 +75,9 @@ def load_rows(run_dir: Path | str) -> pd.DataFrame:
     if df.empty:
         return df
     df = df.drop_duplicates(subset=KEY, keep="last").reset_index(drop=True)
-    numeric = ["median_ms", "p10_ms", "p90_ms", "min_ms", "max_ms", "tflops", "max_abs_err",
-               "max_rel_err"]
-    df[numeric] = df[numeric].apply(pd.to_numeric, errors="coerce").astype(float)
+    if "peak_mem_bytes" not in df.columns:
+        df["peak_mem_bytes"] = None
+    df[NUMERIC] = df[NUMERIC].apply(pd.to_numeric, errors="coerce").astype(float)
     return df
 
 
@@ -80,14 +87,31 @@ def _baseline_mask(df: pd.DataFrame) -> pd.Series:
     return df["is_baseline"].where(df["is_baseline"].notna(), inferred).astype(bool)
 
 
+BEST_COLUMNS = {"backend": "best_baseline", "median_ms": "best_baseline_ms",
+                "p10_ms": "best_baseline_p10_ms", "p90_ms": "best_baseline_p90_ms"}
+
+
 def _best_baselines(df: pd.DataFrame) -> pd.DataFrame:
-    """One row per (scenario_id, pass): the fastest ok baseline's name and median_ms."""
+    """One row per (scenario_id, pass): the fastest ok baseline's name, median and p10/p90."""
     ok = df[df["is_baseline"] & (df["status"] == "ok") & (df["median_ms"] > 0)]
     if ok.empty:
-        return pd.DataFrame(columns=["scenario_id", "pass", "best_baseline", "best_baseline_ms"])
+        return pd.DataFrame(columns=["scenario_id", "pass", *BEST_COLUMNS.values()])
     idx = ok.groupby(["scenario_id", "pass"], sort=False)["median_ms"].idxmin()
-    best = ok.loc[idx, ["scenario_id", "pass", "backend", "median_ms"]]
-    return best.rename(columns={"backend": "best_baseline", "median_ms": "best_baseline_ms"})
+    best = ok.loc[idx, ["scenario_id", "pass", *BEST_COLUMNS]]
+    return best.rename(columns=BEST_COLUMNS)
+
+
+def _within_noise(out: pd.DataFrame, ok: pd.Series) -> pd.Series:
+    """True where an ok row other than the fastest baseline has a p10-p90 range that overlaps
+    the fastest baseline's: the speedup is no larger than the iteration spread."""
+    def col(name: str) -> pd.Series:
+        return pd.to_numeric(out[name], errors="coerce").astype(float)
+
+    lo, hi = col("p10_ms").fillna(col("median_ms")), col("p90_ms").fillna(col("median_ms"))
+    blo = out["best_baseline_p10_ms"].fillna(out["best_baseline_ms"])
+    bhi = out["best_baseline_p90_ms"].fillna(out["best_baseline_ms"])
+    overlap = (lo <= bhi) & (blo <= hi)
+    return (ok & overlap & (out["backend"] != out["best_baseline"])).fillna(False).astype(bool)
 
 
 def _ceiling(ceilings: dict[str, Any], precision: Any) -> float:
@@ -120,96 +144,38 @@ def summarize(df: pd.DataFrame, env: dict[str, Any] | None) -> pd.DataFrame:
     speedup = best_baseline_ms / median_ms, where best_baseline_ms is the smallest median_ms among
     rows with is_baseline and status "ok" for the same scenario_id and pass (failed, timed-out or
     skipped baselines are ignored). NaN when the row is not ok or no baseline ran ok.
+    within_noise: see the module docstring.
     ceiling_frac = tflops / env["ceilings"]["<precision>_tflops"]; NaN when no ceiling is stored.
     """
     if df.empty:
         return df.assign(best_baseline=None, best_baseline_ms=math.nan,
-                         speedup_vs_best_baseline=math.nan, ceiling_frac=math.nan)
+                         speedup_vs_best_baseline=math.nan, ceiling_frac=math.nan,
+                         within_noise=False)
     out = df.copy()
     out["is_baseline"] = _baseline_mask(out)
     out = out.merge(_best_baselines(out), on=["scenario_id", "pass"], how="left")
+    for col in BEST_COLUMNS.values():
+        if col != "best_baseline":
+            out[col] = pd.to_numeric(out[col], errors="coerce").astype(float)
     ok = (out["status"] == "ok") & (out["median_ms"] > 0)
     out["speedup_vs_best_baseline"] = (out["best_baseline_ms"] / out["median_ms"]).where(ok)
+    out["within_noise"] = _within_noise(out, ok)
     ceilings = (env or {}).get("ceilings") or {}
     ceiling = out["precision"].map(lambda p: _ceiling(ceilings, p)).astype(float)
     out["ceiling_frac"] = (out["tflops"] / ceiling).where(ok)
     return _order(out)
 
 
-# ---------------------------------------------------------------- cell formatting (shared)
-
-
-def _num(x: Any, fmt: str) -> str:
-    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
-
-
-def _reason(row: pd.Series, width: int = REASON_WIDTH) -> str:
-    reason = " ".join(str(row.get("reason") or "").split())
-    return reason if len(reason) <= width else reason[: width - 1] + "…"
-
-
-def _backend_label(row: pd.Series) -> str:
-    """The backend's name, with its variant (free text such as "comm=nccl_a2a") when set."""
-    variant = row.get("variant")
-    return f"{row['backend']} ({variant})" if isinstance(variant, str) and variant else \
-        str(row["backend"])
-
-
-def _cells(row: pd.Series) -> list[str]:
-    """Display strings: scenario, backend, status, median, p10-p90, TFLOP/s, speedup, ceiling,
-    max rel err. Rows that did not run ok carry their (truncated) reason in the status cell."""
-    status = str(row["status"])
-    backend = _backend_label(row)
-    if status != "ok":
-        reason = _reason(row)
-        return [row["scenario_id"], backend, f"{status}: {reason}" if reason else status,
-                *["-"] * 6]
-    spread = f"{_num(row['p10_ms'], '.3f')}–{_num(row['p90_ms'], '.3f')}"
-    speedup = _num(row["speedup_vs_best_baseline"], ".2f")
-    if speedup != "-":
-        speedup += "x"
-    frac = row["ceiling_frac"]
-    return [row["scenario_id"], backend, status, _num(row["median_ms"], ".3f"), spread,
-            _num(row["tflops"], ".1f"), speedup, "-" if pd.isna(frac) else f"{100 * frac:.0f}%",
-            _num(row["max_rel_err"], ".2e")]
-
-
-HEADERS = ["scenario", "backend", "status", "median ms", "p10–p90 ms", "TFLOP/s",
-           "vs best baseline", "of ceiling", "max rel err"]
-
-
-def _passes(summary: pd.DataFrame) -> list[str]:
+def ordered_passes(summary: pd.DataFrame) -> list[str]:
+    """The passes present, forward (training), backward, inference (no_grad) first."""
     present = list(pd.unique(summary["pass"])) if not summary.empty else []
     return [p for p in PASS_ORDER if p in present] + [p for p in present if p not in PASS_ORDER]
 
 
-# ---------------------------------------------------------------- rich
-
-
-def _rich_table(part: pd.DataFrame, title: str) -> Table:
-    table = Table(title=title, title_justify="left", show_lines=False)
-    for i, h in enumerate(HEADERS):
-        table.add_column(h, justify="right" if i >= 3 else "left", no_wrap=i < 2)
-    last_scenario = None
-    for _, row in part.iterrows():
-        cells = _cells(row)
-        if last_scenario is not None and row["scenario_id"] != last_scenario:
-            table.add_section()
-        last_scenario = row["scenario_id"]
-        style = "" if row["status"] == "ok" else ("yellow" if row["status"] == "skipped" else "red")
-        name = Text(cells[1], style="bold" if not row["is_baseline"] else "")
-        table.add_row(cells[0], name, Text(cells[2], style=style), *cells[3:])
-    return table
-
-
 def render_rich(summary: pd.DataFrame, console: Console) -> None:
-    """Print one rich table per pass (forward, then backward) to ``console``."""
-    if summary.empty:
-        console.print("no rows")
-        return
-    for p in _passes(summary):
-        console.print(_rich_table(summary[summary["pass"] == p], f"{p} pass"))
-    console.print(TIMING_NOTE, style="dim")
+    """Print one table per pass to ``console``, then the legend and what the numbers mean
+    (see :mod:`mokbench.tables`)."""
+    tables.render(summary, console, notes=(TIMING_NOTE,))
 
 
 # ---------------------------------------------------------------- markdown
@@ -219,15 +185,32 @@ def _md_escape(s: str) -> str:
     return str(s).replace("|", "\\|").replace("\n", " ")
 
 
-def _md_table(part: pd.DataFrame) -> str:
-    lines = ["| " + " | ".join(HEADERS) + " |",
-             "|" + "|".join(["---"] * 3 + ["---:"] * (len(HEADERS) - 3)) + "|"]
+MD_COLUMNS = [("median ms", "median"), ("p10–p90 ms", "spread"), ("TFLOP/s", "tflops"),
+              ("vs best baseline", "speedup"), ("of ceiling", "ceiling"), ("peak GiB", "mem"),
+              ("max rel err", "err")]
+
+
+def _md_table(part: pd.DataFrame, legend: tables.Legend, show: dict[str, bool]) -> str:
+    """Scenario (short label), backend (variant tag), status (reason note), then the numbers;
+    the ceiling and memory columns only where some row has them."""
+    cols = [(h, k) for h, k in MD_COLUMNS if show.get(k, True)]
+    lines = ["| scenario | backend | status | " + " | ".join(h for h, _ in cols) + " |",
+             "|---|---|---|" + "---:|" * len(cols)]
     for _, row in part.iterrows():
-        cells = [_md_escape(c) for c in _cells(row)]
-        if not row["is_baseline"]:
-            cells[1] = f"**{cells[1]}**"
+        name = _md_escape(tables.backend_cell(row, legend))
+        nums = tables.number_cells(row)
+        cells = [_md_escape(legend.scenarios.get(row["scenario_id"], row["scenario_id"])),
+                 name if row["is_baseline"] else f"**{name}**",
+                 _md_escape(tables.status_cell(row, legend)), *(nums[k] for _, k in cols)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _md_legend(summary: pd.DataFrame, legend: tables.Legend) -> list[str]:
+    lines = [f"- {_md_escape(x)}" for x in tables.legend_lines(legend)]
+    if summary["within_noise"].any():
+        lines.append(f"- {tables.NOISE_NOTE}")
+    return ["## Legend", "", *lines, ""] if lines else []
 
 
 def _md_env(env: dict[str, Any]) -> list[str]:
@@ -244,17 +227,25 @@ def _md_env(env: dict[str, Any]) -> list[str]:
     return out
 
 
-def to_markdown(summary: pd.DataFrame, env: dict[str, Any], run_id: str) -> str:
-    """The report as Markdown: a header (what the numbers mean, the machine) and a table per
-    pass. Our backends are in bold."""
+def to_markdown(summary: pd.DataFrame, env: dict[str, Any], run_id: str,
+                charts: list[str] | None = None) -> str:
+    """The report as Markdown: a header (what the numbers mean, the machine), a table per pass
+    (our backends in bold), the legend (full scenario ids, variants' knobs, reasons) and the
+    ``charts`` (paths relative to the report) as images."""
     parts = [f"# mokbench report: {run_id}", "", TIMING_NOTE, "", FORMULA_NOTE, ""]
     env_lines = _md_env(env)
     if env_lines:
         parts += ["Machine: " + "; ".join(env_lines) + ".", ""]
     if summary.empty:
         parts.append("No rows.")
-    for p in _passes(summary):
-        parts += [f"## {p}", "", _md_table(summary[summary["pass"] == p]), ""]
+        return "\n".join(parts).rstrip() + "\n"
+    legend, show = tables.build_legend(summary), tables.optional_columns(summary)
+    for p in ordered_passes(summary):
+        part = summary[summary["pass"] == p]
+        parts += [f"## {pass_label(p)}", "", _md_table(part, legend, show), ""]
+    parts += _md_legend(summary, legend)
+    if charts:
+        parts += ["## Charts", "", *(f"![{Path(c).stem}]({c})" for c in charts), ""]
     return "\n".join(parts).rstrip() + "\n"
 
 
@@ -289,11 +280,12 @@ def write_report(run_dir: Path | str, fmt: str = "md") -> Path:
     summary = summarize(load_rows(run_dir), env)
     path = run_dir / f"report.{ {'table': 'txt'}.get(fmt, fmt) }"
     if fmt == "table":
-        console = Console(record=True, width=200, file=io.StringIO())
+        console = Console(record=True, width=160, file=io.StringIO())
         render_rich(summary, console)
         path.write_text(console.export_text(), encoding="utf-8")
     elif fmt == "md":
-        path.write_text(to_markdown(summary, env, run_dir.name), encoding="utf-8")
+        charts = sorted(str(c.relative_to(run_dir)) for c in (run_dir / "plots").glob("*.png"))
+        path.write_text(to_markdown(summary, env, run_dir.name, charts), encoding="utf-8")
     elif fmt == "csv":
         summary.to_csv(path, index=False)
     elif fmt == "parquet":
@@ -301,6 +293,17 @@ def write_report(run_dir: Path | str, fmt: str = "md") -> Path:
     else:
         _write_json(summary, path)
     return path
+
+
+def finish_run(run_dir: Path | str) -> list[Path]:
+    """What a sweep leaves in its run folder at its end: the charts (plots/) and report.md,
+    which shows them. Returns the files written."""
+    from mokbench.plots import make_plots
+
+    run_dir = Path(run_dir)
+    env = read_env(run_dir)
+    written = make_plots(summarize(load_rows(run_dir), env), run_dir / "plots", env)
+    return [*written, write_report(run_dir, "md")]
 
 
 def _parquet_safe(summary: pd.DataFrame) -> pd.DataFrame:

@@ -5,6 +5,8 @@ A run folder ``results/<run_id>/`` holds:
     env.json     machine, software versions, git state, ceilings from ``mokbench calibrate``
     sweep.*      a copy of the sweep file that produced it
     cells/       per-cell scratch files written by the workers (rank 0)
+    report.md    the tables (written at the end of a sweep, or by ``mokbench report``)
+    plots/       the charts (likewise)
 """
 
 from __future__ import annotations

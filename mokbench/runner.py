@@ -17,6 +17,7 @@ from mokbench.results import make_run_id, read_rows, write_env
 from mokbench.sweep import Sweep, expand, load_sweep
 
 CPU_DEFAULT_RANKS = 2
+DESCRIPTION_CHARS = 40  # the progress bar's label, so bar and counts fit 80 columns
 
 
 def local_gpus(device: str) -> int:
@@ -111,13 +112,15 @@ def run_sweep(sweep_file: Path | None, *, data: dict | None = None, backends=Non
                   TimeElapsedColumn(), console=console, transient=False) as progress:
         task = progress.add_task("sweep", total=len(todo))
         for index, cell in todo:
-            progress.update(task, description=f"{cell.backend} {cell.scenario.scenario_id}")
+            label = f"{cell.backend} {cell.scenario.scenario_id}"
+            progress.update(task, description=label if len(label) <= DESCRIPTION_CHARS
+                            else label[: DESCRIPTION_CHARS - 1] + "…")
             rows = runner.run(cell, index)
             for r in rows:
                 ms = f"{r['median_ms']:.3f} ms" if r.get("median_ms") else ""
                 style = {"ok": "green", "skipped": "dim"}.get(r["status"], "red")
                 progress.console.print(
-                    f"[{style}]{r['status']:>7}[/{style}] {cell.backend:<20} {r['pass']:<8} "
+                    f"[{style}]{r['status']:>7}[/{style}] {cell.backend:<20} {r['pass']:<9} "
                     f"{ms:>12}  {cell.scenario.scenario_id}"
                     + (f"  [dim]{r['reason'][:100]}[/dim]" if r.get("reason") else ""),
                     soft_wrap=True, markup=True, highlight=False)

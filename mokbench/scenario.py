@@ -10,7 +10,12 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field, replace
 
-PASSES = ("forward", "backward")
+# forward: a training forward (autograd on, inputs require grad, each backend keeps what its
+# backward needs); backward: y.backward(dy) after an untimed forward; inference: the forward
+# under torch.no_grad() on inputs that do not require grad.
+PASSES = ("forward", "backward", "inference")
+PASS_LABELS = {"forward": "forward (training)", "backward": "backward",
+               "inference": "inference (no_grad)"}
 PRECISIONS = ("bf16", "fp8")
 ROUTINGS = ("uniform", "imbalanced")
 DIM_ALIGN = 16  # hidden / intermediate multiple of this (16-byte rows, tensor-core tiles)
@@ -62,6 +67,11 @@ PRESETS: dict[str, ModelShape] = {
         ModelShape("tiny", 8, 128, 64, 2),
     )
 }
+
+
+def pass_label(pass_: str) -> str:
+    """How tables and charts name a pass ("forward (training)", "inference (no_grad)")."""
+    return PASS_LABELS.get(pass_, pass_)
 
 
 def preset(name: str) -> ModelShape:
@@ -116,7 +126,7 @@ class Scenario:
         _check(isinstance(self.zipf_s, (int, float)) and self.zipf_s >= 0, "zipf_s", self.zipf_s,
                "a number >= 0")
         _check(len(self.passes) > 0 and all(p in PASSES for p in self.passes), "passes",
-               self.passes, " and/or ".join(PASSES))
+               self.passes, "a non-empty list of " + ", ".join(PASSES))
 
     @property
     def local_experts(self) -> int:
@@ -133,11 +143,12 @@ class Scenario:
 
     def flops(self, pass_: str) -> float:
         """Layer FLOPs per rank as published: forward 6*(T + T*k)*H*I with the shared expert
-        (6*T*k*H*I without), backward twice the forward."""
+        (6*T*k*H*I without), backward twice the forward; inference does the forward's GEMMs, so
+        it counts the forward's FLOPs."""
         s = self.shape
         tokens = self.tokens_per_rank * s.topk + (self.tokens_per_rank if self.shared_expert else 0)
         fwd = 6.0 * tokens * s.hidden * s.intermediate
-        return fwd if pass_ == "forward" else 2.0 * fwd
+        return 2.0 * fwd if pass_ == "backward" else fwd
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -16,7 +16,7 @@ A sweep file::
     routing = ["uniform", "imbalanced"]
     zipf_s = 1.2
     shared_expert = true
-    passes = ["forward", "backward"]
+    passes = ["forward", "backward", "inference"]  # the default: all three
     backends = ["nccl_torch"]                  # optional per-scenario override
 
 Every error is one line naming the field and what is allowed, raised before anything launches.

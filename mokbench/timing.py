@@ -5,14 +5,16 @@ iteration first runs an untimed ``prepare`` (for the backward pass: the forward 
 autograd graph) and then the timed ``body``. On CUDA each body is bracketed by CUDA events on
 the current stream (no host sync inside the loop; one at the end); on CPU by perf_counter.
 Per-iteration times are all-gathered and the maximum over ranks is taken per iteration (the
-layer is as slow as its slowest rank); the statistics are over those maxima, in milliseconds.
+layer is as slow as its slowest rank); the statistics are over those maxima, in milliseconds,
+and the maxima themselves are kept (``samples_ms``, in iteration order) so a reader can
+recompute any statistic from a row.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -20,7 +22,8 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class TimingStats:
-    """Milliseconds per iteration (per-iteration max over ranks)."""
+    """Milliseconds per iteration (per-iteration max over ranks); ``samples_ms`` holds every
+    iteration's time in the order run."""
 
     median_ms: float
     p10_ms: float
@@ -28,6 +31,7 @@ class TimingStats:
     min_ms: float
     max_ms: float
     iters: int
+    samples_ms: list[float] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -37,7 +41,7 @@ def summarize_ms(times_ms: list[float] | torch.Tensor) -> TimingStats:
     t = torch.as_tensor(times_ms, dtype=torch.float64)
     q = torch.quantile(t, torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64))
     return TimingStats(float(q[1]), float(q[0]), float(q[2]), float(t.min()), float(t.max()),
-                       int(t.numel()))
+                       int(t.numel()), [round(float(v), 6) for v in t])
 
 
 def max_over_ranks(times_ms: torch.Tensor, group: dist.ProcessGroup | None,

@@ -3,7 +3,9 @@
     python -m torch.distributed.run ... -m mokbench.worker --cell CELL.json
 
 Every rank: builds the seeded weights and inputs, computes the float32 reference, sets the backend
-up, checks each pass against the reference, then times it (mokbench.timing). Rank 0 writes one
+up, checks each pass against the reference, then times it (mokbench.timing). Passes: forward (a
+training forward: autograd on, inputs require grad), backward, inference (the forward under
+``torch.no_grad()``); see :func:`run_pass`. Rank 0 writes one
 result file per pass next to the cell file (``<stem>.<pass>.json``) as soon as that pass is done,
 so a crash later in the cell keeps the earlier pass. The launcher turns those files into rows.
 A Python exception in a pass becomes that pass's "failed" result; the next pass still runs.
@@ -16,6 +18,7 @@ import gc
 import json
 import os
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -63,49 +66,112 @@ def _write(path: Path, payload: dict) -> None:
     os.replace(tmp, path)
 
 
-def run_pass(pass_: str, backend, scenario: Scenario, ctx: RunContext, inputs, ref) -> dict:
-    """Check, then time, one pass. Returns the pass's result fields."""
-    T = scenario.timing
-    x = inputs.x_TH.detach().clone().requires_grad_(True)
-    p = inputs.topk_weights_TK.detach().clone().requires_grad_(True)
-    idx = inputs.topk_idx_TK
+def _pass_inputs(pass_: str, inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """x and the router weights as a pass takes them: fresh leaves that require grad for the
+    training passes (forward, backward), so each backend keeps what its backward needs; plain
+    tensors that do not for inference."""
+    train = pass_ != "inference"
+    x = inputs.x_TH.detach().clone().requires_grad_(train)
+    p = inputs.topk_weights_TK.detach().clone().requires_grad_(train)
+    return x, p
+
+
+def _grad_mode(pass_: str):
+    """Autograd on for the training passes, ``torch.no_grad()`` for inference."""
+    return torch.no_grad() if pass_ == "inference" else torch.enable_grad()
+
+
+def _check_pass(pass_: str, backend, x, idx, p, inputs, ref, precision: str) -> dict:
+    """One untimed run of the pass against the reference. Forward and inference check y;
+    backward checks dx, the router-weight gradient and the weight gradients. The forward row
+    also says whether y kept an autograd graph (``keeps_graph``)."""
     if hasattr(backend, "poison"):
         backend.poison()
-    y = backend.forward(x, idx, p)
-    if pass_ == "forward":
-        chk = check_forward(y, ref, scenario.precision)
-    else:
+    with _grad_mode(pass_):
+        y = backend.forward(x, idx, p)
+    extra = {"keeps_graph": bool(y.requires_grad)} if pass_ == "forward" else {}
+    if pass_ == "backward":
         backend.zero_grad()
         y.backward(inputs.dy_TH)
-        chk = check_backward(x.grad, p.grad, backend.weight_grads(), ref, scenario.precision)
+        chk = check_backward(x.grad, p.grad, backend.weight_grads(), ref, precision)
+    else:
+        chk = check_forward(y, ref, precision)
     del y
     out = {"max_abs_err": chk.max_abs_err, "max_rel_err": chk.max_rel_err,
-           "worst_tensor": chk.worst}
+           "worst_tensor": chk.worst, **extra}
+    if not chk.ok:
+        out.update(status="failed", reason="correctness: " + chk.reason())
+    return out
+
+
+def _time_body(pass_: str, backend, x, idx, p, dy) -> tuple[Callable, Callable | None]:
+    """(timed body, untimed prepare) of a pass. Forward: the training forward with autograd
+    on (the graph it builds is dropped after each iteration). Inference: the same call under
+    ``torch.no_grad()``. Backward: ``y.backward(dy)`` after an untimed training forward."""
+    if pass_ != "backward":
+        def forward() -> None:
+            with _grad_mode(pass_):
+                backend.forward(x, idx, p)
+
+        return forward, None
+    holder: dict = {}
+
+    def prepare() -> None:
+        backend.zero_grad()
+        x.grad = p.grad = None
+        holder["y"] = backend.forward(x, idx, p)
+
+    def body() -> None:
+        holder.pop("y").backward(dy)
+
+    return body, prepare
+
+
+def _memory_start(ctx: RunContext) -> int | None:
+    """Reset the peak counter; bytes allocated now on this GPU (None on CPU)."""
+    if not ctx.is_cuda:
+        return None
+    torch.cuda.reset_peak_memory_stats(ctx.device)
+    return torch.cuda.memory_allocated(ctx.device)
+
+
+def _memory_peak(ctx: RunContext, start: int | None) -> dict:
+    """Peak bytes allocated during the pass (torch.cuda.max_memory_allocated since the reset;
+    it includes what was resident at the start: weights, inputs, the reference) and the bytes
+    at its start, each the maximum over ranks; None on CPU."""
+    if start is None:
+        return {"peak_mem_bytes": None, "start_mem_bytes": None}
+    t = torch.tensor([torch.cuda.max_memory_allocated(ctx.device), start], device=ctx.device,
+                     dtype=torch.int64)
+    if ctx.group is not None and ctx.world_size > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ctx.group)
+    return {"peak_mem_bytes": int(t[0]), "start_mem_bytes": int(t[1])}
+
+
+def run_pass(pass_: str, backend, scenario: Scenario, ctx: RunContext, inputs, ref) -> dict:
+    """Check, then time, one pass. Returns the pass's result fields.
+
+    forward (training): inputs require grad, autograd on, the backend keeps what its backward
+    needs. inference: the forward under ``torch.no_grad()`` on inputs without grad; checked
+    against the reference y like the forward. backward: timed after an untimed forward.
+    """
+    T = scenario.timing
+    x, p = _pass_inputs(pass_, inputs)
+    idx = inputs.topk_idx_TK
+    mem0 = _memory_start(ctx)
+    out = _check_pass(pass_, backend, x, idx, p, inputs, ref, scenario.precision)
     if hasattr(backend, "check"):
         backend.check()
-    if not chk.ok:
-        return {**out, "status": "failed", "reason": "correctness: " + chk.reason()}
-
-    if pass_ == "forward":
-        stats = time_pass(lambda: backend.forward(x, idx, p), None, warmup=T.warmup,
-                          iters=T.iters, device=ctx.device, group=ctx.group)
-    else:
-        holder: dict = {}
-
-        def prepare() -> None:
-            backend.zero_grad()
-            x.grad = p.grad = None
-            holder["y"] = backend.forward(x, idx, p)
-
-        def body() -> None:
-            holder.pop("y").backward(inputs.dy_TH)
-
-        stats = time_pass(body, prepare, warmup=T.warmup, iters=T.iters, device=ctx.device,
-                          group=ctx.group)
+    if out.get("status") == "failed":
+        return out
+    body, prepare = _time_body(pass_, backend, x, idx, p, inputs.dy_TH)
+    stats = time_pass(body, prepare, warmup=T.warmup, iters=T.iters, device=ctx.device,
+                      group=ctx.group)
     if hasattr(backend, "check"):
         backend.check()
     tflops = scenario.flops(pass_) / (stats.median_ms * 1e-3) / 1e12
-    return {**out, **stats.to_dict(), "status": "ok", "reason": "", "tflops": tflops}
+    return {**out, **stats.to_dict(), **_memory_peak(ctx, mem0), "status": "ok", "reason": "",
+            "tflops": tflops}
 
 
 def run_cell(cell: dict, cell_path: Path) -> None:
@@ -121,7 +187,7 @@ def run_cell(cell: dict, cell_path: Path) -> None:
             _write(Path(f"{stem}.{pass_}.json"), {**extra, **result})
 
     reason = backend.unavailable_reason(ctx, scenario)
-    passes = [p for p in scenario.passes if p in backend.capabilities.passes]
+    passes = [p for p in scenario.passes if backend.capabilities.runs(p)]
     for p in scenario.passes:
         if reason or p not in passes:
             emit(p, {"status": "skipped",

@@ -13,17 +13,22 @@ REPO = Path(__file__).resolve().parents[2]
 FAULTS = ",".join(f"fault_{n}=tests.fault_backends:{c}" for n, c in (
     ("raise", "RaiseBackend"), ("hang", "HangBackend"), ("kill", "KillBackend"),
     ("backward", "BackwardOnlyFailsBackend")))
+PROBES = "grad_probe=tests.probe_backends:GradProbeBackend," \
+         "no_inference=tests.probe_backends:NoInferenceBackend"
 
 
-def cli_env() -> dict:
-    env = dict(os.environ, PYTHONPATH=str(REPO), MOKBENCH_EXTRA_BACKENDS=FAULTS,
+def cli_env(**extra: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(REPO), MOKBENCH_EXTRA_BACKENDS=f"{FAULTS},{PROBES}",
                COLUMNS="200", OMP_NUM_THREADS="1")
-    return env
+    return {**env, **extra}
 
 
-def mokbench(*args: str, timeout: float = 600, **kw) -> subprocess.CompletedProcess:
+def mokbench(*args: str, timeout: float = 600, env: dict | None = None,
+             **kw) -> subprocess.CompletedProcess:
+    """Run the CLI; ``env`` adds variables to :func:`cli_env`'s."""
     return subprocess.run([sys.executable, "-m", "mokbench.cli", *args], cwd=REPO,
-                          env=cli_env(), capture_output=True, text=True, timeout=timeout, **kw)
+                          env=cli_env(**(env or {})), capture_output=True, text=True,
+                          timeout=timeout, **kw)
 
 
 def only_run_dir(out: Path) -> Path:

@@ -41,7 +41,7 @@ def test_nccl_torch_over_gloo_world_2_and_4(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     run_dir = only_run_dir(tmp_path / "out")
     rows = read_rows(run_dir / "rows.jsonl")
-    assert len(rows) == 2 * 2 * 2  # world sizes x routings x passes
+    assert len(rows) == 2 * 2 * 3  # world sizes x routings x passes
     for row in rows:
         assert set(ROW_COLUMNS) <= set(row)
         assert row["status"] == "ok", row["reason"]
@@ -60,7 +60,7 @@ def test_backend_variants_are_separate_rows(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     rows = read_rows(only_run_dir(tmp_path / "out") / "rows.jsonl")
     assert sorted({x["backend"] for x in rows}) == ["nccl_torch", "nccl_torch@tag=b"]
-    assert all(x["status"] == "ok" for x in rows) and len(rows) == 4
+    assert all(x["status"] == "ok" for x in rows) and len(rows) == 6
     assert all(x["registry"] == "baselines.nccl_torch:NcclTorchBackend" for x in rows)
     assert any("--backends nccl_torch@tag=b" in x["repro"] for x in rows)
 
@@ -68,12 +68,25 @@ def test_backend_variants_are_separate_rows(tmp_path):
 def test_default_sweep_runs_on_cpu(tmp_path):
     r = mokbench("sweep", "--device", "cpu", "--out", str(tmp_path / "out"))
     assert r.returncode == 0, r.stdout + r.stderr
-    rows = read_rows(only_run_dir(tmp_path / "out") / "rows.jsonl")
+    run_dir = only_run_dir(tmp_path / "out")
+    rows = read_rows(run_dir / "rows.jsonl")
     ok = [x for x in rows if x["backend"] == "nccl_torch"]
     assert ok and all(x["status"] == "ok" and x["world_size"] == 2 for x in ok)
     mok = [x for x in rows if x["backend"] == "mok"]
     assert mok and all(x["status"] == "skipped" and "GPU" in x["reason"] for x in mok)
-    assert "forward pass" in r.stdout and "backward pass" in r.stdout
+    assert {x["pass"] for x in ok} == {"forward", "backward", "inference"}
+    for label in ("forward (training) pass", "backward pass", "inference (no_grad) pass"):
+        assert label in r.stdout
+    # The sweep leaves report.md and the charts; the report reads whole at 80 columns, piped.
+    md = (run_dir / "report.md").read_text()
+    assert "## inference (no_grad)" in md and "plots/speedup.png" in md
+    assert (run_dir / "plots" / "speedup.png").exists()
+    narrow = mokbench("report", str(run_dir), env={"COLUMNS": "80"})
+    assert narrow.returncode == 0, narrow.stdout + narrow.stderr
+    lines = [ln for ln in narrow.stdout.splitlines() if not ln.startswith("run folder:")]
+    assert max(len(line.rstrip()) for line in lines) <= 80
+    for x in ok:
+        assert f"{x['median_ms']:.3f}" in narrow.stdout
 
 
 def test_two_nodes_on_localhost(tmp_path):
@@ -88,7 +101,7 @@ def test_two_nodes_on_localhost(tmp_path):
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
     rows = read_rows(only_run_dir(tmp_path / "out0") / "rows.jsonl")
-    assert len(rows) == 4 and all(r["status"] == "ok" and r["world_size"] == 2 for r in rows)
+    assert len(rows) == 6 and all(r["status"] == "ok" and r["world_size"] == 2 for r in rows)
     assert not (tmp_path / "out1").exists() or not list((tmp_path / "out1").rglob("rows.jsonl"))
 
 

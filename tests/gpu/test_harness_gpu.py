@@ -19,6 +19,9 @@ def test_default_sweep_nccl_torch_on_all_gpus(tmp_path):
     assert rows and all(x["status"] == "ok" for x in rows), [x["reason"] for x in rows]
     assert {x["world_size"] for x in rows} == {torch.cuda.device_count()}
     assert all(x["gpu_name"] != "cpu" and x["device"] == "cuda" for x in rows)
+    assert {x["pass"] for x in rows} == {"forward", "backward", "inference"}
+    # Peak GPU memory per pass: at least what was resident at its start, and something.
+    assert all(x["peak_mem_bytes"] >= x["start_mem_bytes"] > 0 for x in rows)
 
 
 def test_nccl_torch_grouped_mm_matches_reference_on_gpu():

@@ -48,3 +48,20 @@ def test_capability_reasons():
                                                              None, scn)
     assert "precision fp8" in capability_reason(Capabilities(), None, scn)
     assert capability_reason(Capabilities(precisions=("bf16", "fp8")), RunContext(), scn) is None
+
+
+@pytest.mark.parametrize("env, mode", [(None, "default"), ("reduce-overhead", "reduce-overhead")])
+def test_compile_mode_is_the_compiled_backends_variant(monkeypatch, env, mode):
+    import torch
+
+    from mokbench.inputs import make_weights
+
+    if env is None:
+        monkeypatch.delenv("MOKBENCH_COMPILE_MODE", raising=False)
+    else:
+        monkeypatch.setenv("MOKBENCH_COMPILE_MODE", env)
+    scn = Scenario(preset("tiny"), 32, 1)
+    b = get_backend("nccl_torch_compile")
+    b.setup(scn, RunContext(device=torch.device("cpu")),
+            make_weights(scn, 0, torch.device("cpu")))
+    assert b.variant == f"mode={mode}"  # CPU default: "default"

@@ -122,11 +122,12 @@ def test_render_rich_shows_passes_and_reasons(summary):
     console = Console(file=io.StringIO(), width=250, record=True)
     report.render_rich(summary, console)
     text = console.export_text()
-    assert "forward pass" in text and "backward pass" in text
+    assert "forward (training) pass" in text and "backward pass" in text
     assert "2.00x" in text and "1.50x" in text and "50%" in text
-    assert "skipped: no TE" in text and "timeout: 600 s" in text
+    assert "skipped [" in text and "timeout [" in text  # reasons as numbered notes
+    assert "] no TE" in text and "] 600 s" in text
     assert "boom " * 5 in text and "…" in text  # long reason truncated
-    assert "boom " * 30 not in text
+    assert "boom " * 40 not in text
 
 
 @pytest.mark.parametrize("fmt", ["md", "csv", "json", "parquet", "table"])
@@ -153,7 +154,7 @@ def test_write_report_formats(tmp_path, fmt):
         df = pd.read_parquet(path)
         assert df.ceiling_frac.notna().sum() == 5  # ok bf16 rows with tflops
     else:
-        assert path.name == "report.txt" and "forward pass" in path.read_text()
+        assert path.name == "report.txt" and "forward (training) pass" in path.read_text()
 
 
 def test_write_report_rejects_unknown_format(tmp_path):
@@ -182,8 +183,30 @@ def test_empty_run(tmp_path):
     assert "No rows" in report.write_report(run, "md").read_text()
 
 
-def test_variant_is_shown_next_to_backend():
+def test_variant_is_a_tag_with_its_knobs_in_the_legend():
     rows = known_rows()
-    rows[3]["variant"] = "comm=nccl_a2a"
+    rows[3]["variant"] = "comm=nccl_a2a,tiles=4"
     md = report.to_markdown(report.summarize(pd.DataFrame(rows), ENV), {}, "r")
-    assert "**mok (comm=nccl_a2a)**" in md
+    assert "**mok [a]**" in md
+    assert "- [a] mok: comm=nccl_a2a, tiles=4" in md
+
+
+def test_inference_is_its_own_comparison():
+    """Speedup is per pass: the no_grad forward compares with the baselines' no_grad forwards."""
+    rows = known_rows() + [
+        row(S1, "nccl_torch", "inference", 6.0, tflops=160.0),
+        row(S1, "te", "inference", 7.0, tflops=140.0),
+        row(S1, "mok", "inference", 3.0, baseline=False, tflops=330.0),
+    ]
+    summary = report.summarize(pd.DataFrame(rows), ENV)
+    mok_i = pick(summary, S1, "mok", "inference")
+    assert mok_i.best_baseline == "nccl_torch"
+    assert mok_i.speedup_vs_best_baseline == pytest.approx(6.0 / 3.0)
+    assert pick(summary, S1, "mok", "forward").best_baseline == "te"
+    passes = list(pd.unique(summary[summary.scenario_id == S1]["pass"]))
+    assert passes == ["forward", "backward", "inference"]
+    md = report.to_markdown(summary, ENV, "r")
+    for head in ("## forward (training)", "## backward", "## inference (no_grad)"):
+        assert head in md
+    assert md.index("## backward") < md.index("## inference (no_grad)")
+    assert "torch.no_grad()" in md

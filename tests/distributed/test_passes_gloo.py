@@ -1,0 +1,51 @@
+"""The three passes through the real launcher and torchrun over gloo (2 ranks): the forward is
+called with autograd on and inputs that require grad, the inference pass under no_grad, and
+each pass is a row; a backend that opts out of inference gets a skipped row."""
+
+import json
+
+import pytest
+
+from mokbench.results import read_rows
+from tests.distributed.helpers import mokbench, only_run_dir
+
+pytestmark = pytest.mark.dist
+
+SWEEP = """
+name = "passes"
+backends = ["grad_probe", "no_inference"]
+world_sizes = [2]
+[timing]
+warmup = 1
+iters = 3
+[[scenarios]]
+preset = "tiny"
+tokens_per_rank = [32]
+"""
+
+
+def test_passes_through_gloo(tmp_path):
+    f = tmp_path / "s.toml"
+    f.write_text(SWEEP)
+    log = tmp_path / "probe"
+    log.mkdir()
+    r = mokbench("sweep", str(f), "--device", "cpu", "--out", str(tmp_path / "out"),
+                 env={"MOKBENCH_PROBE_LOG": str(log)})
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = {(x["backend"], x["pass"]): x for x in
+            read_rows(only_run_dir(tmp_path / "out") / "rows.jsonl")}
+    for p in ("forward", "backward", "inference"):
+        assert rows[("grad_probe", p)]["status"] == "ok", rows[("grad_probe", p)]["reason"]
+        assert len(rows[("grad_probe", p)]["samples_ms"]) == 3
+    assert rows[("grad_probe", "forward")]["keeps_graph"] is True
+    assert rows[("grad_probe", "inference")]["tflops"] > 0
+    skipped = rows[("no_inference", "inference")]
+    assert skipped["status"] == "skipped" and "inference" in skipped["reason"]
+    assert rows[("no_inference", "forward")]["status"] == "ok"
+    for rank in (0, 1):
+        calls = [json.loads(ln) for ln in (log / f"rank{rank}.jsonl").read_text().splitlines()]
+        per_pass = 1 + 1 + 3  # check, warm-up, timed
+        assert len(calls) == 3 * per_pass  # forward, backward (its forwards), inference
+        assert all(c == {"grad": True, "x": True, "p": True} for c in calls[:2 * per_pass])
+        assert all(c == {"grad": False, "x": False, "p": False} for c in calls[2 * per_pass:])
+    assert "forward (training) pass" in r.stdout and "inference (no_grad) pass" in r.stdout
