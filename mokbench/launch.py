@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -105,13 +106,37 @@ def repro_command(cell: Cell) -> str:
     return "".join(env) + shlex.join(parts)
 
 
+_RANK_PREFIX = re.compile(r"^\[(?:rank|default)(\d+)\]:\s?")  # torchrun's per-rank prefix
+_EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\w*(:|$)")
+_ROOT_CAUSE = re.compile(r"Root Cause[^\n]*\n(?:.*\n){0,3}?\s*rank\s*:\s*(\d+)"
+                         r"(?:.*\n){0,2}?\s*exitcode\s*:\s*(-?\d+)")
+
+
 def _tail(text: str) -> str:
-    """The most informative end of a worker log: the last exception line, else the tail."""
-    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
-    for ln in reversed(lines):
-        if ("Error" in ln or "error:" in ln or "Exception" in ln) and not ln.startswith(" "):
-            return ln.strip()[:ERROR_TAIL_CHARS]
-    return " | ".join(lines[-4:])[-ERROR_TAIL_CHARS:]
+    """The most informative line of a cell's log: the worker's own exception line (of the rank
+    torchrun names as the root cause, else of any rank), not torchrun's ``ChildFailedError``;
+    else how the root-cause rank ended (a signal); else the log's last lines."""
+    lines = [ln.rstrip() for ln in text.strip().splitlines() if ln.strip()]
+    root = _ROOT_CAUSE.search(text)
+    root_rank = int(root.group(1)) if root else None
+    found: list[tuple[int | None, str]] = []
+    for ln in lines:
+        m = _RANK_PREFIX.match(ln)
+        rank, body = (int(m.group(1)), ln[m.end():]) if m else (None, ln)
+        if _EXCEPTION.match(body) and "ChildFailedError" not in body:
+            found.append((rank, body.strip()))
+    ranked = [b for r, b in found if r == root_rank] or [b for _, b in found]
+    if ranked:
+        return ranked[-1][:ERROR_TAIL_CHARS]
+    if root and int(root.group(2)) < 0:
+        sig = -int(root.group(2))
+        try:
+            name = signal.Signals(sig).name
+        except ValueError:
+            name = f"signal {sig}"
+        return f"rank {root_rank} was killed by {name}"
+    kept = [ln for ln in lines if "ChildFailedError" not in ln]
+    return " | ".join(kept[-4:])[-ERROR_TAIL_CHARS:]
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
