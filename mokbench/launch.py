@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from mokbench.errors import InputError, is_int, is_number
 from mokbench.results import RowWriter, new_row, scenario_columns
 from mokbench.sweep import Cell
 
@@ -40,12 +41,41 @@ class LaunchOptions:
     device: str = "auto"  # "cpu" forces gloo on CPU even where GPUs exist
     gpus_on_node: int = 0
 
+    def __post_init__(self) -> None:
+        """One-line errors for flags that cannot describe a launch."""
+        for name in ("nproc_per_node", "nnodes"):
+            v = getattr(self, name)
+            if not is_int(v) or v < 1:
+                raise InputError(f"{name}={v!r} is invalid: allowed a positive integer")
+        if not is_int(self.node_rank) or not 0 <= self.node_rank < self.nnodes:
+            raise InputError(f"node_rank={self.node_rank!r} is invalid: allowed 0..nnodes-1 "
+                             f"(0..{self.nnodes - 1})")
+        if not is_number(self.timeout_s) or self.timeout_s <= 0:
+            raise InputError(f"timeout_s={self.timeout_s!r} is invalid: allowed a number of "
+                             "seconds > 0")
+        if self.device not in DEVICES:
+            raise InputError(f"device={self.device!r} is invalid: allowed {' | '.join(DEVICES)}")
+        rdzv_host_port(self.rdzv_endpoint)
+
     @property
     def writes_rows(self) -> bool:
         return self.node_rank == 0
 
 
 RDZV_PORT_SLOTS = 32  # multi-node: consecutive cells rendezvous on different ports
+DEVICES = ("auto", "cpu")
+_HOST = re.compile(r"^[A-Za-z0-9_.$\-\[\]:]+$")  # name, IPv4, [IPv6]
+
+
+def rdzv_host_port(endpoint: str) -> tuple[str, int]:
+    """``HOST:PORT`` -> (host, port); the port leaves room for the cells' port slots."""
+    host, sep, port = str(endpoint).rpartition(":")
+    top = 65535 - RDZV_PORT_SLOTS + 1
+    if not sep or not host or not _HOST.match(host) or not port.isdigit() \
+            or not 1 <= int(port) <= top:
+        raise InputError(f"rdzv_endpoint={endpoint!r} is invalid: allowed HOST:PORT with a "
+                         f"port in 1..{top}")
+    return host, int(port)
 
 
 def torchrun_command(cell: Cell, cell_file: Path, opts: LaunchOptions, index: int = 0

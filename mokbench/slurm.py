@@ -12,21 +12,36 @@ import re
 import shlex
 from pathlib import Path
 
+from mokbench.errors import InputError, is_int
+
 DEFAULT_PORT = 29500
 _TIME = re.compile(r"^(\d+-)?\d{1,2}(:\d{2}){0,2}$")  # MM, HH:MM:SS, D-HH:MM:SS, ...
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
+def _check_counts(**counts: int | None) -> None:
+    """Node and GPU counts (None: not given) are positive integers."""
+    for name, v in counts.items():
+        if v is not None and (not is_int(v) or v < 1):
+            raise InputError(f"{name}={v!r} is invalid: allowed a positive integer")
+
+
 def _check(nodes: int, gpus_per_node: int, time: str, extra_env: dict[str, str]) -> None:
     """One-line errors naming the field and what is allowed."""
-    for name, v in (("nodes", nodes), ("gpus_per_node", gpus_per_node)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"{name}={v!r} is invalid: allowed a positive integer")
-    if not _TIME.match(time):
-        raise ValueError(f"time={time!r} is invalid: allowed HH:MM:SS, MM or D-HH:MM:SS")
+    _check_counts(nodes=nodes, gpus_per_node=gpus_per_node)
+    if not isinstance(time, str) or not _TIME.match(time):
+        raise InputError(f"time={time!r} is invalid: allowed HH:MM:SS, MM or D-HH:MM:SS")
     for key in extra_env:
         if not _ENV_NAME.match(key):
-            raise ValueError(f"extra_env key {key!r} is invalid: allowed a shell variable name")
+            raise InputError(f"extra_env key {key!r} is invalid: allowed a shell variable name")
+
+
+def _check_names(**names: str | None) -> None:
+    """Partition and account go into #SBATCH lines: one word each."""
+    for name, v in names.items():
+        if v is not None and not re.match(r"^[A-Za-z0-9_.,+-]+$", v):
+            raise InputError(f"{name}={v!r} is invalid: allowed one word (letters, digits, "
+                             "and . _ , + -)")
 
 
 def _sbatch_lines(nodes: int, gpus_per_node: int, partition: str | None, time: str,
@@ -62,6 +77,7 @@ def render_sbatch(sweep_file: str | Path, nodes: int, gpus_per_node: int,
     """
     extra_env = dict(extra_env or {})
     _check(nodes, gpus_per_node, time, extra_env)
+    _check_names(partition=partition, account=account)
     sweep, out = shlex.quote(str(sweep_file)), shlex.quote(str(out_dir))
     world = nodes * gpus_per_node
     lines = [
