@@ -310,19 +310,32 @@ def _build_report(arch: int, hidden: int, intermediate: int, tokens: int, topk: 
 @app.command()
 @_user_errors
 def slurm(
-    sweep_file: Path = typer.Argument(...),
-    nodes: int = typer.Option(..., help="nodes (a GB300 NVL72 is 18 nodes x 4 GPUs)"),
+    sweep_file: Path = typer.Argument(..., help="TOML/YAML sweep, on a file system every node "
+                                      "sees"),
+    nodes: int = typer.Option(None, help="nodes (default: the fewest that hold the sweep's "
+                              "largest world size; a GB300 NVL72 is 18 nodes x 4 GPUs)"),
     gpus_per_node: int = typer.Option(..., help="GPUs per node"),
     partition: str = typer.Option(None), account: str = typer.Option(None),
     time: str = typer.Option("02:00:00"), out: Path = typer.Option(Path("results")),
     script: Path = typer.Option(None, help="write here (default: print)"),
+    dry_run: bool = typer.Option(False, help="print the torchrun command node 0 of the job "
+                                 "runs for each cell, instead of the script"),
 ) -> None:
-    """Write an sbatch script that runs the sweep across nodes with srun + torchrun."""
-    from mokbench.slurm import render_sbatch
+    """Write an sbatch script that runs the sweep across nodes with srun + torchrun; the sweep
+    is checked first and every cell's world size must fit the nodes."""
+    from mokbench.slurm import DEFAULT_PORT, job_nodes, render_sbatch
 
+    nodes, note = job_nodes(sweep_file, gpus_per_node, nodes)
     text = render_sbatch(str(sweep_file), nodes, gpus_per_node, partition=partition,
-                         time=time, account=account, out_dir=str(out))
-    if script:
+                         time=time, account=account, out_dir=str(out), note=note)
+    if dry_run:
+        from mokbench.runner import run_sweep
+
+        console.print(f"node 0 of {nodes} ({note}); MASTER_ADDR is the allocation's first host",
+                      soft_wrap=True, markup=False)
+        run_sweep(sweep_file, nproc_per_node=gpus_per_node, nnodes=nodes, node_rank=0,
+                  rdzv_endpoint=f"MASTER_ADDR:{DEFAULT_PORT}", dry_run=True, console=console)
+    elif script:
         try:
             script.write_text(text)
         except OSError as exc:

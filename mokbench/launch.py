@@ -1,8 +1,11 @@
 """Runs cells: one torchrun subprocess per cell, with a timeout, turning results into rows.
 
 Single node: ``torchrun --standalone --nproc-per-node W``. Several nodes: every node runs the
-same ``mokbench sweep`` with ``--nnodes N --node-rank I --rdzv-endpoint HOST:PORT``; each cell
-is then a static-rendezvous torchrun with ``nproc-per-node = W / N`` and only node 0 writes rows.
+same ``mokbench sweep`` with ``--nnodes N --nproc-per-node G --node-rank I --rdzv-endpoint
+HOST:PORT``; a cell of world size W then spans the first W / G nodes (a static-rendezvous
+torchrun with G ranks on each), the other nodes take no part in it, a cell of W <= G runs on
+node 0 alone, and only node 0 writes rows. So an 18 x 4 allocation runs an EP-64 sweep on its
+first 16 nodes.
 
 A cell whose process crashes, hangs past its timeout or runs out of memory becomes a row with
 that status and the tail of its error; the sweep goes on, rows already written stay.
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import re
 import shlex
@@ -78,6 +82,16 @@ def rdzv_host_port(endpoint: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def cell_nodes(world_size: int, opts: LaunchOptions) -> int:
+    """Nodes a cell spans in a multi-node launch: W / nproc-per-node, at least one."""
+    return max(1, math.ceil(world_size / opts.nproc_per_node))
+
+
+def takes_part(cell: Cell, opts: LaunchOptions) -> bool:
+    """Whether this node runs ranks of the cell (node 0 always does: it writes the rows)."""
+    return opts.nnodes == 1 or opts.node_rank < cell_nodes(cell.scenario.world_size, opts)
+
+
 def torchrun_command(cell: Cell, cell_file: Path, opts: LaunchOptions, index: int = 0
                      ) -> list[str]:
     """The exact command that runs one cell on this node. ``index`` is the cell's position in
@@ -86,13 +100,14 @@ def torchrun_command(cell: Cell, cell_file: Path, opts: LaunchOptions, index: in
     that cell i still holds open on another node."""
     ws = cell.scenario.world_size
     cmd = [sys.executable, "-m", "torch.distributed.run"]
-    if opts.nnodes == 1:
+    nodes = cell_nodes(ws, opts)
+    if opts.nnodes == 1 or nodes == 1:
         cmd += ["--standalone", f"--nproc-per-node={ws}"]
     else:
-        host, _, port = opts.rdzv_endpoint.rpartition(":")
-        cmd += [f"--nnodes={opts.nnodes}", f"--node-rank={opts.node_rank}",
-                f"--nproc-per-node={ws // opts.nnodes}", f"--master-addr={host}",
-                f"--master-port={int(port) + index % RDZV_PORT_SLOTS}",
+        host, port = rdzv_host_port(opts.rdzv_endpoint)
+        cmd += [f"--nnodes={nodes}", f"--node-rank={opts.node_rank}",
+                f"--nproc-per-node={ws // nodes}", f"--master-addr={host}",
+                f"--master-port={port + index % RDZV_PORT_SLOTS}",
                 f"--rdzv-id={cell.stem}"]
     return cmd + ["-m", "mokbench.worker", "--cell", str(cell_file)]
 
@@ -101,12 +116,21 @@ def placement_reason(cell: Cell, opts: LaunchOptions) -> str | None:
     """Why this cell cannot be placed on the ranks at hand (None when it can)."""
     ws = cell.scenario.world_size
     if opts.nnodes > 1:
-        if ws != opts.nnodes * opts.nproc_per_node:
-            return (f"world size {ws} != nnodes x nproc-per-node "
-                    f"({opts.nnodes} x {opts.nproc_per_node}) of this multi-node launch")
-        return None
+        return multinode_reason(ws, opts.nnodes, opts.nproc_per_node)
     if opts.device != "cpu" and opts.gpus_on_node and ws > opts.gpus_on_node:
         return f"needs {ws} GPUs; this node has {opts.gpus_on_node}"
+    return None
+
+
+def multinode_reason(world_size: int, nnodes: int, nproc_per_node: int) -> str | None:
+    """Why a cell of ``world_size`` ranks cannot run on ``nnodes`` x ``nproc_per_node`` (None
+    when it can: on node 0 alone, or on the first W / nproc-per-node nodes)."""
+    if world_size > nproc_per_node and world_size % nproc_per_node:
+        return (f"world size {world_size} is neither <= nor a multiple of nproc-per-node "
+                f"{nproc_per_node}")
+    if world_size > nnodes * nproc_per_node:
+        return (f"world size {world_size} > nnodes x nproc-per-node "
+                f"({nnodes} x {nproc_per_node})")
     return None
 
 
@@ -259,7 +283,10 @@ class CellRunner:
                 self.writer.append(r)
 
     def run(self, cell: Cell, index: int = 0) -> list[dict]:
-        """Launch the cell, wait (bounded), and write one row per pass."""
+        """Launch the cell, wait (bounded), and write one row per pass (none where this node
+        takes no part in the cell)."""
+        if not takes_part(cell, self.opts):
+            return []
         try:
             reason = placement_reason(cell, self.opts) or self.host_reason(cell)
         except Exception as exc:  # noqa: BLE001 - a broken adapter fails its cells only

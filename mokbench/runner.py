@@ -13,7 +13,14 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from mokbench.errors import InputError
-from mokbench.launch import DEVICES, CellRunner, LaunchOptions, torchrun_command
+from mokbench.launch import (
+    DEVICES,
+    CellRunner,
+    LaunchOptions,
+    placement_reason,
+    takes_part,
+    torchrun_command,
+)
 from mokbench.results import make_run_id, read_env, read_rows, write_env
 from mokbench.sweep import Sweep, expand, load_sweep, read_sweep_text
 
@@ -116,12 +123,7 @@ def run_sweep(sweep_file: Path | None, *, data: dict | None = None, backends=Non
     sw = (_resume_sweep(resume, opts, backends, sweep_file) if resume is not None
           else _load(sweep_file, data, opts, backends))
     if dry_run:
-        for i, cell in enumerate(sw.cells):
-            cmd = torchrun_command(cell, Path("RUN_DIR/cells") / f"{cell.stem}.json", opts, i)
-            console.print(f"[bold]{cell.scenario.scenario_id}[/bold] {cell.backend}",
-                          soft_wrap=True)
-            console.print("  " + shlex.join(cmd), soft_wrap=True, markup=False)
-        console.print(f"{len(sw.cells)} cells")
+        print_dry_run(sw, opts, console)
         return None
     run_dir = _prepare_run_dir(sw, out, resume, opts)
     run_id = run_dir.name
@@ -152,6 +154,24 @@ def run_sweep(sweep_file: Path | None, *, data: dict | None = None, backends=Non
                     soft_wrap=True, markup=True, highlight=False)
             progress.advance(task)
     return run_dir
+
+
+def print_dry_run(sw: Sweep, opts: LaunchOptions, console: Console) -> None:
+    """Each cell and what this node does with it, decided as the run decides: the torchrun
+    command it launches, a placement skip, or no part (multi-node, beyond the cell's nodes).
+    Skips that depend on the backend's packages or GPU are decided on the node at run time."""
+    for i, cell in enumerate(sw.cells):
+        console.print(f"[bold]{cell.scenario.scenario_id}[/bold] {cell.backend}", soft_wrap=True,
+                      highlight=False)
+        reason = placement_reason(cell, opts)
+        if reason:
+            console.print(f"  skipped: {reason}", soft_wrap=True, markup=False)
+        elif not takes_part(cell, opts):
+            console.print(f"  node {opts.node_rank} takes no part", soft_wrap=True, markup=False)
+        else:
+            cmd = torchrun_command(cell, Path("RUN_DIR/cells") / f"{cell.stem}.json", opts, i)
+            console.print("  " + shlex.join(cmd), soft_wrap=True, markup=False)
+    console.print(f"{len(sw.cells)} cells")
 
 
 def run_calibrate(run_dir: Path | None, *, nproc_per_node: int | None = None,

@@ -97,12 +97,23 @@ def test_calibrate_out_is_a_file(tmp_path):
     (["--gpus-per-node", "0"], ("gpus_per_node=0",)),
     (["--time", "abc"], ("time='abc'",)),
     (["--partition", "a b"], ("partition='a b'",)),
+    (["--nodes", "1", "--gpus-per-node", "1"], ("world_size=2", "1 node(s) x 1 GPU(s)")),
     (["--gpus-per-node", "4", "--script", "/nonexistent-dir/job.sbatch"], ("script=",)),
 ])
 def test_bad_slurm_flags(sweep_file, flags, needles):
     args = ["slurm", sweep_file, *flags]
     if "--gpus-per-node" not in flags:
         args += ["--gpus-per-node", "4"]
-    if "--nodes" not in flags:
-        args += ["--nodes", "2"]
     assert_one_line_error(invoke(*args), *needles)
+
+
+@pytest.mark.parametrize("name, text, needles", [
+    ("missing.toml", None, ("does not exist",)),
+    ("broken.toml", "[[scenarios]\n", ("not valid TOML",)),
+    ("bad.toml", GOOD + 'seed = "abc"\n', ("seed='abc'",)),
+])
+def test_slurm_reads_the_sweep(tmp_path, name, text, needles):
+    if text is not None:
+        (tmp_path / name).write_text(text)
+    r = invoke("slurm", tmp_path / name, "--nodes", "2", "--gpus-per-node", "4")
+    assert_one_line_error(r, *needles)
