@@ -80,7 +80,7 @@ class Sweep:
 
 
 def _unknown(keys: set[str], allowed: set[str], where: str) -> None:
-    bad = sorted(set(keys) - allowed)
+    bad = sorted((k for k in keys if k not in allowed), key=str)
     if bad:
         allowed_txt = ", ".join(sorted(allowed))
         raise ScenarioError(f"{where} key {bad[0]!r} is unknown: allowed {allowed_txt}")
@@ -190,6 +190,11 @@ def expand(data: dict, auto_world: int, backends_override: list[str] | None = No
         _unknown(set(spec), SCENARIO_KEYS, "scenario")
         shape = _shape(spec)
         backends = backends_override or _as_list(spec.get("backends", default_backends))
+        for key, values in (("backends", backends),
+                            ("world_sizes", spec.get("world_sizes", default_ws)),
+                            *((k, spec[k]) for k in sorted(GRID_KEYS) if k in spec)):
+            if values == []:  # an empty grid axis would expand to no cells without a word
+                raise ScenarioError(f"{key}=[] is invalid: allowed a value or a non-empty list")
         check_backend_names(backends)
         variants = [b for b in backends if "@" in b]
         passes = tuple(_as_list(spec.get("passes", PASSES)))

@@ -58,6 +58,11 @@ def test_the_good_sweep_passes(tmp_path):
     (lambda t: t + "preset_typo = 1\n", ("preset_typo",)),
     (lambda t: t.replace('backends = ["nccl_torch"]', "backends = [1]"), ("backend=1",)),
     (lambda t: t + "passes = [1]\n", ("passes=(1,)",)),
+    # empty grid axes (no cells without a word)
+    (lambda t: t.replace("tokens_per_rank = 32", "tokens_per_rank = []"),
+     ("tokens_per_rank=[]",)),
+    (lambda t: t.replace('backends = ["nccl_torch"]', "backends = []"), ("backends=[]",)),
+    (lambda t: t.replace("world_sizes = [2]", "world_sizes = []"), ("world_sizes=[]",)),
     # out of range
     (lambda t: t + "zipf_s = inf\n", ("zipf_s=inf", "finite")),
     (lambda t: t + "zipf_s = -1.0\n", ("zipf_s=-1.0",)),
@@ -72,6 +77,12 @@ def test_the_good_sweep_passes(tmp_path):
 ])
 def test_bad_sweep_file_is_one_line(tmp_path, edit, needles):
     assert_one_line_error(_dry(_sweep(tmp_path, edit(GOOD))), *needles)
+
+
+def test_yaml_keys_of_mixed_types(tmp_path):
+    path = _sweep(tmp_path, "1: a\nb: 2\nscenarios: [{preset: tiny, tokens_per_rank: 8}]\n",
+                  ".yaml")
+    assert_one_line_error(_dry(path), "sweep key 1 is unknown")
 
 
 def test_broken_yaml(tmp_path):
