@@ -188,7 +188,10 @@ def split_label(label: str) -> tuple[str, dict]:
     if not isinstance(label, str) or not label.strip():
         raise ScenarioError(f"backend={label!r} is invalid: allowed a backend name (a string; "
                             "`mokbench backends` lists them)")
-    name, _, rest = label.partition("@")
+    name, at, rest = label.partition("@")
+    if at and not rest.strip(" ,"):
+        raise ScenarioError(f"backend={label!r} is invalid: allowed name or "
+                            "name@key=value,key=value")
     options: dict = {}
     for item in filter(None, (i.strip() for i in rest.split(","))):
         key, eq, raw = item.partition("=")
