@@ -68,7 +68,7 @@ class LaunchOptions:
 
 RDZV_PORT_SLOTS = 32  # multi-node: consecutive cells rendezvous on different ports
 DEVICES = ("auto", "cpu")
-_HOST = re.compile(r"^[A-Za-z0-9_.$\-\[\]:]+$")  # name, IPv4, [IPv6]
+_HOST = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+$")  # name, IPv4, [IPv6]
 
 
 def rdzv_host_port(endpoint: str) -> tuple[str, int]:
