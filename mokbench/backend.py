@@ -172,6 +172,11 @@ REGISTRY: dict[str, str] = {
 
 EXTRA_ENV = "MOKBENCH_EXTRA_BACKENDS"  # "name=module:attr,name2=module:attr" (tests, plugins)
 
+# Options any backend's label may carry that never reach the backend: ``tag`` tells two cells of
+# one backend apart in a run (``nccl_torch@tag=rerun``). Other options need the backend's own
+# ``validate_options``; a backend without one takes none.
+LABEL_OPTIONS = ("tag",)
+
 
 def registry() -> dict[str, str]:
     """The built-in registry plus any backends named in $MOKBENCH_EXTRA_BACKENDS."""
@@ -196,7 +201,13 @@ def split_label(label: str) -> tuple[str, dict]:
     """
     from mokbench.scenario import ScenarioError
 
-    name, _, rest = label.partition("@")
+    if not isinstance(label, str) or not label.strip():
+        raise ScenarioError(f"backend={label!r} is invalid: allowed a backend name (a string; "
+                            "`mokbench backends` lists them)")
+    name, at, rest = label.partition("@")
+    if at and not rest.strip(" ,"):
+        raise ScenarioError(f"backend={label!r} is invalid: allowed name or "
+                            "name@key=value,key=value")
     options: dict = {}
     for item in filter(None, (i.strip() for i in rest.split(","))):
         key, eq, raw = item.partition("=")
@@ -207,6 +218,12 @@ def split_label(label: str) -> tuple[str, dict]:
         except json.JSONDecodeError:
             options[key.strip()] = raw.strip()
     return name.strip(), options
+
+
+def backend_options(label: str) -> dict:
+    """The options a backend receives from its label (label-only ones such as ``tag`` left
+    out)."""
+    return {k: v for k, v in split_label(label)[1].items() if k not in LABEL_OPTIONS}
 
 
 def check_backend_names(labels: list[str]) -> None:

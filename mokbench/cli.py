@@ -2,29 +2,69 @@
 
 from __future__ import annotations
 
+import functools
+import logging
+import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
-from mokbench.scenario import ScenarioError
+from mokbench.errors import InputError, require
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Benchmark full MoE layers across MoE stacks (MoK megakernel vs baselines).")
 console = Console()
+F = TypeVar("F", bound=Callable)
 
 
-def _fail(msg: str) -> None:
-    console.print(f"[red]error:[/red] {msg}", soft_wrap=True)
+def _fail(msg: str) -> NoReturn:
+    """One line on stdout, exit code 2 (the message is text, not rich markup)."""
+    console.print(f"[red]error:[/red] {escape(msg)}", soft_wrap=True, highlight=False)
     raise typer.Exit(2)
+
+
+class _WarningHandler(logging.Handler):
+    """The package's warnings (e.g. a skipped line of rows.jsonl) as one line on stderr."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        Console(stderr=True).print(f"[yellow]warning:[/yellow] {escape(record.getMessage())}",
+                                   soft_wrap=True, highlight=False)
+
+
+_log = logging.getLogger("mokbench")
+if not any(isinstance(h, _WarningHandler) for h in _log.handlers):
+    _log.addHandler(_WarningHandler(logging.WARNING))
+
+
+def _user_errors(fn: F) -> F:
+    """A command whose user mistakes (:class:`InputError`) end as one line and exit 2."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except InputError as exc:
+            _fail(str(exc))
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _positive(**values: int | None) -> None:
+    """Each given value (None: not given) must be an integer >= 1."""
+    for name, v in values.items():
+        if v is not None:
+            require(v >= 1, name, v, "a positive integer")
 
 
 def _split(values: list[str] | None) -> list[str] | None:
     """Backend labels from comma lists. A label's own options also use commas
     (``mok@tma=true,num_stages=4``), so a piece with ``=`` and no ``@`` continues the label
-    before it."""
-    if not values:
+    before it. An option given with nothing in it is an error, not "every backend"."""
+    if values is None:
         return None
     labels: list[str] = []
     for piece in (v.strip() for item in values for v in item.split(",")):
@@ -34,16 +74,20 @@ def _split(values: list[str] | None) -> list[str] | None:
             labels[-1] += "," + piece
         else:
             labels.append(piece)
+    if not labels:
+        raise InputError(f"backends={','.join(values)!r} is invalid: allowed a comma list of "
+                         "backend names (`mokbench backends` lists them)")
     return labels
 
 
 @app.command()
+@_user_errors
 def sweep(
     sweep_file: Path = typer.Argument(None, help="TOML/YAML sweep; default: the embedded one"),
     backends: list[str] = typer.Option(None, "--backends", "-b",
                                        help="only these backends (comma list)"),
     nproc_per_node: int = typer.Option(None, help="ranks per node (default: GPUs, or 2 on CPU)"),
-    nnodes: int = typer.Option(1, help="number of nodes"),
+    nnodes: int = typer.Option(None, help="number of nodes (default 1, or the resumed run's)"),
     node_rank: int = typer.Option(0, help="this node's rank"),
     rdzv_endpoint: str = typer.Option("localhost:29500", help="HOST:PORT of node 0"),
     out: Path = typer.Option(Path("results"), help="folder that receives the run folder"),
@@ -61,8 +105,6 @@ def sweep(
                             nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
                             out=out, resume=resume, dry_run=dry_run, timeout_s=timeout_s,
                             device=device, calibrate_first=calibrate_first, console=console)
-    except ScenarioError as exc:
-        _fail(str(exc))
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/yellow]: finished rows are kept; complete the run "
                       "with [bold]mokbench sweep --resume RUN_DIR[/bold]")
@@ -72,6 +114,7 @@ def sweep(
 
 
 @app.command()
+@_user_errors
 def run(
     backends: list[str] = typer.Option(["nccl_torch"], "--backends", "-b"),
     preset: str = typer.Option(None, help="model preset (dims below override it)"),
@@ -91,6 +134,7 @@ def run(
     """Run one scenario from flags (quick ad hoc use); writes a run folder like `sweep`."""
     from mokbench.runner import run_sweep
 
+    _positive(world_size=world_size)
     spec: dict = {"tokens_per_rank": tokens, "precision": precision, "routing": routing,
                   "zipf_s": zipf_s, "seed": seed, "shared_expert": shared_expert,
                   "passes": [p.strip() for p in passes.split(",")]}
@@ -106,11 +150,8 @@ def run(
     data = {"name": "adhoc", "backends": _split(backends), "timing": {"warmup": warmup,
                                                                       "iters": iters},
             "world_sizes": [world_size or "auto"], "scenarios": [spec]}
-    try:
-        run_dir = run_sweep(None, data=data, out=out, timeout_s=timeout_s, device=device,
-                            console=console)
-    except ScenarioError as exc:
-        _fail(str(exc))
+    run_dir = run_sweep(None, data=data, out=out, timeout_s=timeout_s, device=device,
+                        console=console)
     if run_dir is not None:
         _print_report(run_dir, finish=True)
 
@@ -135,6 +176,7 @@ def _print_report(run_dir: Path, finish: bool = False) -> None:
 
 
 @app.command("report")
+@_user_errors
 def report_cmd(
     run_dir: Path = typer.Argument(..., help="a run folder under results/"),
     format: str = typer.Option("table", "--format", "-f", help="table|md|csv|parquet|json"),
@@ -147,8 +189,8 @@ def report_cmd(
     formats = ("table", "md", "csv", "parquet", "json")
     if format not in formats:
         _fail(f"format={format!r} is invalid: allowed {' | '.join(formats)}")
-    if not (run_dir / "rows.jsonl").exists():
-        _fail(f"run_dir={str(run_dir)!r} has no rows.jsonl: give a run folder")
+    if not (run_dir / "rows.jsonl").is_file():
+        _fail(f"run_dir={str(run_dir)!r} has no rows.jsonl: allowed a run folder")
     if format == "table":
         _print_report(run_dir)
     else:
@@ -166,6 +208,7 @@ def report_cmd(
 
 
 @app.command()
+@_user_errors
 def backends(
     world_size: int = typer.Option(None, help="EP size to judge (default: local GPUs, or 2)"),
 ) -> None:
@@ -176,6 +219,7 @@ def backends(
     from mokbench.backend import RunContext, get_backend, registry
     from mokbench.runner import local_gpus
 
+    _positive(world_size=world_size)
     ws = world_size or max(local_gpus("auto"), 1)
     table = Table(title=f"backends (world size {ws})")
     for col in ("backend", "kind", "available", "reason / notes"):
@@ -194,6 +238,7 @@ def backends(
 
 
 @app.command()
+@_user_errors
 def calibrate(
     out: Path = typer.Option(None, help="run folder to store ceilings in (default: new)"),
     nproc_per_node: int = typer.Option(None, help="ranks (default: local GPUs, or 2 on CPU)"),
@@ -202,11 +247,16 @@ def calibrate(
     """Measure GEMM, copy and all-to-all ceilings; stored in RUN_DIR/env.json."""
     from mokbench.runner import run_calibrate
 
-    run_dir = run_calibrate(out, nproc_per_node=nproc_per_node, device=device, console=console)
+    try:
+        run_dir = run_calibrate(out, nproc_per_node=nproc_per_node, device=device,
+                                console=console)
+    except subprocess.CalledProcessError as exc:
+        _fail(f"calibrate failed (exit code {exc.returncode}); its output is above")
     console.print(f"ceilings stored in [bold]{run_dir / 'env.json'}[/bold]")
 
 
 @app.command()
+@_user_errors
 def plan(
     hidden: int = typer.Option(7168), intermediate: int = typer.Option(2048),
     sms: int = typer.Option(None, help="SMs (default: this GPU's, else 148)"),
@@ -227,6 +277,8 @@ def plan(
 
     if build is not None and build not in (90, 100):
         _fail(f"build={build} is invalid: allowed 90 | 100")
+    _positive(hidden=hidden, intermediate=intermediate, sms=sms, block_m=block_m,
+              block_n=block_n, tokens=tokens, topk=topk, world_size=world_size, experts=experts)
     if sms is None:
         import torch
 
@@ -266,22 +318,40 @@ def _build_report(arch: int, hidden: int, intermediate: int, tokens: int, topk: 
 
 
 @app.command()
+@_user_errors
 def slurm(
-    sweep_file: Path = typer.Argument(...),
-    nodes: int = typer.Option(..., help="nodes (a GB300 NVL72 is 18 nodes x 4 GPUs)"),
+    sweep_file: Path = typer.Argument(..., help="TOML/YAML sweep, on a file system every node "
+                                      "sees"),
+    nodes: int = typer.Option(None, help="nodes (default: the fewest that hold the sweep's "
+                              "largest world size; a GB300 NVL72 is 18 nodes x 4 GPUs)"),
     gpus_per_node: int = typer.Option(..., help="GPUs per node"),
     partition: str = typer.Option(None), account: str = typer.Option(None),
     time: str = typer.Option("02:00:00"), out: Path = typer.Option(Path("results")),
     script: Path = typer.Option(None, help="write here (default: print)"),
+    dry_run: bool = typer.Option(False, help="print the torchrun command node 0 of the job "
+                                 "runs for each cell, instead of the script"),
 ) -> None:
-    """Write an sbatch script that runs the sweep across nodes with srun + torchrun."""
-    from mokbench.slurm import render_sbatch
+    """Write an sbatch script that runs the sweep across nodes with srun + torchrun; the sweep
+    is checked first and every cell's world size must fit the nodes."""
+    from mokbench.slurm import DEFAULT_PORT, job_nodes, render_sbatch
 
+    nodes, note = job_nodes(sweep_file, gpus_per_node, nodes)
     text = render_sbatch(str(sweep_file), nodes, gpus_per_node, partition=partition,
-                         time=time, account=account, out_dir=str(out))
-    if script:
-        script.write_text(text)
-        console.print(f"wrote {script}")
+                         time=time, account=account, out_dir=str(out), note=note)
+    if dry_run:
+        from mokbench.runner import run_sweep
+
+        console.print(f"node 0 of {nodes} ({note}); MASTER_ADDR is the allocation's first host",
+                      soft_wrap=True, markup=False)
+        run_sweep(sweep_file, nproc_per_node=gpus_per_node, nnodes=nodes, node_rank=0,
+                  rdzv_endpoint=f"MASTER_ADDR:{DEFAULT_PORT}", dry_run=True, console=console)
+    elif script:
+        try:
+            script.write_text(text)
+        except OSError as exc:
+            _fail(f"script={str(script)!r} cannot be written ({exc.strerror or exc}): allowed a "
+                  "writable file path")
+        console.print(f"wrote {script}", markup=False, highlight=False)
     else:
         sys.stdout.write(text)
 

@@ -1,8 +1,11 @@
 """Runs cells: one torchrun subprocess per cell, with a timeout, turning results into rows.
 
 Single node: ``torchrun --standalone --nproc-per-node W``. Several nodes: every node runs the
-same ``mokbench sweep`` with ``--nnodes N --node-rank I --rdzv-endpoint HOST:PORT``; each cell
-is then a static-rendezvous torchrun with ``nproc-per-node = W / N`` and only node 0 writes rows.
+same ``mokbench sweep`` with ``--nnodes N --nproc-per-node G --node-rank I --rdzv-endpoint
+HOST:PORT``; a cell of world size W then spans the first W / G nodes (a static-rendezvous
+torchrun with G ranks on each), the other nodes take no part in it, a cell of W <= G runs on
+node 0 alone, and only node 0 writes rows. So an 18 x 4 allocation runs an EP-64 sweep on its
+first 16 nodes.
 
 A cell whose process crashes, hangs past its timeout or runs out of memory becomes a row with
 that status and the tail of its error; the sweep goes on, rows already written stay.
@@ -12,7 +15,9 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -21,6 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from mokbench.errors import InputError, is_int, is_number
 from mokbench.results import RowWriter, new_row, scenario_columns
 from mokbench.sweep import Cell
 
@@ -39,12 +45,51 @@ class LaunchOptions:
     device: str = "auto"  # "cpu" forces gloo on CPU even where GPUs exist
     gpus_on_node: int = 0
 
+    def __post_init__(self) -> None:
+        """One-line errors for flags that cannot describe a launch."""
+        for name in ("nproc_per_node", "nnodes"):
+            v = getattr(self, name)
+            if not is_int(v) or v < 1:
+                raise InputError(f"{name}={v!r} is invalid: allowed a positive integer")
+        if not is_int(self.node_rank) or not 0 <= self.node_rank < self.nnodes:
+            raise InputError(f"node_rank={self.node_rank!r} is invalid: allowed 0..nnodes-1 "
+                             f"(0..{self.nnodes - 1})")
+        if not is_number(self.timeout_s) or self.timeout_s <= 0:
+            raise InputError(f"timeout_s={self.timeout_s!r} is invalid: allowed a number of "
+                             "seconds > 0")
+        if self.device not in DEVICES:
+            raise InputError(f"device={self.device!r} is invalid: allowed {' | '.join(DEVICES)}")
+        rdzv_host_port(self.rdzv_endpoint)
+
     @property
     def writes_rows(self) -> bool:
         return self.node_rank == 0
 
 
 RDZV_PORT_SLOTS = 32  # multi-node: consecutive cells rendezvous on different ports
+DEVICES = ("auto", "cpu")
+_HOST = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+$")  # name, IPv4, [IPv6]
+
+
+def rdzv_host_port(endpoint: str) -> tuple[str, int]:
+    """``HOST:PORT`` -> (host, port); the port leaves room for the cells' port slots."""
+    host, sep, port = str(endpoint).rpartition(":")
+    top = 65535 - RDZV_PORT_SLOTS + 1
+    if not sep or not host or not _HOST.match(host) or not port.isdigit() \
+            or not 1 <= int(port) <= top:
+        raise InputError(f"rdzv_endpoint={endpoint!r} is invalid: allowed HOST:PORT with a "
+                         f"port in 1..{top}")
+    return host, int(port)
+
+
+def cell_nodes(world_size: int, opts: LaunchOptions) -> int:
+    """Nodes a cell spans in a multi-node launch: W / nproc-per-node, at least one."""
+    return max(1, math.ceil(world_size / opts.nproc_per_node))
+
+
+def takes_part(cell: Cell, opts: LaunchOptions) -> bool:
+    """Whether this node runs ranks of the cell (node 0 always does: it writes the rows)."""
+    return opts.nnodes == 1 or opts.node_rank < cell_nodes(cell.scenario.world_size, opts)
 
 
 def torchrun_command(cell: Cell, cell_file: Path, opts: LaunchOptions, index: int = 0
@@ -55,13 +100,14 @@ def torchrun_command(cell: Cell, cell_file: Path, opts: LaunchOptions, index: in
     that cell i still holds open on another node."""
     ws = cell.scenario.world_size
     cmd = [sys.executable, "-m", "torch.distributed.run"]
-    if opts.nnodes == 1:
+    nodes = cell_nodes(ws, opts)
+    if opts.nnodes == 1 or nodes == 1:
         cmd += ["--standalone", f"--nproc-per-node={ws}"]
     else:
-        host, _, port = opts.rdzv_endpoint.rpartition(":")
-        cmd += [f"--nnodes={opts.nnodes}", f"--node-rank={opts.node_rank}",
-                f"--nproc-per-node={ws // opts.nnodes}", f"--master-addr={host}",
-                f"--master-port={int(port) + index % RDZV_PORT_SLOTS}",
+        host, port = rdzv_host_port(opts.rdzv_endpoint)
+        cmd += [f"--nnodes={nodes}", f"--node-rank={opts.node_rank}",
+                f"--nproc-per-node={ws // nodes}", f"--master-addr={host}",
+                f"--master-port={port + index % RDZV_PORT_SLOTS}",
                 f"--rdzv-id={cell.stem}"]
     return cmd + ["-m", "mokbench.worker", "--cell", str(cell_file)]
 
@@ -70,12 +116,21 @@ def placement_reason(cell: Cell, opts: LaunchOptions) -> str | None:
     """Why this cell cannot be placed on the ranks at hand (None when it can)."""
     ws = cell.scenario.world_size
     if opts.nnodes > 1:
-        if ws != opts.nnodes * opts.nproc_per_node:
-            return (f"world size {ws} != nnodes x nproc-per-node "
-                    f"({opts.nnodes} x {opts.nproc_per_node}) of this multi-node launch")
-        return None
+        return multinode_reason(ws, opts.nnodes, opts.nproc_per_node)
     if opts.device != "cpu" and opts.gpus_on_node and ws > opts.gpus_on_node:
         return f"needs {ws} GPUs; this node has {opts.gpus_on_node}"
+    return None
+
+
+def multinode_reason(world_size: int, nnodes: int, nproc_per_node: int) -> str | None:
+    """Why a cell of ``world_size`` ranks cannot run on ``nnodes`` x ``nproc_per_node`` (None
+    when it can: on node 0 alone, or on the first W / nproc-per-node nodes)."""
+    if world_size > nproc_per_node and world_size % nproc_per_node:
+        return (f"world size {world_size} is neither <= nor a multiple of nproc-per-node "
+                f"{nproc_per_node}")
+    if world_size > nnodes * nproc_per_node:
+        return (f"world size {world_size} > nnodes x nproc-per-node "
+                f"({nnodes} x {nproc_per_node})")
     return None
 
 
@@ -105,13 +160,37 @@ def repro_command(cell: Cell) -> str:
     return "".join(env) + shlex.join(parts)
 
 
+_RANK_PREFIX = re.compile(r"^\[(?:rank|default)(\d+)\]:\s?")  # torchrun's per-rank prefix
+_EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\w*(:|$)")
+_ROOT_CAUSE = re.compile(r"Root Cause[^\n]*\n(?:.*\n){0,3}?\s*rank\s*:\s*(\d+)"
+                         r"(?:.*\n){0,2}?\s*exitcode\s*:\s*(-?\d+)")
+
+
 def _tail(text: str) -> str:
-    """The most informative end of a worker log: the last exception line, else the tail."""
-    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
-    for ln in reversed(lines):
-        if ("Error" in ln or "error:" in ln or "Exception" in ln) and not ln.startswith(" "):
-            return ln.strip()[:ERROR_TAIL_CHARS]
-    return " | ".join(lines[-4:])[-ERROR_TAIL_CHARS:]
+    """The most informative line of a cell's log: the worker's own exception line (of the rank
+    torchrun names as the root cause, else of any rank), not torchrun's ``ChildFailedError``;
+    else how the root-cause rank ended (a signal); else the log's last lines."""
+    lines = [ln.rstrip() for ln in text.strip().splitlines() if ln.strip()]
+    root = _ROOT_CAUSE.search(text)
+    root_rank = int(root.group(1)) if root else None
+    found: list[tuple[int | None, str]] = []
+    for ln in lines:
+        m = _RANK_PREFIX.match(ln)
+        rank, body = (int(m.group(1)), ln[m.end():]) if m else (None, ln)
+        if _EXCEPTION.match(body) and "ChildFailedError" not in body:
+            found.append((rank, body.strip()))
+    ranked = [b for r, b in found if r == root_rank] or [b for _, b in found]
+    if ranked:
+        return ranked[-1][:ERROR_TAIL_CHARS]
+    if root and int(root.group(2)) < 0:
+        sig = -int(root.group(2))
+        try:
+            name = signal.Signals(sig).name
+        except ValueError:
+            name = f"signal {sig}"
+        return f"rank {root_rank} was killed by {name}"
+    kept = [ln for ln in lines if "ChildFailedError" not in ln]
+    return " | ".join(kept[-4:])[-ERROR_TAIL_CHARS:]
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -204,7 +283,10 @@ class CellRunner:
                 self.writer.append(r)
 
     def run(self, cell: Cell, index: int = 0) -> list[dict]:
-        """Launch the cell, wait (bounded), and write one row per pass."""
+        """Launch the cell, wait (bounded), and write one row per pass (none where this node
+        takes no part in the cell)."""
+        if not takes_part(cell, self.opts):
+            return []
         try:
             reason = placement_reason(cell, self.opts) or self.host_reason(cell)
         except Exception as exc:  # noqa: BLE001 - a broken adapter fails its cells only

@@ -12,12 +12,17 @@ A run folder ``results/<run_id>/`` holds:
 from __future__ import annotations
 
 import json
+import logging
 import os
 import platform
 import subprocess
 import time
 from pathlib import Path
 from typing import Any
+
+from mokbench.errors import InputError
+
+log = logging.getLogger("mokbench")
 
 STATUSES = ("ok", "failed", "timeout", "skipped")
 
@@ -68,16 +73,30 @@ class RowWriter:
 
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
-    """All rows of a rows.jsonl; a torn last line (crash mid-write) is skipped."""
-    rows = []
+    """All rows of a rows.jsonl. A line that is not a JSON object (a torn write after a crash,
+    an edit) is skipped with a warning naming the file and line; the other rows are kept."""
+    rows: list[dict[str, Any]] = []
     p = Path(path)
-    if not p.exists():
+    if not p.is_file():
         return rows
-    for line in p.read_text(encoding="utf-8").splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
+    try:
+        text = p.read_text(encoding="utf-8", errors="replace")
+    except OSError as exc:
+        raise InputError(f"rows file {str(p)!r} cannot be read ({exc.strerror or exc}): allowed "
+                         "a readable rows.jsonl") from None
+    for n, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
             continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            log.warning("%s line %d is not valid JSON (%s); skipped", p, n, exc.msg)
+            continue
+        if not isinstance(row, dict):
+            log.warning("%s line %d is a JSON %s, not a row object; skipped", p, n,
+                        type(row).__name__)
+            continue
+        rows.append(row)
     return rows
 
 
@@ -85,10 +104,26 @@ def make_run_id(sweep_name: str) -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + sweep_name
 
 
-def _git(*args: str) -> str | None:
+def git_dirty(run_dir: Path | None = None, repo: Path | None = None) -> bool | None:
+    """Whether the checkout (of ``repo``, default this package's) differs from its commit:
+    modified tracked files or untracked ones, leaving out ``results/`` and ``run_dir`` (a run's
+    own folder does not make a fresh clone dirty). None outside a git checkout."""
+    excludes = [":(top,exclude)results"]
+    top = _git("rev-parse", "--show-toplevel", cwd=repo)
+    if top and run_dir is not None:
+        try:
+            rel = Path(run_dir).resolve().relative_to(Path(top).resolve())
+            excludes.append(f":(top,exclude){rel.as_posix()}")
+        except ValueError:
+            pass  # the run folder is outside the checkout
+    out = _git("status", "--porcelain", "--", ":/", *excludes, cwd=repo)
+    return None if out is None else bool(out)
+
+
+def _git(*args: str, cwd: Path | None = None) -> str | None:
     try:
         out = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
-                             cwd=Path(__file__).resolve().parent)
+                             cwd=cwd or Path(__file__).resolve().parent)
         return out.stdout.strip() if out.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):
         return None
@@ -108,8 +143,9 @@ LIBRARIES = ("torch", "triton", "transformer_engine", "megatron-core", "deep_ep"
              "numpy", "pandas")
 
 
-def capture_env() -> dict[str, Any]:
-    """Machine and software facts for env.json (no GPU work beyond reading properties)."""
+def capture_env(run_dir: Path | None = None) -> dict[str, Any]:
+    """Machine and software facts for env.json (no GPU work beyond reading properties);
+    ``run_dir`` is left out of the git dirty check."""
     import torch
 
     env: dict[str, Any] = {
@@ -120,7 +156,7 @@ def capture_env() -> dict[str, Any]:
         # commit through MOKBENCH_GIT_SHA / MOKBENCH_GIT_DIRTY.
         "git_sha": os.environ.get("MOKBENCH_GIT_SHA") or _git("rev-parse", "HEAD"),
         "git_dirty": (os.environ["MOKBENCH_GIT_DIRTY"] == "1" if "MOKBENCH_GIT_DIRTY" in os.environ
-                      else bool(_git("status", "--porcelain"))),
+                      else bool(git_dirty(run_dir))),
         "cuda": torch.version.cuda, "gpu_count": torch.cuda.device_count(),
         "libraries": {lib: _version(lib) for lib in LIBRARIES},
     }
@@ -148,13 +184,26 @@ def capture_env() -> dict[str, Any]:
 def write_env(run_dir: Path, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Write (or update) env.json; keeps existing keys such as stored ceilings."""
     path = Path(run_dir) / "env.json"
-    env = json.loads(path.read_text()) if path.exists() else {}
-    env.update(capture_env())
+    env = read_env(run_dir)
+    env.update(capture_env(run_dir))
     env.update(extra or {})
     path.write_text(json.dumps(env, indent=2, default=str))
     return env
 
 
 def read_env(run_dir: Path) -> dict[str, Any]:
+    """A run folder's env.json ({} when it has none); a corrupt one is a one-line error."""
     path = Path(run_dir) / "env.json"
-    return json.loads(path.read_text()) if path.exists() else {}
+    if not path.exists():
+        return {}
+    try:
+        env = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        why = getattr(exc, "msg", None) or getattr(exc, "strerror", None) or type(exc).__name__
+        where = f" (line {exc.lineno})" if isinstance(exc, json.JSONDecodeError) else ""
+        raise InputError(f"env.json of {str(run_dir)!r} is unreadable{where}: {why}; allowed "
+                         "a JSON object (delete the file to drop it)") from None
+    if not isinstance(env, dict):
+        raise InputError(f"env.json of {str(run_dir)!r} holds a JSON {type(env).__name__}: "
+                         "allowed a JSON object (delete the file to drop it)")
+    return env

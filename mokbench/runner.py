@@ -12,9 +12,17 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from mokbench.launch import CellRunner, LaunchOptions, torchrun_command
-from mokbench.results import make_run_id, read_rows, write_env
-from mokbench.sweep import Sweep, expand, load_sweep
+from mokbench.errors import InputError
+from mokbench.launch import (
+    DEVICES,
+    CellRunner,
+    LaunchOptions,
+    placement_reason,
+    takes_part,
+    torchrun_command,
+)
+from mokbench.results import make_run_id, read_env, read_rows, write_env
+from mokbench.sweep import Sweep, expand, load_sweep, read_sweep_text
 
 CPU_DEFAULT_RANKS = 2
 DESCRIPTION_CHARS = 40  # the progress bar's label, so bar and counts fit 80 columns
@@ -30,15 +38,17 @@ def local_gpus(device: str) -> int:
 
 
 def _options(nproc_per_node, nnodes, node_rank, rdzv_endpoint, timeout_s, device) -> LaunchOptions:
+    if device not in DEVICES:
+        raise InputError(f"device={device!r} is invalid: allowed {' | '.join(DEVICES)}")
     gpus = local_gpus(device)
-    nproc = nproc_per_node or (gpus if gpus else CPU_DEFAULT_RANKS)
+    nproc = nproc_per_node if nproc_per_node is not None else (gpus or CPU_DEFAULT_RANKS)
     return LaunchOptions(nproc_per_node=nproc, nnodes=nnodes, node_rank=node_rank,
                          rdzv_endpoint=rdzv_endpoint, timeout_s=timeout_s,
                          device="cpu" if not gpus else device, gpus_on_node=gpus)
 
 
 def _finished_keys(run_dir: Path) -> set[tuple[str, str]]:
-    return {(r["scenario_id"], r["backend"]) for r in read_rows(run_dir / "rows.jsonl")}
+    return {(r.get("scenario_id"), r.get("backend")) for r in read_rows(run_dir / "rows.jsonl")}
 
 
 def _load(sweep_file, data, opts: LaunchOptions, backends) -> Sweep:
@@ -57,43 +67,64 @@ def _prepare_run_dir(sw: Sweep, out: Path, resume: Path | None, opts: LaunchOpti
         return Path(resume)
     run_dir = Path(out) / make_run_id(sw.name)
     if opts.writes_rows:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / f"sweep{sw.source_suffix}").write_text(sw.source_text)
+        if Path(out).exists() and not Path(out).is_dir():
+            raise InputError(f"out={str(out)!r} is a file: allowed a folder (created if missing)")
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / f"sweep{sw.source_suffix}").write_text(sw.source_text)
+        except OSError as exc:
+            raise InputError(f"out={str(out)!r} is not writable ({exc.strerror or exc}): allowed "
+                             "a folder this user can write") from None
         write_env(run_dir, {"sweep": sw.name, "device": opts.device,
                             "nproc_per_node": opts.nproc_per_node, "nnodes": opts.nnodes})
     return run_dir
 
 
-def _resume_sweep(resume: Path, opts: LaunchOptions, backends) -> Sweep:
+def _resume_options(resume: Path, nproc_per_node, nnodes) -> tuple[int | None, int]:
+    """The run's own ranks per node and node count (env.json), so its "auto" world sizes
+    resolve as they did; a flag that asks for others is an error, not rows of another EP size
+    in the same run."""
+    if not Path(resume).is_dir():
+        raise InputError(f"resume={str(resume)!r} is not a folder: allowed a run folder")
+    env = read_env(resume)
+    for name, given in (("nproc_per_node", nproc_per_node), ("nnodes", nnodes)):
+        stored = env.get(name)
+        if given is not None and stored is not None and given != stored:
+            raise InputError(f"{name}={given!r} is invalid with --resume: allowed {stored} "
+                             f"(the value {str(resume)!r} ran with) or none")
+    nproc = nproc_per_node if nproc_per_node is not None else env.get("nproc_per_node")
+    return nproc, nnodes if nnodes is not None else env.get("nnodes", 1)
+
+
+def _resume_sweep(resume: Path, opts: LaunchOptions, backends, sweep_file=None) -> Sweep:
     copies = sorted(Path(resume).glob("sweep.*"))
     if not copies:
-        from mokbench.scenario import ScenarioError
-
-        raise ScenarioError(f"resume={str(resume)!r} has no sweep copy: give a run folder")
+        raise InputError(f"resume={str(resume)!r} has no sweep copy: allowed a run folder")
     src = copies[0]
+    if sweep_file is not None and read_sweep_text(Path(sweep_file)) != src.read_text():
+        raise InputError(f"sweep_file={str(sweep_file)!r} differs from {str(src)!r}, the sweep "
+                         "of the run to resume: allowed that sweep, or no sweep file")
     if src.suffix == ".json":
         return _load(None, json.loads(src.read_text()), opts, backends)
     return load_sweep(src, opts.nproc_per_node * opts.nnodes, backends)
 
 
 def run_sweep(sweep_file: Path | None, *, data: dict | None = None, backends=None,
-              nproc_per_node: int | None = None, nnodes: int = 1, node_rank: int = 0,
+              nproc_per_node: int | None = None, nnodes: int | None = None, node_rank: int = 0,
               rdzv_endpoint: str = "localhost:29500", out: Path = Path("results"),
               resume: Path | None = None, dry_run: bool = False, timeout_s: float = 900.0,
               device: str = "auto", calibrate_first: bool = False,
               console: Console | None = None) -> Path | None:
     """Run (or, with ``dry_run``, print) every cell of a sweep. Returns the run folder."""
     console = console or Console()
-    opts = _options(nproc_per_node, nnodes, node_rank, rdzv_endpoint, timeout_s, device)
-    sw = (_resume_sweep(resume, opts, backends) if resume is not None
+    if resume is not None:
+        nproc_per_node, nnodes = _resume_options(resume, nproc_per_node, nnodes)
+    opts = _options(nproc_per_node, 1 if nnodes is None else nnodes, node_rank, rdzv_endpoint,
+                    timeout_s, device)
+    sw = (_resume_sweep(resume, opts, backends, sweep_file) if resume is not None
           else _load(sweep_file, data, opts, backends))
     if dry_run:
-        for i, cell in enumerate(sw.cells):
-            cmd = torchrun_command(cell, Path("RUN_DIR/cells") / f"{cell.stem}.json", opts, i)
-            console.print(f"[bold]{cell.scenario.scenario_id}[/bold] {cell.backend}",
-                          soft_wrap=True)
-            console.print("  " + shlex.join(cmd), soft_wrap=True, markup=False)
-        console.print(f"{len(sw.cells)} cells")
+        print_dry_run(sw, opts, console)
         return None
     run_dir = _prepare_run_dir(sw, out, resume, opts)
     run_id = run_dir.name
@@ -128,6 +159,24 @@ def run_sweep(sweep_file: Path | None, *, data: dict | None = None, backends=Non
     return run_dir
 
 
+def print_dry_run(sw: Sweep, opts: LaunchOptions, console: Console) -> None:
+    """Each cell and what this node does with it, decided as the run decides: the torchrun
+    command it launches, a placement skip, or no part (multi-node, beyond the cell's nodes).
+    Skips that depend on the backend's packages or GPU are decided on the node at run time."""
+    for i, cell in enumerate(sw.cells):
+        console.print(f"[bold]{cell.scenario.scenario_id}[/bold] {cell.backend}", soft_wrap=True,
+                      highlight=False)
+        reason = placement_reason(cell, opts)
+        if reason:
+            console.print(f"  skipped: {reason}", soft_wrap=True, markup=False)
+        elif not takes_part(cell, opts):
+            console.print(f"  node {opts.node_rank} takes no part", soft_wrap=True, markup=False)
+        else:
+            cmd = torchrun_command(cell, Path("RUN_DIR/cells") / f"{cell.stem}.json", opts, i)
+            console.print("  " + shlex.join(cmd), soft_wrap=True, markup=False)
+    console.print(f"{len(sw.cells)} cells")
+
+
 def run_calibrate(run_dir: Path | None, *, nproc_per_node: int | None = None,
                   device: str = "auto", console: Console | None = None) -> Path:
     """Launch ``mokbench.calibrate`` under torchrun; ceilings land in RUN_DIR/env.json."""
@@ -135,8 +184,15 @@ def run_calibrate(run_dir: Path | None, *, nproc_per_node: int | None = None,
     opts = _options(nproc_per_node, 1, 0, "localhost:29500", 900.0, device)
     if run_dir is None:
         run_dir = Path("results") / make_run_id("calibrate")
-        run_dir.mkdir(parents=True, exist_ok=True)
-        write_env(run_dir)
+    if Path(run_dir).exists() and not Path(run_dir).is_dir():
+        raise InputError(f"out={str(run_dir)!r} is a file: allowed a run folder")
+    try:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        if not (Path(run_dir) / "env.json").exists():
+            write_env(run_dir)
+    except OSError as exc:
+        raise InputError(f"out={str(run_dir)!r} is not writable ({exc.strerror or exc}): "
+                         "allowed a folder this user can write") from None
     env = dict(os.environ)
     if opts.device == "cpu":
         env["MOKBENCH_DEVICE"] = "cpu"

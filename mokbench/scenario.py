@@ -10,6 +10,8 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field, replace
 
+from mokbench.errors import InputError, is_int, is_number
+
 # forward: a training forward (autograd on, inputs require grad, each backend keeps what its
 # backward needs); backward: y.backward(dy) after an untimed forward; inference: the forward
 # under torch.no_grad() on inputs that do not require grad.
@@ -18,10 +20,11 @@ PASS_LABELS = {"forward": "forward (training)", "backward": "backward",
                "inference": "inference (no_grad)"}
 PRECISIONS = ("bf16", "fp8")
 ROUTINGS = ("uniform", "imbalanced")
+DEFAULT_SEED = 1234
 DIM_ALIGN = 16  # hidden / intermediate multiple of this (16-byte rows, tensor-core tiles)
 
 
-class ScenarioError(ValueError):
+class ScenarioError(InputError):
     """A bad field in a scenario or sweep; one-line message: field, value, what is allowed."""
 
 
@@ -43,7 +46,7 @@ class ModelShape:
     def __post_init__(self) -> None:
         for f in ("num_experts", "hidden", "intermediate", "topk"):
             v = getattr(self, f)
-            _check(isinstance(v, int) and v > 0, f, v, "a positive integer")
+            _check(is_int(v) and v > 0, f, v, "a positive integer")
         for f in ("hidden", "intermediate"):
             v = getattr(self, f)
             _check(v % DIM_ALIGN == 0, f, v, f"a multiple of {DIM_ALIGN}")
@@ -89,10 +92,9 @@ class TimingConfig:
     iters: int = 20
 
     def __post_init__(self) -> None:
-        _check(isinstance(self.warmup, int) and self.warmup >= 0, "warmup", self.warmup,
+        _check(is_int(self.warmup) and self.warmup >= 0, "warmup", self.warmup,
                "an integer >= 0")
-        _check(isinstance(self.iters, int) and self.iters >= 1, "iters", self.iters,
-               "an integer >= 1")
+        _check(is_int(self.iters) and self.iters >= 1, "iters", self.iters, "an integer >= 1")
 
 
 @dataclass(frozen=True)
@@ -110,22 +112,27 @@ class Scenario:
     routing: str = "uniform"
     shared_expert: bool = True
     zipf_s: float = 1.0
-    seed: int = 1234
+    seed: int = DEFAULT_SEED
     passes: tuple[str, ...] = PASSES
     timing: TimingConfig = field(default_factory=TimingConfig)
 
     def __post_init__(self) -> None:
-        _check(isinstance(self.tokens_per_rank, int) and self.tokens_per_rank > 0,
+        _check(is_int(self.tokens_per_rank) and self.tokens_per_rank > 0,
                "tokens_per_rank", self.tokens_per_rank, "a positive integer")
-        _check(isinstance(self.world_size, int) and self.world_size > 0, "world_size",
+        _check(is_int(self.world_size) and self.world_size > 0, "world_size",
                self.world_size, "a positive integer")
         _check(self.shape.num_experts % self.world_size == 0, "num_experts",
                self.shape.num_experts, f"a multiple of world_size ({self.world_size})")
         _check(self.precision in PRECISIONS, "precision", self.precision, " | ".join(PRECISIONS))
         _check(self.routing in ROUTINGS, "routing", self.routing, " | ".join(ROUTINGS))
-        _check(isinstance(self.zipf_s, (int, float)) and self.zipf_s >= 0, "zipf_s", self.zipf_s,
-               "a number >= 0")
-        _check(len(self.passes) > 0 and all(p in PASSES for p in self.passes), "passes",
+        _check(is_number(self.zipf_s) and self.zipf_s >= 0, "zipf_s", self.zipf_s,
+               "a finite number >= 0")
+        _check(isinstance(self.shared_expert, bool), "shared_expert", self.shared_expert,
+               "true | false")
+        _check(is_int(self.seed) and 0 <= self.seed < 2**32, "seed", self.seed,
+               "an integer in 0..2**32-1")
+        _check(len(self.passes) > 0 and all(isinstance(p, str) and p in PASSES
+                                            for p in self.passes), "passes",
                self.passes, "a non-empty list of " + ", ".join(PASSES))
 
     @property
@@ -138,8 +145,9 @@ class Scenario:
         s = self.shape
         rt = self.routing if self.routing == "uniform" else f"zipf{self.zipf_s:g}"
         se = "+se" if self.shared_expert else ""
+        seed = "" if self.seed == DEFAULT_SEED else f"-seed{self.seed}"  # old ids stay valid
         return (f"{s.name}-E{s.num_experts}H{s.hidden}I{s.intermediate}k{s.topk}{se}"
-                f"-T{self.tokens_per_rank}-ep{self.world_size}-{self.precision}-{rt}")
+                f"-T{self.tokens_per_rank}-ep{self.world_size}-{self.precision}-{rt}{seed}")
 
     def flops(self, pass_: str) -> float:
         """Layer FLOPs per rank as published: forward 6*(T + T*k)*H*I with the shared expert

@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from mokbench.backend import check_backend_names
+from mokbench.errors import is_int, one_line
 from mokbench.scenario import (
     PASSES,
     ModelShape,
@@ -45,6 +47,9 @@ SHAPE_KEYS = {"preset", "name", "num_experts", "hidden", "intermediate", "topk"}
 GRID_KEYS = {"tokens_per_rank", "precision", "routing", "zipf_s", "shared_expert", "seed"}
 SCENARIO_KEYS = SHAPE_KEYS | GRID_KEYS | {"passes", "backends", "world_sizes"}
 TIMING_KEYS = {"warmup", "iters"}
+# A sweep's name names its run folder: one path component, no spaces.
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,99}$")
+NAME_ALLOWED = "letters, digits and . _ + - (one folder name, at most 100 characters)"
 
 
 @dataclass(frozen=True)
@@ -75,7 +80,7 @@ class Sweep:
 
 
 def _unknown(keys: set[str], allowed: set[str], where: str) -> None:
-    bad = sorted(set(keys) - allowed)
+    bad = sorted((k for k in keys if k not in allowed), key=str)
     if bad:
         allowed_txt = ", ".join(sorted(allowed))
         raise ScenarioError(f"{where} key {bad[0]!r} is unknown: allowed {allowed_txt}")
@@ -85,23 +90,55 @@ def _as_list(v) -> list:
     return list(v) if isinstance(v, (list, tuple)) else [v]
 
 
-def parse_text(text: str, suffix: str) -> dict:
-    """TOML (tomllib) or YAML (safe loader) text -> dict."""
+def parse_text(text: str, suffix: str, where: str = "sweep file") -> dict:
+    """TOML (tomllib) or YAML (safe loader) text -> dict; a syntax error is one line naming
+    ``where`` and the parser's own position and reason."""
     if suffix in (".yaml", ".yml"):
         import yaml
 
-        data = yaml.safe_load(text) or {}
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+            why = getattr(exc, "problem", None) or one_line(str(exc))
+            raise ScenarioError(f"{where} is not valid YAML{at}: {why}; allowed a YAML "
+                                "mapping of sweep keys") from None
     elif suffix == ".toml":
-        data = tomllib.loads(text)
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ScenarioError(f"{where} is not valid TOML: {one_line(str(exc))}; allowed a "
+                                "TOML table of sweep keys") from None
     else:
         raise ScenarioError(f"sweep file suffix {suffix!r} is unknown: allowed .toml, .yaml, .yml")
     if not isinstance(data, dict):
-        raise ScenarioError("sweep file must be a table/mapping at top level")
+        raise ScenarioError(f"{where} holds a {type(data).__name__}: allowed a table/mapping "
+                            "at top level")
     return data
 
 
+def sweep_name(value: object) -> str:
+    """A sweep's ``name``, checked: it becomes part of the run folder's name."""
+    if not isinstance(value, str) or not NAME_RE.match(value):
+        raise ScenarioError(f"name={value!r} is invalid: allowed {NAME_ALLOWED}")
+    return value
+
+
+def _name_from_stem(stem: str) -> str:
+    """A run-folder-safe name from a file name (``my sweep.toml`` -> ``my-sweep``)."""
+    name = re.sub(r"[^A-Za-z0-9._+-]+", "-", stem).strip("-.")[:100]
+    return name or "sweep"
+
+
 def _shape(spec: dict) -> ModelShape:
+    if "name" in spec and (not isinstance(spec["name"], str) or not spec["name"].strip()):
+        raise ScenarioError(f"scenario name={spec['name']!r} is invalid: allowed a non-empty "
+                            "string")
     if "preset" in spec:
+        if not isinstance(spec["preset"], str):
+            raise ScenarioError(f"preset={spec['preset']!r} is invalid: allowed one preset "
+                                "name (a string)")
         base = preset(spec["preset"])
         over = {k: spec[k] for k in ("num_experts", "hidden", "intermediate", "topk") if k in spec}
         name = spec.get("name", base.name)
@@ -120,7 +157,7 @@ def resolve_world_sizes(values: list, auto_world: int) -> list[int]:
     for v in values:
         if v == "auto":
             out.append(auto_world)
-        elif isinstance(v, int) and v > 0:
+        elif is_int(v) and v > 0:
             out.append(v)
         else:
             raise ScenarioError(f"world_sizes entry {v!r} is invalid: allowed positive integers "
@@ -133,23 +170,34 @@ def expand(data: dict, auto_world: int, backends_override: list[str] | None = No
     """Validate a parsed sweep and expand it into cells (scenario-major, backends side by side)."""
     _unknown(set(data), TOP_KEYS, "sweep")
     timing_spec = data.get("timing", {})
+    if not isinstance(timing_spec, dict):
+        raise ScenarioError(f"timing={timing_spec!r} is invalid: allowed a table with "
+                            "warmup and iters")
     _unknown(set(timing_spec), TIMING_KEYS, "timing")
     timing = TimingConfig(**timing_spec)
     default_backends = backends_override or _as_list(data.get("backends", ["nccl_torch"]))
     default_ws = _as_list(data.get("world_sizes", ["auto"]))
     specs = data.get("scenarios")
-    if not specs:
-        raise ScenarioError("sweep key 'scenarios' is missing or empty: allowed a list of "
-                            "scenario tables")
-    sweep = Sweep(str(data.get("name", name)))
+    if not specs or not isinstance(specs, list):
+        raise ScenarioError(f"scenarios={specs!r} is invalid: allowed a non-empty list of "
+                            "scenario tables ([[scenarios]])")
+    sweep = Sweep(sweep_name(data["name"]) if "name" in data else _name_from_stem(name))
     seen: set[tuple[str, str]] = set()
-    for spec in specs:
+    for i, spec in enumerate(specs):
+        if not isinstance(spec, dict):
+            raise ScenarioError(f"scenarios[{i}]={spec!r} is invalid: allowed a table of "
+                                "scenario fields")
         _unknown(set(spec), SCENARIO_KEYS, "scenario")
         shape = _shape(spec)
         backends = backends_override or _as_list(spec.get("backends", default_backends))
+        for key, values in (("backends", backends),
+                            ("world_sizes", spec.get("world_sizes", default_ws)),
+                            *((k, spec[k]) for k in sorted(GRID_KEYS) if k in spec)):
+            if values == []:  # an empty grid axis would expand to no cells without a word
+                raise ScenarioError(f"{key}=[] is invalid: allowed a value or a non-empty list")
         check_backend_names(backends)
         variants = [b for b in backends if "@" in b]
-        passes = tuple(spec.get("passes", PASSES))
+        passes = tuple(_as_list(spec.get("passes", PASSES)))
         grid_keys = [k for k in sorted(GRID_KEYS) if k in spec]
         if "tokens_per_rank" not in grid_keys:
             raise ScenarioError("scenario field 'tokens_per_rank' is missing: allowed a positive "
@@ -171,10 +219,13 @@ def expand(data: dict, auto_world: int, backends_override: list[str] | None = No
 
 def validate_backend_options(label: str, scenario: Scenario) -> None:
     """Check a variant's options before launch, where its backend can (``validate_options``)."""
-    from mokbench.backend import get_backend, split_label
+    from mokbench.backend import backend_options, get_backend, split_label
 
-    _, options = split_label(label)
+    name, options = split_label(label)[0], backend_options(label)
     backend = get_backend(label)
+    if options and not hasattr(backend, "validate_options"):
+        raise ScenarioError(f"backend={label!r} is invalid: {name} takes no options; allowed "
+                            f"{name} or {name}@tag=TEXT (a label only)")
     if hasattr(backend, "validate_options"):
         try:
             backend.validate_options(scenario, options)
@@ -192,9 +243,29 @@ def load_sweep(path: Path | None, auto_world: int, backends_override: list[str] 
         text, suffix, name = res.read_text(), ".toml", default_name
     else:
         p = Path(path)
-        if not p.exists():
-            raise ScenarioError(f"sweep file {str(p)!r} does not exist")
-        text, suffix, name = p.read_text(), p.suffix, p.stem
-    sweep = expand(parse_text(text, suffix), auto_world, backends_override, name)
+        text, suffix, name = read_sweep_text(p), p.suffix, p.stem
+    where = "sweep file" if path is None else f"sweep file {str(path)!r}"
+    sweep = expand(parse_text(text, suffix, where), auto_world, backends_override, name)
     sweep.source_text, sweep.source_suffix = text, suffix
     return sweep
+
+
+def read_sweep_text(p: Path) -> str:
+    """A sweep file's text; a missing, unreadable or non-UTF-8 file is a one-line error."""
+    if p.suffix not in (".toml", ".yaml", ".yml"):
+        raise ScenarioError(f"sweep file {str(p)!r} is invalid: allowed a .toml, .yaml or "
+                            ".yml file")
+    if not p.exists():
+        raise ScenarioError(f"sweep file {str(p)!r} does not exist: allowed an existing "
+                            ".toml, .yaml or .yml file")
+    if not p.is_file():
+        raise ScenarioError(f"sweep file {str(p)!r} is not a file: allowed a .toml, .yaml or "
+                            ".yml file")
+    try:
+        return p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ScenarioError(f"sweep file {str(p)!r} is not UTF-8 text (byte {exc.start}): "
+                            "allowed a UTF-8 TOML or YAML file") from None
+    except OSError as exc:
+        raise ScenarioError(f"sweep file {str(p)!r} cannot be read: {exc.strerror or exc}"
+                            ) from None

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mokbench.backend import RunContext, get_backend, split_label
+from mokbench.backend import RunContext, backend_options, get_backend
 from mokbench.check import check_backward, check_forward
 from mokbench.inputs import make_inputs, make_weights
 from mokbench.reference import reference_layer
@@ -177,7 +177,7 @@ def run_pass(pass_: str, backend, scenario: Scenario, ctx: RunContext, inputs, r
 def run_cell(cell: dict, cell_path: Path) -> None:
     scenario = Scenario.from_dict(cell["scenario"])
     ctx = init_context()
-    ctx.extra["options"] = split_label(cell["backend"])[1]
+    ctx.extra["options"] = backend_options(cell["backend"])
     stem = cell_path.with_suffix("")
     backend = get_backend(cell["backend"])
     extra = {"variant": getattr(backend, "variant", "")}  # completed after setup

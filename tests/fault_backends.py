@@ -36,3 +36,15 @@ class BackwardOnlyFailsBackend(NcclTorchBackend):
 
     def weight_grads(self):
         raise MemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+
+
+class CrashBackend(NcclTorchBackend):
+    """Raises outside any pass (in the worker's availability check), so the worker process
+    dies and torchrun reports only ChildFailedError; the row must carry this line."""
+
+    name = "fault_crash"
+
+    def unavailable_reason(self, ctx, scenario=None):
+        if ctx is not None:  # in the worker, not in the launcher's host check
+            raise RuntimeError("deliberate crash outside a pass")
+        return super().unavailable_reason(ctx, scenario)

@@ -50,9 +50,9 @@ class Lowered:
     def mma_instructions(self) -> list[str]:
         """Distinct tensor-core MMA instructions in the PTX (wgmma on Hopper, tcgen05.mma
         on Blackwell)."""
-        found = {ln.split()[0] for ln in self.ptx.splitlines()
-                 if ln.strip().startswith(("wgmma.mma_async", "tcgen05.mma"))}
-        return sorted(found)
+        found = re.findall(r"^\s*(?:@!?%\w+\s+)?((?:wgmma\.mma_async|tcgen05\.mma)\S*)",
+                           self.ptx, re.M)  # predicated ones too: "@%p1 tcgen05.mma..."
+        return sorted(set(found))
 
     @property
     def mma_serialized(self) -> bool:

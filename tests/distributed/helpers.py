@@ -12,7 +12,7 @@ from mokbench.results import read_rows
 REPO = Path(__file__).resolve().parents[2]
 FAULTS = ",".join(f"fault_{n}=tests.fault_backends:{c}" for n, c in (
     ("raise", "RaiseBackend"), ("hang", "HangBackend"), ("kill", "KillBackend"),
-    ("backward", "BackwardOnlyFailsBackend")))
+    ("backward", "BackwardOnlyFailsBackend"), ("crash", "CrashBackend")))
 PROBES = "grad_probe=tests.probe_backends:GradProbeBackend," \
          "no_inference=tests.probe_backends:NoInferenceBackend"
 

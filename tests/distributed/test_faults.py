@@ -49,6 +49,19 @@ def test_faults_are_recorded_and_the_sweep_goes_on(tmp_path):
     assert rows[("fault_backward", "inference")]["status"] == "ok"  # after the failed backward
 
 
+def test_a_crashed_worker_row_carries_its_own_exception(tmp_path):
+    f = tmp_path / "s.toml"
+    f.write_text(SWEEP.format(backends='"fault_crash"'))
+    r = mokbench("sweep", str(f), "--device", "cpu", "--timeout-s", "120", "--out",
+                 str(tmp_path / "out"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = rows_by_key(only_run_dir(tmp_path / "out"))
+    assert len(rows) == 2
+    for row in rows.values():
+        assert row["status"] == "failed"
+        assert row["reason"] == "exit code 1: RuntimeError: deliberate crash outside a pass"
+
+
 def test_ctrl_c_then_resume(tmp_path):
     f = tmp_path / "s.toml"
     f.write_text(SWEEP.format(backends='"nccl_torch", "fault_hang", "nccl_torch_compile"'))

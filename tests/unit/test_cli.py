@@ -53,3 +53,17 @@ def test_report_rejects_bad_format_and_missing_run(tmp_path):
     assert r.exit_code == 2 and "format='xml' is invalid" in r.output
     r = runner.invoke(app, ["report", str(tmp_path)])
     assert r.exit_code == 2 and "has no rows.jsonl" in r.output
+
+
+def test_plan_build_finds_predicated_tcgen05_mmas(monkeypatch):
+    """Blackwell PTX predicates its MMAs (``@%p1 tcgen05.mma...``); they are still MMAs."""
+    pytest.importorskip("triton")
+    import mok_kernels
+
+    ptx = ("\t@%p7 tcgen05.mma.cta_group::1.kind::f16 [%r1], %rd2, %rd3, %r4, %p2;\n"
+           "\t@!%p8 tcgen05.mma.cta_group::1.kind::f16 [%r5], %rd6, %rd7, %r8, %p3;\n")
+    lowered = mok_kernels.Lowered("", ptx, 1024, "Used 168 registers")
+    assert lowered.mma_instructions == ["tcgen05.mma.cta_group::1.kind::f16"]
+    monkeypatch.setattr(mok_kernels, "compile_megakernel", lambda *a, **k: lowered)
+    r = runner.invoke(app, ["plan", "--sms", "148", "--build", "100"], env={"COLUMNS": "200"})
+    assert r.exit_code == 0 and "MMA: tcgen05.mma.cta_group::1.kind::f16" in r.output, r.output

@@ -28,3 +28,32 @@ def test_writer_appends_and_reader_skips_torn_line(tmp_path):
     rows = read_rows(path)
     assert [r["backend"] for r in rows] == ["a", "b"]
     assert json.loads(path.read_text().splitlines()[1])["reason"] == "boom"
+
+
+def _git(repo, *args):
+    import subprocess
+
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=repo,
+                   check=True, capture_output=True)
+
+
+def test_git_dirty_leaves_out_the_runs_own_folder(tmp_path):
+    """A fresh clone is clean although the run writes results/ (or --out) inside it; a change
+    to a tracked file, or a new file elsewhere, makes it dirty."""
+    from mokbench.results import git_dirty
+
+    repo = tmp_path / "clone"
+    repo.mkdir()
+    (repo / "code.py").write_text("x = 1\n")
+    _git(repo, "init", "-q")
+    _git(repo, "add", "code.py")
+    _git(repo, "commit", "-q", "-m", "c")
+    assert git_dirty(repo=repo) is False
+    (repo / "results" / "20260101-000000-t").mkdir(parents=True)
+    (repo / "results" / "20260101-000000-t" / "rows.jsonl").write_text("{}\n")
+    (repo / "mine" / "run").mkdir(parents=True)
+    (repo / "mine" / "run" / "env.json").write_text("{}")
+    assert git_dirty(repo / "mine" / "run", repo=repo) is False
+    assert git_dirty(repo=repo) is True  # mine/run is an ordinary untracked folder then
+    (repo / "code.py").write_text("x = 2\n")
+    assert git_dirty(repo / "mine" / "run", repo=repo) is True

@@ -64,3 +64,24 @@ def test_shipped_sweeps_validate(path):
 def test_embedded_defaults_validate():
     assert load_sweep(None, 2, default_name="default_cpu").cells
     assert load_sweep(None, 8, default_name="default_gpu").cells
+
+
+def test_a_seed_list_expands_to_one_cell_per_seed():
+    sw = expand(_data(backends=["nccl_torch"], world_sizes=[2],
+                      scenarios=[{"preset": "tiny", "tokens_per_rank": 64,
+                                  "seed": [1, 2, 3]}]), auto_world=2)
+    assert [c.scenario.seed for c in sw.cells] == [1, 2, 3]
+    ids = [c.scenario.scenario_id for c in sw.cells]
+    assert len(set(ids)) == 3 and all(i.endswith(f"-seed{s}") for i, s in zip(ids, (1, 2, 3)))
+
+
+def test_the_default_seed_keeps_the_ids_of_earlier_runs():
+    sw = expand(_data(world_sizes=[2]), auto_world=2)
+    assert sw.cells[0].scenario.scenario_id == "tiny-E8H128I64k2+se-T64-ep2-bf16-uniform"
+
+
+def test_a_file_name_becomes_a_safe_run_name(tmp_path):
+    path = tmp_path / "my sweep.toml"
+    path.write_text('backends = ["nccl_torch"]\nworld_sizes = [2]\n'
+                    '[[scenarios]]\npreset = "tiny"\ntokens_per_rank = 8\n')
+    assert load_sweep(path, auto_world=2).name == "my-sweep"

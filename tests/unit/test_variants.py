@@ -16,8 +16,9 @@ def test_split_label_reads_json_values():
     assert split_label("mok") == ("mok", {})
     assert split_label("mok@minibatch=2048,cuda_graph=true,tag=a b") == (
         "mok", {"minibatch": 2048, "cuda_graph": True, "tag": "a b"})
-    with pytest.raises(ScenarioError, match="allowed name@key=value"):
-        split_label("mok@minibatch")
+    for bad in ("mok@minibatch", "mok@", "mok@ , "):
+        with pytest.raises(ScenarioError, match="allowed name.*@key=value"):
+            split_label(bad)
 
 
 def test_backends_option_keeps_a_labels_own_commas():
