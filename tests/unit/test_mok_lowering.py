@@ -57,3 +57,43 @@ def test_blackwell_build_of_the_defaults():
     assert (cfg.gate_up_tiles, cfg.down_tiles) == (1, 1)  # the tile rule is Hopper's
     lw = mk.compile_megakernel(cfg, H, I, shared=True, comm_programs=cfg.fwd_comm_sms, arch=100)
     assert "tcgen05.mma" in lw.ptx and not lw.spills, lw.ptxas_log
+
+
+def _spill_bytes(log: str) -> int:
+    import re
+
+    return max((int(n) for n in re.findall(r"(\d+) bytes spill stores", log)), default=0)
+
+
+@pytest.mark.parametrize("world_size, shared, experts, tokens", [
+    (1, False, 48, 16384),
+    (1, True, 48, 16384),
+    (2, True, 48, 16384),
+])
+def test_hopper_build_of_the_backward(world_size, shared, experts, tokens):
+    """The backward kernel with the backend's defaults: fits in shared memory, full-width
+    MMAs for dX and the weight gradients (m64n256) and m64n128 for dA, none serialised, and
+    at most a few dozen bytes of spill stores (48 with Triton 3.6; every item kind alone
+    builds without spills)."""
+    cfg = _defaults(world_size, experts, tokens)
+    lw = mk.compile_megakernel(cfg, H, I, shared=shared, kernel="backward")
+    assert lw.shared_bytes <= SMEM_LIMIT
+    assert not lw.mma_serialized, lw.ptxas_log
+    mmas = " ".join(lw.mma_instructions)
+    assert "m64n256k16" in mmas and "m64n128k16" in mmas, mmas
+    assert _spill_bytes(lw.ptxas_log) <= 64, lw.ptxas_log
+
+
+@pytest.mark.parametrize("phases", [1, 2, 4, 8])
+def test_each_backward_item_kind_builds_without_spills(phases):
+    cfg = _defaults()
+    lw = mk.compile_megakernel(cfg, H, I, shared=True, kernel="backward", phases=phases)
+    assert lw.shared_bytes <= SMEM_LIMIT
+    assert not lw.spills, lw.ptxas_log
+
+
+def test_split_gate_up_backward_fits_with_two_stages():
+    cfg = mk.MoKConfig.for_shape(2048, 256, minibatch=256, macrobatch=768, tma=True,
+                                 num_stages=4)
+    lw = mk.compile_megakernel(cfg, 2048, 256, shared=True, kernel="backward")
+    assert lw.shared_bytes <= SMEM_LIMIT
