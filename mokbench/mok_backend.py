@@ -185,7 +185,7 @@ class MoKBackend(BackendBase):
                         f"interleaved={int(c.gate_up_interleaved)},"
                         f"prefetch={int(c.prefetch_ticket)},"
                         f"compiled_schedule={int(c.compile_schedule)},"
-                        f"fused_sum={int(c.fused_sum)}")
+                        f"fused_sum={int(c.fused_sum)},wide_da={int(c.bwd_wide_da)}")
 
     def validate_options(self, scenario, options: dict) -> None:
         """Build the configuration a variant asks for (``mok@minibatch=512``) on the host, so

@@ -4,7 +4,7 @@ graph); the device error words are read afterwards by ``errors.check_errors``.
 
 Legend: L logical ranks in the launch, R EP ranks, T tokens per rank, H hidden, I
 intermediate, E local experts, K top-k, S combine slots per token, G = E (+1 shared) groups,
-P schedule rows, NJ = I / (BN/2) I tiles (router-gradient partials per slot).
+P schedule rows, NJ = I / DAC I tiles of the dA items (router-gradient partials per slot).
 
 Peer-visible per rank (one symmetric buffer in real EP, one [L, ...] byte buffer in loopback,
 carved alike so one byte-offset table serves all three): dy [T, H] bf16 (pulled by the ranks
@@ -63,6 +63,13 @@ class BackwardBuffers:
     handle: object = None
 
 
+def da_cols(cfg: MoKConfig, intermediate: int) -> int:
+    """Intermediate columns per dA item (DAC): block_n with ``bwd_wide_da`` where it divides
+    the intermediate size, else block_n / 2."""
+    wide = cfg.bwd_wide_da and intermediate % cfg.block_n == 0
+    return cfg.block_n if wide else cfg.block_n // 2
+
+
 def _carve(T: int, H: int, K: int, NJ: int) -> tuple[list[int], int]:
     sizes = [T * H * 2, T * K * 4, T * K * NJ * 4]
     offs, pos = [], 0
@@ -77,7 +84,7 @@ def _buffers(ws: Workspace) -> BackwardBuffers:
     if "bwd" in ws.extra:
         return ws.extra["bwd"]
     cfg, L, T, H, K, dev = ws.config, ws.L, ws.T, ws.H, ws.K, ws.device
-    NJ = ws.I // (cfg.block_n // 2)
+    NJ = ws.I // da_cols(cfg, ws.I)
     offs, nbytes = _carve(T, H, K, NJ)
     handle = None
     if ws.handle is not None:  # real EP: one symmetric buffer, offsets from the peers' bases
@@ -119,7 +126,7 @@ def group_starts(counts_LG: torch.Tensor, block_m: int) -> torch.Tensor:
 
 def _descriptors(ws: Workspace, weights: tuple) -> tuple:
     """Weight descriptors: gate+up [experts*H, 2I] with [BN, BK] boxes (dX reads W^T tiles),
-    down [experts*I, H] with [BN/2, BK] boxes (dA reads W_down^T tiles)."""
+    down [experts*I, H] with [DAC, BK] boxes (dA reads W_down^T tiles)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     cfg = ws.config
@@ -129,7 +136,7 @@ def _descriptors(ws: Workspace, weights: tuple) -> tuple:
     def desc(t: torch.Tensor | None, cols: int, box: list[int]):
         return None if t is None else TensorDescriptor.from_tensor(t.view(-1, cols), box)
 
-    b1, b2 = [cfg.block_n, cfg.block_k], [cfg.block_n // 2, cfg.block_k]
+    b1, b2 = [cfg.block_n, cfg.block_k], [da_cols(cfg, ws.I), cfg.block_k]
     return desc(w1, F, b1), desc(w2, ws.H, b2), desc(ws1, F, b1), desc(ws2, ws.H, b2)
 
 
@@ -174,7 +181,7 @@ def backward_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots:
     """The backward kernel's compile-time arguments (the launch and the lowering check)."""
     return dict(H=hidden, I=intermediate, S=slots, K=slots - int(shared), PROGS=programs,
                 HAS_SHARED=shared, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
-                BKW=wgrad_rows(cfg), F32_DOT=interpreting,
+                BKW=wgrad_rows(cfg), DAC=da_cols(cfg, intermediate), F32_DOT=interpreting,
                 INTERLEAVED=cfg.gate_up_interleaved, PHASES=phases)
 
 

@@ -73,6 +73,11 @@ class MoKConfig:
         rank or loopback ranks: every slot is in local memory). Measured slower on H200
         (48 x 16384: 22.98 / 23.18 ms against 20.22 / 20.71 with the separate pass,
         benchmarks/mok_fused_sum_check.py): the summing item's loads stall its GEMM work.
+    bwd_wide_da: the backward's dA items cover block_n intermediate columns (m64n256 MMAs,
+        the SwiGLU-backward epilogue in four quarters) instead of block_n / 2 (m64n128, two
+        halves); falls back to block_n / 2 where block_n does not divide the intermediate
+        size. The dA items alone ran at about 350 TFLOP/s at 48 x 16384 with block_n / 2
+        (notes/mok-kernel.md); not measured yet.
     """
 
     fwd_comm_sms: int = 0
@@ -92,6 +97,7 @@ class MoKConfig:
     prefetch_ticket: bool = False
     compile_schedule: bool = False
     fused_sum: bool = False
+    bwd_wide_da: bool = False
 
     def __post_init__(self) -> None:
         _check(isinstance(self.fwd_comm_sms, int) and 0 <= self.fwd_comm_sms <= 64,
@@ -126,6 +132,8 @@ class MoKConfig:
         _check(isinstance(self.compile_schedule, bool), "compile_schedule",
                self.compile_schedule, "true | false")
         _check(isinstance(self.fused_sum, bool), "fused_sum", self.fused_sum, "true | false")
+        _check(isinstance(self.bwd_wide_da, bool), "bwd_wide_da", self.bwd_wide_da,
+               "true | false")
         _check(not (self.fused_sum and self.fwd_comm_sms), "fused_sum", self.fused_sum,
                "false when fwd_comm_sms > 0 (the summing items are the GEMM programs')")
 

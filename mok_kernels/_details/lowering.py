@@ -82,7 +82,12 @@ def compile_megakernel(config: MoKConfig, hidden: int, intermediate: int, *, top
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from mok_kernels._details.backward import backward_constants, backward_stages, wgrad_rows
+    from mok_kernels._details.backward import (
+        backward_constants,
+        backward_stages,
+        da_cols,
+        wgrad_rows,
+    )
     from mok_kernels._details.forward import descriptor_boxes, kernel_constants
     from mok_kernels._details.tl_backward import mok_backward_kernel
     from mok_kernels._details.tl_mega import mok_forward_kernel
@@ -102,7 +107,7 @@ def compile_megakernel(config: MoKConfig, hidden: int, intermediate: int, *, top
         consts = backward_constants(cfg, hidden=hidden, intermediate=intermediate,
                                     slots=topk + int(shared), shared=shared,
                                     programs=programs, phases=phases)
-        w1, w2 = [cfg.block_n, cfg.block_k], [cfg.block_n // 2, cfg.block_k]
+        w1, w2 = [cfg.block_n, cfg.block_k], [da_cols(cfg, intermediate), cfg.block_k]
         q, bkw = cfg.block_n // 4, wgrad_rows(cfg)
         descs = {"w1_desc": w1, "w2_desc": w2, "ws1_desc": w1, "ws2_desc": w2,
                  "pre_a_desc": [cfg.block_m, 2 * q if cfg.gate_up_interleaved else q],

@@ -7,10 +7,14 @@ experts, G = E (+1 shared) GEMM groups, P schedule rows (the forward's schedule)
 row blocks in use, BM/BN/BK the forward's tiles, HALF = BN/2, BKW rows per
 weight-gradient reduction step.
 
+Before the megakernel, ``pull_rows_kernel`` pulls the dY rows (reverse-combine) and the x
+rows of every schedule row from the tokens' home ranks into contiguous [L, P, H] buffers, so
+every GEMM operand below is a TMA tile.
+
 Work items, claimed from one ticket counter per logical rank in the global order A, B, C, D
 (``PHASES``, a bit mask, skips kinds for profiling; 15 runs all):
-    A  dgrad down, one per (row block b, I tile of HALF columns): pull the block's dY rows
-       from the tokens' home ranks (reverse-combine), dA = dY @ W_down^T; epilogue: SwiGLU
+    A  dgrad down, one per (row block b, I tile of DAC = BN/2 or BN columns):
+       dA = dY @ W_down^T; epilogue: SwiGLU
        backward from the saved gate/up pre-activations (h = silu(gate) * up recomputed),
        the router-weight partial sum_cols(dA * h) pushed to the home rank (routed rows), r * h
        stored for C, and dG, dU (scaled by the router weight) written over the
@@ -30,7 +34,7 @@ gets zero weight gradients (its loops run zero times).
 
 Counters of one logical rank (int32, zeroed before the launch):
     [0]            ticket
-    [1 + b]        rowblock_ready[b]  (+1 per A item of block b; complete at I / HALF)
+    [1 + b]        rowblock_ready[b]  (+1 per A item of block b; complete at I / DAC)
     [1 + NBMAX + g] group_ready[g]    (+1 per A item of group g)
 """
 
@@ -105,30 +109,45 @@ def _dgrad_down_item(b, jt, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, d
                      tab32, w2_desc, ws2_desc, pre_a_desc, T, E, NBMAX, withhold,
                      H: tl.constexpr, I: tl.constexpr, S: tl.constexpr, K: tl.constexpr,
                      HAS_SHARED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                     BK: tl.constexpr, F32_DOT: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """A item: dA[rows of block b, I tile jt] and its epilogue (see the module docstring),
-    the epilogue in two column halves so its fp32 temporaries fit in registers."""
-    HALF: tl.constexpr = BN // 2
-    Q: tl.constexpr = HALF // 2
-    NJ: tl.constexpr = I // HALF
+                     BK: tl.constexpr, DAC: tl.constexpr, F32_DOT: tl.constexpr,
+                     INTERLEAVED: tl.constexpr):
+    """A item: dA[rows of block b, I tile jt of DAC columns] and its epilogue (see the module
+    docstring), the epilogue in column quarters of a [BM, BN] tile (two for DAC = BN/2, four
+    for DAC = BN) so its fp32 temporaries fit in registers."""
+    Q: tl.constexpr = BN // 4
+    NJ: tl.constexpr = I // DAC
     g = tl.load(grp + b)
     rows = b * BM + tl.arange(0, BM)
     valid, rank, t, k, routed = _row_meta(src, rows, T, S, K)
     d2, w_row0 = _weight_desc(lr, g, E, w2_desc, ws2_desc, I, True, HAS_SHARED)
     prow = lr * P + b * BM
-    acc = tl.zeros((BM, HALF), dtype=tl.float32)
+    acc = tl.zeros((BM, DAC), dtype=tl.float32)
     for kk in range(0, H, BK):
         a = dyg_a_desc.load([prow, kk])  # pulled dY rows [BM, BK]
-        bt = d2.load([w_row0 + jt * HALF, kk])  # W_down[I tile, H step]: [HALF, BK]
+        bt = d2.load([w_row0 + jt * DAC, kk])  # W_down[I tile, H step]: [DAC, BK]
         acc = mma(a, tl.trans(bt), acc, F32_DOT)
     r = _router_weight(p_base, tab32, rank, t, k, routed, K)
-    a0, a1 = tl.split(tl.permute(tl.reshape(acc, (BM, 2, Q)), (0, 2, 1)))
     pre_rows = pre + rows.to(tl.int64) * (2 * I)
     hs_rows = hs + rows.to(tl.int64) * I
-    part = _swiglu_bwd_half(a0, jt * HALF, prow, pre_a_desc, pre_rows, hs_rows, r, I, BM, Q,
-                            INTERLEAVED)
-    part += _swiglu_bwd_half(a1, jt * HALF + Q, prow, pre_a_desc, pre_rows, hs_rows, r, I, BM,
-                             Q, INTERLEAVED)
+    c0 = jt * DAC
+    if DAC == 2 * Q:
+        a0, a1 = tl.split(tl.permute(tl.reshape(acc, (BM, 2, Q)), (0, 2, 1)))
+        part = _swiglu_bwd_half(a0, c0, prow, pre_a_desc, pre_rows, hs_rows, r, I, BM, Q,
+                                INTERLEAVED)
+        part += _swiglu_bwd_half(a1, c0 + Q, prow, pre_a_desc, pre_rows, hs_rows, r, I, BM, Q,
+                                 INTERLEAVED)
+    else:
+        lo, hi = tl.split(tl.permute(tl.reshape(acc, (BM, 2, 2 * Q)), (0, 2, 1)))
+        a0, a1 = tl.split(tl.permute(tl.reshape(lo, (BM, 2, Q)), (0, 2, 1)))
+        part = _swiglu_bwd_half(a0, c0, prow, pre_a_desc, pre_rows, hs_rows, r, I, BM, Q,
+                                INTERLEAVED)
+        part += _swiglu_bwd_half(a1, c0 + Q, prow, pre_a_desc, pre_rows, hs_rows, r, I, BM, Q,
+                                 INTERLEAVED)
+        a2, a3 = tl.split(tl.permute(tl.reshape(hi, (BM, 2, Q)), (0, 2, 1)))
+        part += _swiglu_bwd_half(a2, c0 + 2 * Q, prow, pre_a_desc, pre_rows, hs_rows, r, I,
+                                 BM, Q, INTERLEAVED)
+        part += _swiglu_bwd_half(a3, c0 + 3 * Q, prow, pre_a_desc, pre_rows, hs_rows, r, I,
+                                 BM, Q, INTERLEAVED)
     # Router-weight gradient: d r = sum_I dA_raw * h, one partial per I tile.
     drp_off = tl.load(tab32 + rank, mask=routed, other=0)
     tl.store(drp_base + drp_off + (t * K + k) * NJ + jt, part, mask=routed)
@@ -142,11 +161,12 @@ def _dgrad_down_item(b, jt, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, d
 def _dgrad_gate_up_item(b, jn, lr, src, grp, pre, ctr, err, comb_base, comb_tab, w1_desc,
                         ws1_desc, T, E, budget, H: tl.constexpr, I: tl.constexpr,
                         S: tl.constexpr, HAS_SHARED: tl.constexpr, BM: tl.constexpr,
-                        BN: tl.constexpr, BK: tl.constexpr, F32_DOT: tl.constexpr):
+                        BN: tl.constexpr, BK: tl.constexpr, DAC: tl.constexpr,
+                        F32_DOT: tl.constexpr):
     """B item: dX[rows of block b, H tile jn] = dGU @ W_gate_up^T, pushed to the home slots.
     dGU and W_gate_up share one column layout, so the contraction over 2I needs no
     reordering."""
-    ok = wait_geq(ctr + 1 + b, I // (BN // 2), err, budget, _E_DGRAD_ROWBLOCK, b)
+    ok = wait_geq(ctr + 1 + b, I // DAC, err, budget, _E_DGRAD_ROWBLOCK, b)
     if ok != 0:
         g = tl.load(grp + b)
         rows = b * BM + tl.arange(0, BM)
@@ -176,12 +196,13 @@ def _group_rows(gst, g, total):
 def _wgrad_down_item(g, it, jn, lr, gst, total, P, hs_c_desc, dyg_c_desc, ctr, err,
                      dw2, dws2, T, E, NBMAX, budget, H: tl.constexpr, I: tl.constexpr,
                      S: tl.constexpr, K: tl.constexpr, HAS_SHARED: tl.constexpr, BM: tl.constexpr,
-                     BN: tl.constexpr, BKW: tl.constexpr, F32_DOT: tl.constexpr):
+                     BN: tl.constexpr, BKW: tl.constexpr, DAC: tl.constexpr,
+                     F32_DOT: tl.constexpr):
     """C item: dW_down[g][I tile it, H tile jn] = sum over g's rows of (r h)^T dY; waits for
     every A item of g (they write r h)."""
     HALF: tl.constexpr = BN // 2
     start, end = _group_rows(gst, g, total)
-    ok = wait_geq(ctr + 1 + NBMAX + g, (end - start) // BM * (I // HALF), err, budget,
+    ok = wait_geq(ctr + 1 + NBMAX + g, (end - start) // BM * (I // DAC), err, budget,
                   _E_DGRAD_GROUP, g)
     if ok != 0:
         icols = it * HALF + tl.arange(0, HALF)
@@ -204,11 +225,11 @@ def _wgrad_gate_up_item(g, it, jn, lr, gst, total, P, pre_d_desc, xg_d_desc, ctr
                         dw1, dws1, T, E, NBMAX, budget, H: tl.constexpr, I: tl.constexpr,
                         S: tl.constexpr, K: tl.constexpr, HAS_SHARED: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr,
-                        F32_DOT: tl.constexpr, INTERLEAVED: tl.constexpr):
+                        DAC: tl.constexpr, F32_DOT: tl.constexpr, INTERLEAVED: tl.constexpr):
     """D item: dW_gate_up[g][H tile it, 2I tile jn] = sum over g's rows of x^T [dG dU]."""
     HALF: tl.constexpr = BN // 2
     start, end = _group_rows(gst, g, total)
-    want = (end - start) // BM * (I // HALF)
+    want = (end - start) // BM * (I // DAC)
     ok = wait_geq(ctr + 1 + NBMAX + g, want, err, budget, _E_DGRAD_GROUP, g)
     if ok != 0:
         hcols = it * HALF + tl.arange(0, HALF)
@@ -248,11 +269,11 @@ def mok_backward_kernel(
         T, E, NG, P, NCTR, budget, withhold,
         H: tl.constexpr, I: tl.constexpr, S: tl.constexpr, K: tl.constexpr,
         PROGS: tl.constexpr, HAS_SHARED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-        BK: tl.constexpr, BKW: tl.constexpr, F32_DOT: tl.constexpr,
+        BK: tl.constexpr, BKW: tl.constexpr, DAC: tl.constexpr, F32_DOT: tl.constexpr,
         INTERLEAVED: tl.constexpr, PHASES: tl.constexpr):
     """One persistent program per SM; see the module docstring for the work order."""
     HALF: tl.constexpr = BN // 2
-    NA: tl.constexpr = I // HALF  # A items per row block
+    NA: tl.constexpr = I // DAC  # A items per row block
     NB: tl.constexpr = H // BN  # B items per row block
     NC: tl.constexpr = (I // HALF) * (H // BN)  # C items per group
     ND: tl.constexpr = (H // HALF) * (2 * I // BN)  # D items per group
@@ -280,13 +301,13 @@ def mok_backward_kernel(
                 _dgrad_down_item(tk // NA, tk % NA, lr, src, grp, P, pre, hs, ctr, dyg_a_desc,
                                  p_base, drp_base, tab32, w2_desc, ws2_desc, pre_a_desc, T,
                                  E, NBMAX, withhold, H, I, S, K, HAS_SHARED, BM, BN, BK,
-                                 F32_DOT, INTERLEAVED)
+                                 DAC, F32_DOT, INTERLEAVED)
         elif tk < end_b:
             if PHASES & 2:
                 i = tk - end_a
                 ok = _dgrad_gate_up_item(i // NB, i % NB, lr, src, grp, pre, ctr, err,
                                          comb_base, comb_tab, w1_desc, ws1_desc, T, E, budget,
-                                         H, I, S, HAS_SHARED, BM, BN, BK, F32_DOT)
+                                         H, I, S, HAS_SHARED, BM, BN, BK, DAC, F32_DOT)
         elif tk < end_c:
             if PHASES & 4:
                 i = tk - end_b
@@ -295,7 +316,7 @@ def mok_backward_kernel(
                 ok = _wgrad_down_item(g, c // (H // BN), c % (H // BN), lr, gst, total, P,
                                       hs_c_desc, dyg_c_desc, ctr, err, dw2_ptr, dws2_ptr, T,
                                       E, NBMAX, budget, H, I, S, K, HAS_SHARED, BM, BN, BKW,
-                                      F32_DOT)
+                                      DAC, F32_DOT)
         else:
             if PHASES & 8:
                 i = tk - end_c
@@ -304,7 +325,7 @@ def mok_backward_kernel(
                 ok = _wgrad_gate_up_item(g, d // (2 * I // BN), d % (2 * I // BN), lr, gst,
                                          total, P, pre_d_desc, xg_d_desc, ctr, err, dw1_ptr,
                                          dws1_ptr, T, E, NBMAX, budget, H, I, S, K, HAS_SHARED,
-                                         BM, BN, BKW, F32_DOT, INTERLEAVED)
+                                         BM, BN, BKW, DAC, F32_DOT, INTERLEAVED)
         tk = tl.atomic_add(ctr, 1, sem="relaxed", scope="gpu")
 
 

@@ -98,6 +98,13 @@ def test_gradients_match_reference(hidden, interleaved):
     check(cfg_for(hidden, 512, gate_up_interleaved=interleaved), 1, 384, hidden, 512, 8, 4)
 
 
+@pytest.mark.parametrize("wide", [False, True])
+def test_wide_da_items_match_reference(wide):
+    """bwd_wide_da: dA items of block_n columns, the epilogue in four quarters."""
+    check(cfg_for(7168, 1024, gate_up_interleaved=True, bwd_wide_da=wide), 2, 256, 7168, 1024,
+          6, 8)
+
+
 @pytest.mark.parametrize("topk, shared", [(1, True), (4, False), (10, True)])
 def test_topk(topk, shared):
     check(cfg_for(2048, 256, gate_up_interleaved=True), 1, 256, 2048, 256, 16, topk, shared)

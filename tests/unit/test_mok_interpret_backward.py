@@ -1,7 +1,8 @@
 """The backward megakernel's data path on CPU through TRITON_INTERPRET (skipped without
 triton), against float32 autograd through the same layer: dx, the router-weight gradient and
 every weight gradient, with one and several loopback ranks, with and without the shared
-expert, both gate/up layouts, an expert with no tokens; and bitwise equal on a rerun.
+expert, both gate/up layouts, both dA tile widths (``bwd_wide_da``), an expert with no
+tokens; and bitwise equal on a rerun.
 
 The interpreter runs programs one after another (program 0 claims every ticket in order, so
 each wait is already met) and truncates fp32 -> bf16, hence the looser bound than on a GPU.
@@ -50,14 +51,15 @@ SCRIPT = textwrap.dedent("""
     def rel(a, b):
         return ((a.float() - b).norm() / b.norm().clamp_min(1e-30)).item()
 
-    cases = [(1, 24, 4, 2, True, False), (2, 13, 3, 2, True, True),
-             (3, 8, 2, 1, False, True), (1, 40, 6, 3, True, True)]
-    for L, T, E, K, shared, il in cases:
+    cases = [(1, 24, 4, 2, True, False, False), (2, 13, 3, 2, True, True, False),
+             (3, 8, 2, 1, False, True, True), (1, 40, 6, 3, True, True, False),
+             (2, 11, 3, 2, True, False, True)]
+    for L, T, E, K, shared, il, wide in cases:
         torch.manual_seed(L + T)
         H, I = 64, 32
         cfg = mk.MoKConfig(minibatch=32, macrobatch=64, block_m=16, block_n=32, block_k=16,
                            num_warps=4, num_stages=1, spin_budget=1000, tma=True,
-                           gate_up_interleaved=il)
+                           gate_up_interleaved=il, bwd_wide_da=wide)
         ws = mk.get_workspace(cfg, tokens=T, hidden=H, intermediate=I, local_experts=E,
                               topk=K, shared=shared, device="cpu", loopback_ranks=L)
         x = torch.randn(L * T, H).bfloat16()
@@ -88,7 +90,7 @@ SCRIPT = textwrap.dedent("""
             assert torch.count_nonzero(g.w_down[5]) == 0
         for a, b in zip(vars(grads[0]).values(), vars(grads[1]).values()):
             assert (a is None and b is None) or torch.equal(a, b)
-        print("ok", L, T, E, K, shared, il)
+        print("ok", L, T, E, K, shared, il, wide)
 """)
 
 
@@ -98,4 +100,4 @@ def test_backward_in_interpreter_matches_autograd():
     out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("ok") == 4
+    assert out.stdout.count("ok") == 5

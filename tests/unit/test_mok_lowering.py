@@ -84,12 +84,16 @@ def test_hopper_build_of_the_backward(world_size, shared, experts, tokens):
     assert _spill_bytes(lw.ptxas_log) <= 64, lw.ptxas_log
 
 
-@pytest.mark.parametrize("phases", [1, 2, 4, 8])
-def test_each_backward_item_kind_builds_without_spills(phases):
-    cfg = _defaults()
+@pytest.mark.parametrize("phases, wide", [(1, False), (2, False), (4, False), (8, False),
+                                          (1, True)])
+def test_each_backward_item_kind_builds_without_spills(phases, wide):
+    """Each item kind alone; ``bwd_wide_da``: the dA items at block_n columns (m64n256)."""
+    cfg = mk.MoKConfig.for_shape(H, I, **{**_defaults().__dict__, "bwd_wide_da": wide})
     lw = mk.compile_megakernel(cfg, H, I, shared=True, kernel="backward", phases=phases)
     assert lw.shared_bytes <= SMEM_LIMIT
     assert not lw.spills, lw.ptxas_log
+    if wide:
+        assert lw.mma_instructions == ["wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16"]
 
 
 def test_split_gate_up_backward_fits_with_two_stages():
