@@ -300,21 +300,25 @@ def plan(
 
 def _build_report(arch: int, hidden: int, intermediate: int, tokens: int, topk: int, sms: int,
                   world_size: int, local_experts: int | None = None) -> str:
-    """One paragraph: the mok backend's config for the shape and how its kernel compiles."""
+    """One paragraph: the mok backend's config for the shape and how its forward and backward
+    kernels compile."""
     from mok_kernels import compile_megakernel
     from mokbench.mok_backend import config_from_env, default_config_fields
 
     cfg = config_from_env(hidden, intermediate, default_config_fields(
         hidden, intermediate, tokens, topk, sms, world_size, local_experts, arch))
-    lw = compile_megakernel(cfg, hidden, intermediate, topk=topk,
-                            comm_programs=cfg.fwd_comm_sms, programs=sms, arch=arch)
-    return "\n".join([
-        f"build for sm_{arch}: {cfg}",
-        f"shared memory {lw.shared_bytes / 1024:.0f} KiB per program, {lw.registers} registers "
-        f"per thread, spills: {'yes' if lw.spills else 'no'}",
-        f"MMA: {', '.join(lw.mma_instructions) or 'none'}"
-        + ("; ptxas serialises the wgmma (C7515)" if lw.mma_serialized else ""),
-    ])
+    lines = [f"build for sm_{arch}: {cfg}"]
+    for kernel in ("forward", "backward"):
+        lw = compile_megakernel(cfg, hidden, intermediate, topk=topk,
+                                comm_programs=cfg.fwd_comm_sms, programs=sms, arch=arch,
+                                kernel=kernel)
+        lines += [
+            f"{kernel}: shared memory {lw.shared_bytes / 1024:.0f} KiB per program, "
+            f"{lw.registers} registers per thread, spills: {'yes' if lw.spills else 'no'}",
+            f"{kernel} MMA: {', '.join(lw.mma_instructions) or 'none'}"
+            + ("; ptxas serialises the wgmma (C7515)" if lw.mma_serialized else ""),
+        ]
+    return "\n".join(lines)
 
 
 @app.command()

@@ -33,6 +33,7 @@ def test_plan_build_reports_how_the_kernel_compiles(monkeypatch):
     assert r.exit_code == 0, r.output
     assert "build for sm_90" in r.output and "spills: no" in r.output
     assert "m64n256k16" in r.output and "serialises" not in r.output
+    assert "forward: shared memory" in r.output and "backward: shared memory" in r.output
     # a ptxas log that reports serialised MMAs is surfaced (stand-in build result)
     import mok_kernels
 
