@@ -67,11 +67,11 @@ src=$(cd "$src" && pwd -P)
   || die "'$src' is not a DeepEP checkout (no setup.py or no deep_ep/ folder)"
 
 if [[ -f $src/deep_ep/hybrid_ep_buffer.py ]]; then
-  flavour="hybrid-ep" api="V1 Buffer + HybridEPBuffer, as branch hybrid-ep"
+  flavour="hybrid-ep" api="V1 Buffer + HybridEPBuffer: deepep and hybridep_megatron"
 elif [[ -d $src/deep_ep/buffers ]]; then
-  flavour="main" api="V2 ElasticBuffer, as branch main"
+  flavour="main" api="V2 ElasticBuffer: no mokbench backend uses it"
 else
-  flavour="v1" api="V1 Buffer, as tag v1.2.1"
+  flavour="v1" api="V1 Buffer: the deepep backend"
 fi
 rev=""
 if command -v git > /dev/null && git -C "$src" rev-parse --git-dir > /dev/null 2>&1; then
@@ -92,24 +92,24 @@ print(f"python={sys.executable}")
 
 try:
     import torch
-except Exception as exc:  # noqa: BLE001 - reported by the script as one line
+except Exception as exc:  # reported by the script as one line
     print(f"torch_error={type(exc).__name__}: {exc}")
     raise SystemExit(0)
 print(f"torch={torch.__version__}")
 print(f"torch_cuda={torch.version.cuda or ''}")
 try:
     cap = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
-except Exception:  # noqa: BLE001 - no usable GPU: the default arch applies
+except Exception:  # no usable GPU: the default arch applies
     cap = None
 print(f"gpu_arch={'%d.%d' % cap if cap else ''}")
 try:
     print("nccl=" + ".".join(map(str, torch.cuda.nccl.version())))
-except Exception:  # noqa: BLE001 - a CPU build has no NCCL
+except Exception:  # a CPU build has no NCCL
     print("nccl=")
 try:
     spec = importlib.util.find_spec("nvidia.nvshmem")
     where = list(spec.submodule_search_locations or []) if spec else []
-except Exception:  # noqa: BLE001 - no nvidia namespace package
+except Exception:  # no nvidia namespace package
     where = []
 # as DeepEP's setup.py: the wheel counts when it holds libnvshmem_host.so.*
 found = [w for w in where if any(Path(w, "lib").glob("libnvshmem_host.so*"))]
@@ -117,7 +117,7 @@ print(f"nvshmem={found[0] if found else ''}")
 try:
     from importlib.metadata import version
     print(f"installed={version('deep_ep')}")
-except Exception:  # noqa: BLE001 - not installed
+except Exception:  # not installed
     print("installed=")
 EOF
 )
@@ -145,7 +145,8 @@ fi
 nvcc=$cuda_home/bin/nvcc
 [[ -x $nvcc ]] || die "nvcc not found ($nvcc): DeepEP compiles CUDA kernels; install a CUDA" \
   "toolkit >= 12.3 and set CUDA_HOME (or put its bin/ on PATH)"
-nvcc_cuda=$("$nvcc" --version | sed -n 's/.*release \([0-9]*\.[0-9]*\).*/\1/p' | head -n 1)
+nvcc_cuda=$("$nvcc" --version 2> /dev/null | sed -n 's/.*release \([0-9]*\.[0-9]*\).*/\1/p' \
+  | head -n 1 || true)
 [[ -n $nvcc_cuda ]] || die "$nvcc --version names no CUDA release: allowed a CUDA toolkit's nvcc"
 IFS=. read -r nvcc_major nvcc_minor <<< "$nvcc_cuda"
 ((nvcc_major > 12 || (nvcc_major == 12 && nvcc_minor >= 3))) \
@@ -161,6 +162,8 @@ if [[ -z $arch ]]; then
 fi
 [[ -n $jobs ]] || jobs=$(nproc 2> /dev/null || getconf _NPROCESSORS_ONLN)
 nvshmem=${NVSHMEM_DIR:-$(get nvshmem)}
+[[ -z ${NVSHMEM_DIR:-} || -d $NVSHMEM_DIR ]] \
+  || die "NVSHMEM_DIR='$NVSHMEM_DIR' is not a folder: allowed an NVSHMEM install, or unset it"
 env_names=(TORCH_CUDA_ARCH_LIST MAX_JOBS CUDA_HOME)
 export TORCH_CUDA_ARCH_LIST=$arch MAX_JOBS=$jobs CUDA_HOME=$cuda_home
 if [[ -n $nvshmem ]]; then

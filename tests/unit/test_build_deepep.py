@@ -122,6 +122,11 @@ def test_environment_errors_are_one_line(fakes):
     assert line == "error: torch 2.13.0+cpu is a CPU-only build: DeepEP needs a CUDA build"
     line = one_line_error(run([src], {**env, "PYTHON": str(tmp / "nopython")}))
     assert "not found: set PYTHON" in line
+    broken = _write(tmp / "broken" / "bin" / "nvcc", "#!/bin/sh\nexit 1\n", 0o755).parents[1]
+    line = one_line_error(run([src], {**env, "CUDA_HOME": str(broken)}))
+    assert "--version names no CUDA release" in line
+    line = one_line_error(run([src], {**env, "NVSHMEM_DIR": str(tmp / "no_nvshmem")}))
+    assert f"NVSHMEM_DIR='{tmp / 'no_nvshmem'}' is not a folder" in line
 
 
 def _block(out: str, title: str) -> list[str]:
@@ -147,7 +152,7 @@ def test_dry_run_without_nvshmem_builds_intranode_only(fakes):
         f"  cd {src.resolve()} && {sys.executable} -m pip install --no-build-isolation ."]
     assert "arch 9.0 (default: no GPU visible); 3 jobs; no NVSHMEM" in r.stdout
     assert "intranode kernels only (-DDISABLE_NVSHMEM)" in r.stdout
-    assert "V1 Buffer, as tag v1.2.1" in r.stdout
+    assert "(git: none; V1 Buffer: the deepep backend)" in r.stdout
     assert r.stdout.splitlines()[-1] == "dry run: nothing built"
     assert "setup.py" not in r.stdout  # nothing ran
 
@@ -165,12 +170,16 @@ def test_dry_run_with_the_nvshmem_wheel_puts_cccl_on_cpath(fakes):
         "  export TORCH_CUDA_ARCH_LIST=10.0", "  export MAX_JOBS=16", f"  export CUDA_HOME={cuda}",
         f"  export CPATH={cuda}/include/cccl:{cuda}/include", *RUNTIME_ENV]
     assert f"NVSHMEM at {wheel}: intranode and internode kernels" in r.stdout
-    assert "V1 Buffer + HybridEPBuffer, as branch hybrid-ep" in r.stdout
+    assert "V1 Buffer + HybridEPBuffer: deepep and hybridep_megatron" in r.stdout
     assert _block(r.stdout, "build") == [
         f"  cd {src.resolve()} && {sys.executable} setup.py build_ext --inplace"]
     assert _block(r.stdout, "check") == [
         f"  cd / && PYTHONPATH={src.resolve()}:{env['PYTHONPATH']} {sys.executable} -c "
         "'import deep_ep; print(deep_ep.Buffer); print(deep_ep.HybridEPBuffer)'"]
+    # NVSHMEM_DIR counts as NVSHMEM too, as in DeepEP's setup.py
+    r = run(["--dry-run", src], {**fakes["env"], "NVSHMEM_DIR": str(tmp)})
+    assert f"  export CPATH={cuda}/include/cccl:{cuda}/include" in r.stdout.splitlines(), r.stderr
+    assert f"NVSHMEM at {tmp}:" in r.stdout
     # SM8x drops DeepEP's SM90 features, which DeepEP allows only without NVSHMEM
     line = one_line_error(run(["--dry-run", "--arch", "8.0", src], env))
     assert "arch=8.0 builds DeepEP without its SM90 features" in line
