@@ -56,5 +56,5 @@ def test_env_override_errors(monkeypatch):
 def test_capabilities():
     b = get_backend("mok")
     caps = b.capabilities
-    assert b.name == "mok" and caps.passes == ("forward",) and caps.min_cc == (9, 0)
+    assert b.name == "mok" and caps.passes == ("forward", "backward") and caps.min_cc == (9, 0)
     assert caps.needs_gpu and not caps.is_baseline and caps.packages == ("triton",)
