@@ -18,8 +18,8 @@ wrapped in ``torch.autograd.Function``. FP8 (``precision="fp8"``) sends e4m3 tok
 scale per 128 channels (needs a DeepEP build with SM90 kernels); experts stay bf16.
 
 Knobs: ``MOKBENCH_DEEPEP_SMS`` communication SMs (even, default 24).
-DeepEP is not on PyPI; see ``INSTALL_HINT``. The V1 API ships in tag v1.2.1 and the hybrid-ep
-branch; current main is the V2 API (ElasticBuffer).
+DeepEP is not on PyPI; benchmarks/build_deepep.sh builds a checkout of it. The V1 API ships in
+tag v1.2.1 and the hybrid-ep branch; current main is the V2 API (ElasticBuffer).
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ import torch
 from baselines.common import canonical_grads, expert_params, grouped_swiglu_ffn, shared_expert
 from mokbench.backend import BackendBase, Capabilities, RunContext
 
-INSTALL_HINT = ("DeepEP is not on PyPI: git clone https://github.com/deepseek-ai/DeepEP, "
-                "git checkout v1.2.1 (or the hybrid-ep branch), then "
-                "TORCH_CUDA_ARCH_LIST=9.0 pip install --no-build-isolation .")
+BUILD_SCRIPT = "benchmarks/build_deepep.sh"
+DEEPEP_URL = "https://github.com/deepseek-ai/DeepEP"
+INSTALL_HINT = f"not on PyPI: build tag v1.2.1 with {BUILD_SCRIPT}"
 WORLD_SIZES = (2, 4, 8)  # intranode kernels only
 SMS_ENV = "MOKBENCH_DEEPEP_SMS"
 DEFAULT_SMS = 24
@@ -65,6 +65,18 @@ def buffer_bytes(configs: list[Any], hidden_bytes_: int, num_ranks: int) -> tupl
     nvl = max(c.get_nvl_buffer_size_hint(hidden_bytes_, num_ranks) for c in configs)
     rdma = max(c.get_rdma_buffer_size_hint(hidden_bytes_, num_ranks) for c in configs)
     return nvl, rdma
+
+
+def build_recipe(ref: str, what: str) -> str:
+    """How to install DeepEP at ``ref`` (tag or branch; ``what`` it brings) with our build
+    script, as one line for ``mokbench backends``."""
+    return (f"git clone -b {ref} {DEEPEP_URL} /path/to/DeepEP ({what}); then "
+            f"{BUILD_SCRIPT} /path/to/DeepEP --check (--help: options)")
+
+
+def deep_ep_installed() -> bool:
+    """Whether a ``deep_ep`` package can be imported, without importing it."""
+    return importlib.util.find_spec("deep_ep") is not None
 
 
 def deepep_reason(world_size: int, precision: str, hidden: int, *, installed: bool,
@@ -191,8 +203,7 @@ class _Combine(torch.autograd.Function):
 
 def deepep_status(world_size: int, precision: str, hidden: int) -> str | None:
     """:func:`deepep_reason` with the facts read from the installed package."""
-    installed = importlib.util.find_spec("deep_ep") is not None
-    if not installed:
+    if not deep_ep_installed():
         return deepep_reason(world_size, precision, hidden, installed=False)
     import deep_ep
 
@@ -217,6 +228,12 @@ class DeepEPBackend(BackendBase):
         prec = scenario.precision if scenario is not None else "bf16"
         hidden = scenario.shape.hidden if scenario is not None else FP8_BLOCK
         return deepep_status(ws, prec, hidden) or super().unavailable_reason(ctx, scenario)
+
+    def install_hint(self) -> str | None:
+        """The build recipe while no deep_ep with the V1 Buffer is installed, else None."""
+        if deepep_status(WORLD_SIZES[0], "bf16", FP8_BLOCK) is None:
+            return None
+        return build_recipe("v1.2.1", "the V1 Buffer; branch hybrid-ep has it too")
 
     def setup(self, scenario, ctx, weights) -> None:
         self.ctx = ctx

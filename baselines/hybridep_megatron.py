@@ -37,13 +37,12 @@ from typing import Any
 
 import torch
 
+from baselines.deepep import BUILD_SCRIPT, build_recipe
 from baselines.transformer_engine import fp8_align, fp8_recipe_name, te_reason
 from mokbench.backend import BackendBase, Capabilities, RunContext
 
 INSTALL_HINT = "pip install 'mokbench[megatron]'"
-HYBRIDEP_HINT = ("HybridEP ships in DeepEP's hybrid-ep branch, not on PyPI: git clone "
-                 "https://github.com/deepseek-ai/DeepEP -b hybrid-ep, then "
-                 "TORCH_CUDA_ARCH_LIST=9.0 pip install --no-build-isolation .")
+HYBRIDEP_HINT = f"not on PyPI: build DeepEP's branch hybrid-ep with {BUILD_SCRIPT}"
 SMS_ENV = "MOKBENCH_HYBRIDEP_SMS"
 
 
@@ -53,6 +52,15 @@ def installed(module: str) -> bool:
         return importlib.util.find_spec(module) is not None
     except ModuleNotFoundError:
         return False
+
+
+def hybridep_installed() -> bool:
+    """Whether the installed ``deep_ep`` has ``HybridEPBuffer`` (DeepEP's hybrid-ep branch)."""
+    if not installed("deep_ep"):
+        return False
+    import deep_ep
+
+    return hasattr(deep_ep, "HybridEPBuffer")
 
 
 def megatron_reason(world_size: int, *, hybridep: bool, has_megatron: bool, has_te: bool,
@@ -207,11 +215,7 @@ class HybridEPMegatronBackend(BackendBase):
 
     def unavailable_reason(self, ctx: RunContext | None, scenario=None) -> str | None:
         ws = scenario.world_size if scenario is not None else (ctx.world_size if ctx else 1)
-        has_hybridep = False
-        if self.dispatcher == "hybridep" and installed("deep_ep"):
-            import deep_ep
-
-            has_hybridep = hasattr(deep_ep, "HybridEPBuffer")
+        has_hybridep = self.dispatcher == "hybridep" and hybridep_installed()
         why = megatron_reason(ws, hybridep=self.dispatcher == "hybridep",
                               has_megatron=installed("megatron.core"),
                               has_te=installed("transformer_engine"), has_hybridep=has_hybridep)
@@ -221,6 +225,12 @@ class HybridEPMegatronBackend(BackendBase):
             why = te_reason("fp8", cc, s.hidden, s.intermediate, installed=True)
             why = why or fp8_shared_tokens_reason(scenario, cc)
         return why or super().unavailable_reason(ctx, scenario)
+
+    def install_hint(self) -> str | None:
+        """The build recipe while HybridEP is missing (whatever else is), else None."""
+        if self.dispatcher != "hybridep" or hybridep_installed():
+            return None
+        return build_recipe("hybrid-ep", "HybridEPBuffer and the V1 Buffer")
 
     def setup(self, scenario, ctx, weights) -> None:
         from megatron.core import parallel_state

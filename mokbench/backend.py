@@ -146,6 +146,11 @@ class BackendBase:
                            ) -> str | None:
         return capability_reason(self.capabilities, ctx, scenario)
 
+    def install_hint(self) -> str | None:
+        """How to install what this backend lacks here, as one line (None: nothing to say).
+        Optional: `mokbench backends` prints it below its table for the backends that have one."""
+        return None
+
     def weight_grads(self) -> dict[str, torch.Tensor]:
         """Gradients of ``self.params`` (already in the canonical layout)."""
         return {k: p.grad for k, p in self.params.items() if p.grad is not None}

@@ -224,17 +224,25 @@ def backends(
     table = Table(title=f"backends (world size {ws})")
     for col in ("backend", "kind", "available", "reason / notes"):
         table.add_column(col)
+    hints: list[tuple[str, str]] = []
     for name in registry():
         try:
             b = get_backend(name)
             reason = b.unavailable_reason(RunContext(world_size=ws))
             kind = "baseline" if b.capabilities.is_baseline else "mok"
             notes = b.capabilities.notes
+            hint = getattr(b, "install_hint", lambda: None)()
         except Exception as exc:  # noqa: BLE001 - a broken adapter is listed, not fatal
-            reason, kind, notes = f"adapter failed to load: {exc}", "?", ""
+            reason, kind, notes, hint = f"adapter failed to load: {exc}", "?", "", None
         table.add_row(name, kind, "[red]no[/red]" if reason else "[green]yes[/green]",
                       escape(reason or notes))
+        if hint:
+            hints.append((name, hint))
     console.print(table)
+    if hints:
+        console.print("how to install:")
+    for name, hint in hints:
+        console.print(f"  {name}: {escape(hint)}", soft_wrap=True, highlight=False)
 
 
 @app.command()

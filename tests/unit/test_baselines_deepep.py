@@ -23,7 +23,7 @@ def test_import_and_reason_without_library():
         pytest.skip("deep_ep is installed here")
     why = deepep.DeepEPBackend().unavailable_reason(RunContext(), None)
     assert "package 'deep_ep' is not installed" in why
-    assert "pip install --no-build-isolation" in why
+    assert "v1.2.1" in why and "benchmarks/build_deepep.sh" in why
 
 
 def test_reason_world_size_precision_hidden():

@@ -19,6 +19,34 @@ def test_backends_lists_every_backend_with_a_reason_when_unavailable():
     assert "mokbench[te]" in r.output  # install hint survives rich markup
 
 
+def test_backends_prints_the_deepep_build_recipe_where_deep_ep_is_missing(monkeypatch):
+    from baselines import deepep
+    from baselines import hybridep_megatron as hm
+
+    monkeypatch.setattr(deepep, "deep_ep_installed", lambda: False)
+    monkeypatch.setattr(hm, "hybridep_installed", lambda: False)
+    r = runner.invoke(app, ["backends", "--world-size", "2"], env={"COLUMNS": "250"})
+    assert r.exit_code == 0, r.output
+    row = [ln for ln in r.output.splitlines() if ln.startswith("│ deepep ")]
+    assert len(row) == 1 and "package 'deep_ep' is not installed" in row[0], r.output
+    assert "build tag v1.2.1 with benchmarks/build_deepep.sh" in row[0]  # the reason: one line
+    hints = r.output.split("how to install:\n")[1].splitlines()
+    assert [h.split(":")[0].strip() for h in hints] == ["deepep", "hybridep_megatron"]
+    assert "git clone -b v1.2.1 https://github.com/deepseek-ai/DeepEP" in hints[0]
+    assert "git clone -b hybrid-ep https://github.com/deepseek-ai/DeepEP" in hints[1]
+    assert all("benchmarks/build_deepep.sh /path/to/DeepEP --check" in h for h in hints)
+
+
+def test_backends_prints_no_recipe_where_deepep_and_hybridep_are_installed(monkeypatch):
+    from baselines import deepep
+    from baselines import hybridep_megatron as hm
+
+    monkeypatch.setattr(deepep, "deepep_status", lambda *a: None)
+    monkeypatch.setattr(hm, "hybridep_installed", lambda: True)
+    r = runner.invoke(app, ["backends", "--world-size", "2"], env={"COLUMNS": "250"})
+    assert r.exit_code == 0 and "how to install" not in r.output, r.output
+
+
 def test_plan_reproduces_published_minibatch():
     r = runner.invoke(app, ["plan", "--hidden", "7168", "--intermediate", "2048", "--sms", "148",
                             "--comm-sms", "0"], env={"COLUMNS": "200"})
