@@ -1,5 +1,6 @@
 """FP8 quantisation for the mok FP8 path: Triton kernels, the register-tile helpers the
-megakernel calls, thin host wrappers, and the pure-torch reference quantisers.
+megakernel calls, thin host wrappers, and (from ``quant_ref``) the pure-torch reference
+quantisers and the dequantisers.
 
 Legend: T rows (tokens), H hidden (the reduction dimension of the next GEMM), E experts,
 K reduction rows and N output columns of a weight w_EKN (y = x @ w), BM/BN tile sizes.
@@ -21,9 +22,10 @@ Recipes (every value e4m3, ``torch.float8_e4m3fn``, largest finite 448):
 The e4m3 cast rounds to nearest even and saturates at +-448 (``cvt.rn.satfinite`` on GPUs).
 A block holding NaN or +-inf gets a NaN scale (e8m0: 255) and NaN values, so the bad block
 stays visible through dequantisation; nothing raises (kernels cannot, and a host check would
-cost a sync). SOFT_CAST builds the e4m3 bits with integer arithmetic instead of the hardware
-cast; it exists for TRITON_INTERPRET, whose fp32 -> fp8 conversion (Triton 3.9) neither
-rounds to nearest even nor saturates, and is bitwise the same as the GPU cast.
+cost a sync). SOFT_CAST does the conversions in (bf16 -> fp32) and out (fp32 -> e4m3) with
+integer arithmetic instead of the hardware's; it exists for TRITON_INTERPRET, whose
+conversions (Triton 3.9) lose bf16 subnormals and neither round fp8 to nearest even nor
+saturate, and it is bitwise the same as the GPU conversions.
 """
 
 from __future__ import annotations
@@ -92,6 +94,15 @@ def to_e4m3(v, SOFT_CAST: tl.constexpr):
 
 
 @triton.jit
+def to_f32(v, SOFT_CAST: tl.constexpr):
+    """Any float -> fp32, exact; SOFT_CAST widens bf16 by a 16-bit shift of its bits (the
+    interpreter's bf16 -> fp32 loses bf16 subnormals, e.g. -2.755e-40 -> -5.877e-39)."""
+    if SOFT_CAST and v.dtype == tl.bfloat16:
+        return (v.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    return v.to(tl.float32)
+
+
+@triton.jit
 def finite_amax(v, AXIS: tl.constexpr):
     """max |v| along AXIS with NaN read as +inf: the result is +inf exactly where the block
     holds a non-finite value (GPU max ignores NaN, so NaN cannot propagate by itself)."""
@@ -118,7 +129,7 @@ def quant_rows_e4m3(v, POW2: tl.constexpr, SOFT_CAST: tl.constexpr):
     """Quantise a [BM, BN] fp32 register tile with one scale per row (a 1x128 block when BN
     is 128): returns (e4m3 [BM, BN], fp32 scales [BM]). The megakernel's dispatch and SwiGLU
     epilogue call this on the tile they already hold (any float dtype; computed in fp32)."""
-    v = v.to(tl.float32)
+    v = to_f32(v, SOFT_CAST)
     inv, scale = e4m3_scales(finite_amax(v, 1), POW2)
     return to_e4m3(v * inv[:, None], SOFT_CAST), scale
 
@@ -141,7 +152,7 @@ def e8m0_scales(amax):
 def quant_rows_mx(v, SOFT_CAST: tl.constexpr):
     """MXFP8-quantise a [BM, BK] fp32 register tile (BK a multiple of 32): returns (e4m3
     [BM, BK], e8m0 codes uint8 [BM, BK // 32]), the operand and scale of ``tl.dot_scaled``."""
-    v = v.to(tl.float32)
+    v = to_f32(v, SOFT_CAST)
     BM: tl.constexpr = v.shape[0]
     BK: tl.constexpr = v.shape[1]
     v3 = tl.reshape(v, (BM, BK // 32, 32))
@@ -158,7 +169,7 @@ def _quant_act_kernel(x_ptr, q_ptr, s_ptr, T, H: tl.constexpr, BLOCK: tl.constex
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     offs = rows.to(tl.int64)[:, None] * H + cols[None, :]
     ok = rows < T
-    x = tl.load(x_ptr + offs, mask=ok[:, None], other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + offs, mask=ok[:, None], other=0.0)
     q, scale = quant_rows_e4m3(x, POW2, SOFT_CAST)
     tl.store(q_ptr + offs, q, mask=ok[:, None])
     tl.store(s_ptr + rows.to(tl.int64) * (H // BLOCK) + tl.program_id(1), scale, mask=ok)
@@ -172,7 +183,7 @@ def _quant_w_kernel(w_ptr, q_ptr, s_ptr, N: tl.constexpr, POW2: tl.constexpr,
     rows = tl.program_id(0) * 128 + tl.arange(0, 128)
     cols = tl.program_id(1) * 128 + tl.arange(0, 128)
     offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
-    w = tl.load(w_ptr + offs).to(tl.float32)
+    w = to_f32(tl.load(w_ptr + offs), SOFT_CAST)
     inv, scale = e4m3_scales(tl.max(finite_amax(w, 1), 0), POW2)
     tl.store(q_ptr + offs, to_e4m3(w * inv, SOFT_CAST))
     tl.store(s_ptr + tl.program_id(0) * (N // 128) + tl.program_id(1), scale)
@@ -194,14 +205,14 @@ def _quant_lines_kernel(x_ptr, q_ptr, s_ptr, LINES, batch_stride, line_stride, e
         e = d + tl.arange(0, BD)
         m = ok[:, None] & (e < LEN)[None, :]
         x = tl.load(x_ptr + base[:, None] + e.to(tl.int64)[None, :] * elem_stride, mask=m,
-                    other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, finite_amax(x, 1))
+                    other=0.0)
+        amax = tl.maximum(amax, finite_amax(to_f32(x, SOFT_CAST), 1))
     inv, scale = e4m3_scales(amax, POW2)
     for d in range(0, LEN, BD):
         e = d + tl.arange(0, BD)
         m = ok[:, None] & (e < LEN)[None, :]
         offs = base[:, None] + e.to(tl.int64)[None, :] * elem_stride
-        x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        x = to_f32(tl.load(x_ptr + offs, mask=m, other=0.0), SOFT_CAST)
         tl.store(q_ptr + offs, to_e4m3(x * inv[:, None], SOFT_CAST), mask=m)
     tl.store(s_ptr + tl.program_id(0).to(tl.int64) * LINES + lines, scale, mask=ok)
 
@@ -215,7 +226,7 @@ def _quant_mx_kernel(x_ptr, q_ptr, s_ptr, T, H: tl.constexpr, BT: tl.constexpr,
     cols = tl.program_id(1) * BH + tl.arange(0, BH)
     m = (rows < T)[:, None] & (cols < H)[None, :]
     offs = rows.to(tl.int64)[:, None] * H + cols[None, :]
-    x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + offs, mask=m, other=0.0)
     q, code = quant_rows_mx(x, SOFT_CAST)
     blk = tl.program_id(1) * (BH // 32) + tl.arange(0, BH // 32)
     tl.store(q_ptr + offs, q, mask=m)
