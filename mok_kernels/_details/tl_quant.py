@@ -126,7 +126,7 @@ def e4m3_scales(amax, POW2: tl.constexpr):
 
 @triton.jit
 def quant_rows_e4m3(v, POW2: tl.constexpr, SOFT_CAST: tl.constexpr):
-    """Quantise a [BM, BN] fp32 register tile with one scale per row (a 1x128 block when BN
+    """Quantise a [BM, BN] register tile with one scale per row (a 1x128 block when BN
     is 128): returns (e4m3 [BM, BN], fp32 scales [BM]). The megakernel's dispatch and SwiGLU
     epilogue call this on the tile they already hold (any float dtype; computed in fp32)."""
     v = to_f32(v, SOFT_CAST)
@@ -150,7 +150,7 @@ def e8m0_scales(amax):
 
 @triton.jit
 def quant_rows_mx(v, SOFT_CAST: tl.constexpr):
-    """MXFP8-quantise a [BM, BK] fp32 register tile (BK a multiple of 32): returns (e4m3
+    """MXFP8-quantise a [BM, BK] register tile (BK a multiple of 32): returns (e4m3
     [BM, BK], e8m0 codes uint8 [BM, BK // 32]), the operand and scale of ``tl.dot_scaled``."""
     v = to_f32(v, SOFT_CAST)
     BM: tl.constexpr = v.shape[0]
