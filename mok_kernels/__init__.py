@@ -50,6 +50,24 @@ from mok_kernels._details.forward import (
 )
 from mok_kernels._details.graph import GraphedForward
 from mok_kernels._details.lowering import Lowered, compile_megakernel
+from mok_kernels._details.quant_lowering import QUANT_KERNELS, compile_quant_kernel
+from mok_kernels._details.tl_quant import (
+    dequantize_blockwise,
+    dequantize_colwise,
+    dequantize_mx,
+    dequantize_rowwise,
+    dequantize_weight_128x128,
+    quantize_blockwise,
+    quantize_mx,
+    quantize_rowwise,
+    quantize_weight_128x128,
+    quantize_weight_colwise,
+    ref_quantize_blockwise,
+    ref_quantize_colwise,
+    ref_quantize_mx,
+    ref_quantize_rowwise,
+    ref_quantize_weight_128x128,
+)
 from mok_kernels._details.workspace import Workspace, clear_workspace_cache, get_workspace
 
 __all__ = [
@@ -63,6 +81,7 @@ __all__ = [
     "MoKError",
     "MoKTimeoutError",
     "Plan",
+    "QUANT_KERNELS",
     "Schedule",
     "WITHHOLD_DISPATCH",
     "WITHHOLD_NONE",
@@ -74,9 +93,25 @@ __all__ = [
     "check_errors",
     "clear_workspace_cache",
     "compile_megakernel",
+    "compile_quant_kernel",
+    "dequantize_blockwise",
+    "dequantize_colwise",
+    "dequantize_mx",
+    "dequantize_rowwise",
+    "dequantize_weight_128x128",
     "forward",
     "forward_train",
     "get_workspace",
     "interleave_gate_up",
     "plan",
+    "quantize_blockwise",
+    "quantize_mx",
+    "quantize_rowwise",
+    "quantize_weight_128x128",
+    "quantize_weight_colwise",
+    "ref_quantize_blockwise",
+    "ref_quantize_colwise",
+    "ref_quantize_mx",
+    "ref_quantize_rowwise",
+    "ref_quantize_weight_128x128",
 ]

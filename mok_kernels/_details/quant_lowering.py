@@ -1,0 +1,85 @@
+"""Compile the FP8 quantisation kernels of ``tl_quant`` for a GPU architecture on any host
+(Triton's compiler and its bundled ptxas), as ``compile_megakernel`` does for the megakernel:
+lowering errors, registers, spills, and which conversion instructions the casts became.
+
+Legend: T rows, H hidden (activation rows), K reduction rows and N output columns of weights.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import tempfile
+from pathlib import Path
+
+from mok_kernels._details.lowering import Lowered, _ptxas
+
+QUANT_KERNELS = ("blockwise", "rowwise", "weight_128x128", "colwise", "mx")
+
+
+def _spec(kernel: str, size: int, pow2_scales: bool, soft_cast: bool, dtype: str
+          ) -> tuple[object, dict[str, str], dict[str, object], int]:
+    """(jit function, signature of the runtime arguments, constexprs, num_warps) as the host
+    wrapper launches ``kernel``; ``size`` is H for activations, K (colwise) or N (128x128)
+    for weights, the dimension the kernel is specialised on. A type ending in "/16" is an
+    argument the launch sees as a multiple of 16 (pointers from the caching allocator,
+    strides and widths at real shapes) and specialises on."""
+    from mok_kernels._details import tl_quant as tq
+
+    cast = {"POW2": pow2_scales, "SOFT_CAST": soft_cast}
+    ptrs = {"x_ptr": f"*{dtype}/16", "w_ptr": f"*{dtype}/16", "q_ptr": "*fp8e4nv/16",
+            "s_ptr": "*u8/16" if kernel == "mx" else "*fp32/16"}
+    if kernel == "blockwise":
+        return (tq._quant_act_kernel, {**ptrs, "T": "i32"},
+                {"H": size, "BLOCK": 128, "BT": tq.act_rows(128), **cast}, 4)
+    if kernel in ("rowwise", "colwise"):
+        # the stride that is 1 (contiguous elements of a row, or adjacent columns) is a
+        # constant at launch; the lines of colwise are N output columns
+        unit, tile, lines = (("elem_stride", tq.ROW_LINES, "i32") if kernel == "rowwise"
+                             else ("line_stride", tq.COL_LINES, "i32/16"))
+        sig = {**ptrs, "LINES": lines, "batch_stride": "i32/16", "line_stride": "i32/16",
+               "elem_stride": "i32/16"}
+        return tq._quant_lines_kernel, sig, {unit: 1, "LEN": size, **tile, **cast}, 4
+    if kernel == "weight_128x128":
+        return tq._quant_w_kernel, ptrs, {"N": size, **cast}, 8
+    if kernel == "mx":
+        return (tq._quant_mx_kernel, {**ptrs, "T": "i32"},
+                {"H": size, "BT": 32, "BH": 128, "SOFT_CAST": soft_cast}, 4)
+    raise ValueError(f"kernel={kernel!r} is invalid: allowed {' | '.join(QUANT_KERNELS)}")
+
+
+def compile_quant_kernel(kernel: str, size: int = 7168, *, arch: int = 90,
+                         pow2_scales: bool = False, soft_cast: bool = False,
+                         dtype: str = "bf16") -> Lowered:
+    """Compile one quantisation kernel (``QUANT_KERNELS``: 1x128 activation blocks, one
+    scale per activation row, 128x128 weight blocks, one per weight output column, MXFP8)
+    for ``sm_<arch>`` (90 Hopper, 100 Blackwell) with ``dtype`` input (bf16 | fp16 | fp32)
+    as its host wrapper launches it, then run ptxas -v on the PTX."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn, types, consts, warps = _spec(kernel, size, pow2_scales, soft_cast, dtype)
+    sig: dict[str, str] = {}
+    constexprs: dict[tuple[int, ...], object] = {}
+    attrs: dict[tuple[int, ...], list[list[object]]] = {}
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
+            sig[name], constexprs[(i,)] = "constexpr", consts[name]
+        else:
+            sig[name] = types[name].removesuffix("/16")
+            if types[name].endswith("/16"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    target = GPUTarget("cuda", arch, 64 if arch == 90 else 32)
+    c = triton.compile(src, target=target, options={"num_warps": warps})
+    ptx = c.asm["ptx"]
+    suffix = "a" if arch in (90, 100) else ""
+    with tempfile.TemporaryDirectory() as tmp:
+        f = Path(tmp) / "k.ptx"
+        f.write_text(ptx)
+        out = subprocess.run([_ptxas(arch).path, f"-arch=sm_{arch}{suffix}", "-v", str(f),
+                              "-o", str(Path(tmp) / "k.cubin")], capture_output=True,
+                             text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"ptxas failed for sm_{arch}: {out.stderr[-2000:]}")
+    return Lowered(c.asm["ttgir"], ptx, int(c.metadata.shared), out.stdout + out.stderr)
