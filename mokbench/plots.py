@@ -89,7 +89,7 @@ def _panels(data: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
     for p in [p for p in PASS_ORDER if p in set(data["pass"])]:
         part = data[data["pass"] == p]
         for (prec, ws), g in part.groupby(["precision", "world_size"], sort=False, dropna=False):
-            out.append((f"{pass_label(p)}, {prec}, EP {_fmt(ws)}", g))
+            out.append((f"{pass_label(p, data)}, {prec}, EP {_fmt(ws)}", g))
     return out
 
 
@@ -183,7 +183,7 @@ def _fmt(v) -> str:
     return f"{v:g}" if isinstance(v, float) else str(v)
 
 
-def _group_title(key: tuple, cols: list[str], pass_: str) -> str:
+def _group_title(key: tuple, cols: list[str], pass_: str, rows=None) -> str:
     """e.g. "kimi-k2 E384 H7168 I2048 k8 EP8 bf16 uniform +shared" and, on a second line,
     "forward (training)"."""
     v = {c: _fmt(x) for c, x in zip(cols, key)}
@@ -194,7 +194,7 @@ def _group_title(key: tuple, cols: list[str], pass_: str) -> str:
         parts.append(f"zipf {v['zipf_s']}")
     if key[cols.index("shared_expert")] if "shared_expert" in cols else False:
         parts.append("+shared")
-    return " ".join(p for p in parts if p) + f"\n{pass_label(pass_)}"
+    return " ".join(p for p in parts if p) + f"\n{pass_label(pass_, rows)}"
 
 
 def _time_panel(ax, part: pd.DataFrame, colors: dict[str, tuple], title: str) -> None:
@@ -238,7 +238,7 @@ def time_vs_tokens_chart(summary: pd.DataFrame, out_dir: Path,
             if panel.empty:
                 ax.set_visible(False)
                 continue
-            _time_panel(ax, panel, colors, _group_title(key, cols, p))
+            _time_panel(ax, panel, colors, _group_title(key, cols, p, summary))
     fig.tight_layout()
     return _save(fig, out_dir, "time_vs_tokens")
 
@@ -302,7 +302,7 @@ def knob_chart(summary: pd.DataFrame, out_dir: Path, sm_count: int | None = None
         ax.set_xlabel(knob)
         ax.set_ylabel("median ms")
         where = f" ({others})" if others else ""
-        ax.set_title(f"{base}{where} {pass_label(pass_)}: time vs {knob}\n"
+        ax.set_title(f"{base}{where} {pass_label(pass_, summary)}: time vs {knob}\n"
                      "(dashed: fastest baseline)", fontsize=9)
         ax.legend(fontsize=6)
     fig.tight_layout()

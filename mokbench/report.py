@@ -30,7 +30,7 @@ from rich.console import Console
 
 from mokbench import tables
 from mokbench.results import ROW_COLUMNS, read_env, read_rows
-from mokbench.scenario import PASSES, pass_label
+from mokbench.scenario import PASSES, modes_recorded, pass_label
 
 KEY = ["scenario_id", "backend", "pass"]
 PASS_ORDER = PASSES
@@ -39,6 +39,11 @@ OURS = frozenset({"mok", "mok_upstream"})  # used only when a row lacks is_basel
 NUMERIC = ["median_ms", "p10_ms", "p90_ms", "min_ms", "max_ms", "tflops", "max_abs_err",
            "max_rel_err", "peak_mem_bytes"]
 
+OLD_RUN_NOTE = (
+    "This run does not record the forward's mode (made before the training / inference "
+    "split): its forward rows are labelled plain \"forward\"; the baselines ran with inputs "
+    "requiring grad, the mok backend then without."
+)
 TIMING_NOTE = (
     "Times are the median over iterations of the per-iteration max over ranks. A forward "
     "includes schedule/dispatch/experts/combine/weighted sum. forward (training): autograd on, "
@@ -233,6 +238,8 @@ def to_markdown(summary: pd.DataFrame, env: dict[str, Any], run_id: str,
     (our backends in bold), the legend (full scenario ids, variants' knobs, reasons) and the
     ``charts`` (paths relative to the report) as images."""
     parts = [f"# mokbench report: {run_id}", "", TIMING_NOTE, "", FORMULA_NOTE, ""]
+    if not summary.empty and not modes_recorded(summary):
+        parts += [OLD_RUN_NOTE, ""]
     env_lines = _md_env(env)
     if env_lines:
         parts += ["Machine: " + "; ".join(env_lines) + ".", ""]
@@ -242,7 +249,7 @@ def to_markdown(summary: pd.DataFrame, env: dict[str, Any], run_id: str,
     legend, show = tables.build_legend(summary), tables.optional_columns(summary)
     for p in ordered_passes(summary):
         part = summary[summary["pass"] == p]
-        parts += [f"## {pass_label(p)}", "", _md_table(part, legend, show), ""]
+        parts += [f"## {pass_label(p, summary)}", "", _md_table(part, legend, show), ""]
     parts += _md_legend(summary, legend)
     if charts:
         parts += ["## Charts", "", *(f"![{Path(c).stem}]({c})" for c in charts), ""]

@@ -72,8 +72,22 @@ PRESETS: dict[str, ModelShape] = {
 }
 
 
-def pass_label(pass_: str) -> str:
-    """How tables and charts name a pass ("forward (training)", "inference (no_grad)")."""
+def modes_recorded(rows) -> bool:
+    """Whether a run's rows (a DataFrame) record the forward's mode (``keeps_graph``, or an
+    inference pass beside it): runs made before the training/inference split do not, and
+    their forward rows are not all training forwards (the mok backend then timed an
+    inference forward)."""
+    cols = getattr(rows, "columns", ())
+    if "keeps_graph" in cols and bool(rows["keeps_graph"].notna().any()):
+        return True
+    return "pass" in cols and bool((rows["pass"] == "inference").any())
+
+
+def pass_label(pass_: str, rows=None) -> str:
+    """How tables and charts name a pass ("forward (training)", "inference (no_grad)"); with
+    ``rows`` of a run that does not record the forward's mode, plain "forward"."""
+    if pass_ == "forward" and rows is not None and not modes_recorded(rows):
+        return "forward"
     return PASS_LABELS.get(pass_, pass_)
 
 

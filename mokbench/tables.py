@@ -251,7 +251,8 @@ def render(summary: pd.DataFrame, console: Console, notes: tuple[str, ...] = ())
     show = optional_columns(summary)
     for p in ordered_passes(summary):
         part = summary[summary["pass"] == p]
-        console.print(_rich_table(console, part, legend, f"{pass_label(p)} pass", show))
+        console.print(_rich_table(console, part, legend, f"{pass_label(p, summary)} pass",
+                                  show))
     for line in legend_lines(legend):
         console.print(line, markup=False, highlight=False)
     if summary.get("within_noise") is not None and summary["within_noise"].fillna(False).any():

@@ -122,7 +122,8 @@ def test_render_rich_shows_passes_and_reasons(summary):
     console = Console(file=io.StringIO(), width=250, record=True)
     report.render_rich(summary, console)
     text = console.export_text()
-    assert "forward (training) pass" in text and "backward pass" in text
+    # rows without keeps_graph or an inference pass: the forward's mode is not recorded
+    assert "forward pass" in text and "backward pass" in text
     assert "2.00x" in text and "1.50x" in text and "50%" in text
     assert "skipped [" in text and "timeout [" in text  # reasons as numbered notes
     assert "] no TE" in text and "] 600 s" in text
@@ -154,7 +155,7 @@ def test_write_report_formats(tmp_path, fmt):
         df = pd.read_parquet(path)
         assert df.ceiling_frac.notna().sum() == 5  # ok bf16 rows with tflops
     else:
-        assert path.name == "report.txt" and "forward (training) pass" in path.read_text()
+        assert path.name == "report.txt" and "forward pass" in path.read_text()
 
 
 def test_write_report_rejects_unknown_format(tmp_path):
@@ -210,3 +211,17 @@ def test_inference_is_its_own_comparison():
         assert head in md
     assert md.index("## backward") < md.index("## inference (no_grad)")
     assert "torch.no_grad()" in md
+
+
+def test_forward_label_follows_what_the_run_recorded(summary):
+    """A run without keeps_graph or inference rows (made before the training/inference split)
+    labels its forward plainly and says why; with them, "forward (training)"."""
+    from mokbench.scenario import pass_label
+
+    old = report.to_markdown(summary, {}, "old")
+    assert "## forward\n" in old and report.OLD_RUN_NOTE in old
+    assert pass_label("forward", summary) == "forward"
+    new = summary.assign(keeps_graph=True)
+    md = report.to_markdown(new, {}, "new")
+    assert "## forward (training)" in md and report.OLD_RUN_NOTE not in md
+    assert pass_label("forward", new) == "forward (training)" == pass_label("forward")
