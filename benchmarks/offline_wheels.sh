@@ -31,7 +31,8 @@ machine without a package index, when files can only be carried in batches of li
                         and the versions of its dependencies its metadata asks for, and $IF_MISSING
                         (typing-extensions, packaging, wheel: installed only where missing or older)
   split DIR OUTDIR [MIB]
-                        split every file over MIB MiB (default 60) into parts, write OUTDIR/MANIFEST
+                        split every file over MIB MiB (default 60; leave room for whatever else
+                        travels in the same transfer) into parts, write OUTDIR/MANIFEST
                         (sha256 of every original file) and OUTDIR/CONTENTS (sha256, size and batch
                         of every carried piece), and group everything into OUTDIR/batch-1, batch-2,
                         ..., each at most MIB*1.05 MiB in total (MANIFEST and CONTENTS included):
@@ -45,12 +46,14 @@ machine without a package index, when files can only be carried in batches of li
     --dry-run           reassemble and check, then print the pip and python commands instead of
                         running them
 
-Environment: PYTHON (default python3 for download, python for install); PIP_INDEX_URL (download,
-default https://pypi.org/simple); NVTE_CUDA_ARCHS (default 90), MAX_JOBS (default nproc) for the
-build; TE_VERSION, MCORE_VERSION, PYDANTIC_VERSION. download needs pip and unzip.
+Environment: PYTHON (default python3; runs pip, and for install it is the environment installed
+into); PIP_INDEX_URL (download; default https://pypi.org/simple); NVTE_CUDA_ARCHS (default 90) and
+MAX_JOBS (default nproc) for the build; TE_VERSION, MCORE_VERSION, PYDANTIC_VERSION.
+download needs pip and unzip; the other subcommands need coreutils, and install needs pip.
 
-Example: $PROG download offline-wheels/dl && $PROG split offline-wheels/dl offline-wheels/out
-         then, per batch on the target: $PROG gather batch-N /tmp/wheels
+Example: $PROG download offline-wheels/dl
+         $PROG split offline-wheels/dl offline-wheels/out 48
+         then on the target, once per carried batch: $PROG gather batch-N /tmp/wheels
          and at last: $PROG install /tmp/wheels
 EOF
 }
@@ -59,6 +62,7 @@ die() { echo "$PROG: error: $*" >&2; exit 1; }
 bad_usage() { echo "$PROG: error: $*" >&2; echo "Run '$PROG --help' for usage." >&2; exit 2; }
 
 mib() { awk -v b="$1" 'BEGIN { printf "%.2f MiB", b / 1048576 }'; }
+human() { awk -v b="$1" 'BEGIN { if (b < 1048576) printf "%.1f KiB", b / 1024; else printf "%.1f MiB", b / 1048576 }'; }
 fsize() { stat -c %s -- "$1"; }
 sha() { sha256sum -- "$1" | cut -d' ' -f1; }
 # Distribution name as pip compares it: lower case, runs of - _ . as one _.
@@ -152,7 +156,7 @@ PY
   local f total=0
   for f in "$dir"/*; do
     [[ -f $f ]] || continue
-    printf '  %12s  %s\n' "$(mib "$(fsize "$f")")" "$(basename -- "$f")"
+    printf '  %10s  %s\n' "$(human "$(fsize "$f")")" "$(basename -- "$f")"
     total=$((total + $(fsize "$f")))
   done
   echo "  total $(mib "$total")"
@@ -327,7 +331,7 @@ cmd_install() {
   [[ -n $store ]] || bad_usage "install takes STORE"
   [[ -d $store ]] || die "no such folder: $store"
   store=$(cd -- "$store" && pwd)
-  local py=${PYTHON:-python}
+  local py=${PYTHON:-python3}
   command -v "$py" >/dev/null || die "no $py on PATH (activate the environment to install into, or set PYTHON)"
 
   local t0=$SECONDS
