@@ -334,6 +334,19 @@ cmd_install() {
   local py=${PYTHON:-python3}
   command -v "$py" >/dev/null || die "no $py on PATH (activate the environment to install into, or set PYTHON)"
 
+  # Before anything is installed: the environment the sdist is built in.
+  if ((!dry)); then
+    local lacks
+    lacks=$("$py" -c '
+import importlib.util, sys
+v = sys.version_info[:2]
+print(", ".join(([] if v == (3, 12) else [f"Python 3.12 (this is {v[0]}.{v[1]})"])
+               + [m for m in ("torch", "setuptools") if importlib.util.find_spec(m) is None]))') \
+      || die "$py does not run"
+    [[ -z $lacks ]] || die "$(command -v "$py") lacks $lacks: activate the environment that holds torch, or set PYTHON"
+    command -v nvcc >/dev/null || [[ -x ${CUDA_HOME:-/usr/local/cuda}/bin/nvcc ]] \
+      || die "no nvcc on PATH or in \${CUDA_HOME:-/usr/local/cuda}/bin: the build needs the CUDA toolkit"
+  fi
   local t0=$SECONDS
   reassemble "$store"
   echo "[reassemble and check] $((SECONDS - t0)) s: every sha256 in MANIFEST and CONTENTS matches"
@@ -380,7 +393,8 @@ cmd_install() {
       echo "[$label] $((SECONDS - t)) s"
     fi
   }
-  ((dry)) && echo "# dry run: the commands install would run, in order"
+  ((dry)) && echo "# dry run: the commands install would run, in order (after checking for" \
+    "Python 3.12, torch, setuptools and nvcc)"
   if [[ -f $store/$IF_MISSING ]]; then
     step "pip install, where missing" "$py" -m pip install --no-index --no-deps \
       --find-links "$store" -r "$store/$IF_MISSING"

@@ -119,7 +119,8 @@ def test_round_trip_is_bit_exact_and_prints_the_install(dl: Path, tmp_path: Path
     for f in dl.iterdir():
         assert (store / f.name).read_bytes() == f.read_bytes(), f.name
     lines = text.splitlines()
-    cmds = lines[lines.index("# dry run: the commands install would run, in order") + 1:]
+    first = next(i for i, ln in enumerate(lines) if ln.startswith("# dry run:"))
+    cmds = [ln for ln in lines[first + 1:] if not ln.startswith("#")]
     assert len(cmds) == 4
     assert "-m pip install --no-index --no-deps --find-links" in cmds[0]
     assert cmds[0].endswith(f"-r {store}/if-missing.txt")
@@ -181,6 +182,17 @@ def test_gather_refuses_another_bundle(dl: Path, tmp_path: Path):
     one_line_error(sh("gather", tmp_path / "b" / "batch-2", store), "another bundle")
     one_line_error(sh("gather", dl, store), "not a batch folder")
     one_line_error(sh("install", tmp_path / "nothing"), "no such folder")
+
+
+def test_install_refuses_an_environment_without_torch(dl: Path, tmp_path: Path):
+    out, store = tmp_path / "out", tmp_path / "store"
+    ok("split", dl, out, 1)
+    gather_all(out, store)
+    fake = tmp_path / "python3"
+    fake.write_text("#!/bin/sh\necho 'torch, setuptools'\n")
+    fake.chmod(0o755)
+    one_line_error(sh("install", store, env={"PYTHON": str(fake)}), "lacks torch, setuptools")
+    assert not (store / "te_torch-2.20.2.tar.gz").exists()  # refused before anything else
 
 
 @pytest.mark.skipif(not REAL_WHEEL.is_file(), reason=f"no {REAL_WHEEL}")
