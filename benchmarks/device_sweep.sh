@@ -3,6 +3,8 @@
 # Usage (on the GPU machine, from the repo root): benchmarks/device_sweep.sh SWEEP_FILE [mokbench sweep args...]
 # Env: OUT (where the files go), MB_ROOT (run folders' root, default /tmp/mb), SWEEP_LIMIT_S.
 # Writes to $OUT: sweep.log and run.tgz (the whole run folder: rows, env.json, sweep file, cell logs).
+# te rows need TransformerEngine, megatron_alltoall and hybridep_megatron rows Megatron-Core too:
+# install them there first (without a package index: benchmarks/offline_wheels.sh, README Set up).
 set -uo pipefail
 sweep=$1; shift
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 COLUMNS=200
