@@ -18,9 +18,10 @@ returns Megatron's router output format, dense probs [T, G] (fp32, zero off the 
 routing map [T, G] (bool), built from the given top-k. Gradients reach the router weights
 through those probs.
 
-Weights: TEGroupedMLP ``linear_fc1.weight{e}`` is [F, H] with the gate rows first (Megatron's
-GLU splits fc1's output with ``chunk(2)``: gate, then linear), ``linear_fc2.weight{e}`` is [H, I];
-the shared expert's ``linear_fc1.weight`` / ``linear_fc2.weight`` likewise.
+Weights (``common.out_in_layout``): TEGroupedMLP ``linear_fc1.weight{e}`` is [F, H] with the
+gate rows first (Megatron's GLU splits fc1's output with ``chunk(2)``: gate, then linear),
+``linear_fc2.weight{e}`` is [H, I]; the shared expert's ``linear_fc1.weight`` /
+``linear_fc2.weight`` likewise.
 
 ``check()`` (called by the worker outside the timed region) asserts that no token was dropped:
 the rows Megatron handed the experts equal the routed slots of all ranks for this rank's experts.
@@ -37,6 +38,7 @@ from typing import Any
 
 import torch
 
+from baselines.common import canonical_layout, out_in_layout
 from baselines.deepep import BUILD_SCRIPT, build_recipe
 from baselines.transformer_engine import fp8_align, fp8_recipe_name, te_reason
 from mokbench.backend import BackendBase, Capabilities, RunContext
@@ -137,18 +139,6 @@ def preset_router_outputs(topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tens
     probs_TG = zeros.scatter(1, topk_idx_TK, topk_weights_TK.float())
     routing_map_TG = torch.zeros(T, num_experts, dtype=torch.bool, device=topk_idx_TK.device)
     return probs_TG, routing_map_TG.scatter_(1, topk_idx_TK, True)
-
-
-def megatron_expert_weights(w1_EHF: torch.Tensor, w2_EIH: torch.Tensor
-                            ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Canonical -> TEGroupedMLP per-expert weights: fc1 [F, H] (gate rows, then up rows),
-    fc2 [H, I]. The inverse (also for grads) is :func:`canonical_expert_weights`."""
-    return [w.t().contiguous() for w in w1_EHF], [w.t().contiguous() for w in w2_EIH]
-
-
-def canonical_expert_weights(fc1_FH: list[torch.Tensor], fc2_HI: list[torch.Tensor]
-                             ) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.stack(fc1_FH).transpose(1, 2), torch.stack(fc2_HI).transpose(1, 2)
 
 
 def dropped_tokens(expected_E: list[int], got_E: list[int]) -> int:
@@ -264,15 +254,15 @@ class HybridEPMegatronBackend(BackendBase):
         self.rows_E = args[1]
 
     def _copy_weights(self, weights) -> None:
-        fc1, fc2 = megatron_expert_weights(weights.w1_EHF, weights.w2_EIH)
+        fc1, fc2 = out_in_layout(weights.w1_EHF), out_in_layout(weights.w2_EIH)
         ex = self.layer.experts
         with torch.no_grad():
             for e in range(self.E):
                 getattr(ex.linear_fc1, f"weight{e}").copy_(fc1[e])
                 getattr(ex.linear_fc2, f"weight{e}").copy_(fc2[e])
             if weights.ws1_HF is not None:
-                self.layer.shared_experts.linear_fc1.weight.copy_(weights.ws1_HF.t())
-                self.layer.shared_experts.linear_fc2.weight.copy_(weights.ws2_IH.t())
+                self.layer.shared_experts.linear_fc1.weight.copy_(out_in_layout(weights.ws1_HF))
+                self.layer.shared_experts.linear_fc2.weight.copy_(out_in_layout(weights.ws2_IH))
 
     def forward(self, x_TH, topk_idx_TK, topk_weights_TK):
         T, H = x_TH.shape
@@ -312,11 +302,11 @@ class HybridEPMegatronBackend(BackendBase):
         g2 = [getattr(ex.linear_fc2, f"weight{e}").grad for e in range(self.E)]
         out: dict[str, torch.Tensor] = {}
         if all(g is not None for g in g1 + g2):
-            out["w1_EHF"], out["w2_EIH"] = canonical_expert_weights(g1, g2)
+            out["w1_EHF"], out["w2_EIH"] = canonical_layout(g1), canonical_layout(g2)
         shared = getattr(self.layer, "shared_experts", None)
         if shared is not None and shared.linear_fc1.weight.grad is not None:
-            out["ws1_HF"] = shared.linear_fc1.weight.grad.t()
-            out["ws2_IH"] = shared.linear_fc2.weight.grad.t()
+            out["ws1_HF"] = canonical_layout(shared.linear_fc1.weight.grad)
+            out["ws2_IH"] = canonical_layout(shared.linear_fc2.weight.grad)
         return out
 
     def zero_grad(self) -> None:

@@ -22,7 +22,14 @@ import os
 import torch
 import torch.distributed as dist
 
-from baselines.common import canonical_grads, expert_params, grouped_swiglu_ffn, shared_expert
+from baselines.common import (
+    canonical_grads,
+    exchange_slot_counts,
+    expert_params,
+    grouped_swiglu_ffn,
+    received_local_experts,
+    shared_expert,
+)
 from mokbench.backend import BackendBase, Capabilities, RunContext
 
 
@@ -41,26 +48,16 @@ def moe_alltoall_forward(x_TH, topk_idx_TK, topk_weights_TK, params, ctx: RunCon
                          num_experts: int) -> torch.Tensor:
     """The whole layer for one rank (autograd-capable)."""
     T, K = topk_idx_TK.shape
-    W, group = ctx.world_size, ctx.group
-    E = num_experts // W
-    counts_G = torch.bincount(topk_idx_TK.reshape(-1), minlength=num_experts)
-    recv_counts_WE = torch.empty_like(counts_G)
-    if W > 1:
-        dist.all_to_all_single(recv_counts_WE, counts_G, group=group)
-    else:
-        recv_counts_WE.copy_(counts_G)
-    recv_counts_WE = recv_counts_WE.view(W, E)
-    send_splits = counts_G.view(W, E).sum(1).tolist()
-    recv_splits = recv_counts_WE.sum(1).tolist()
+    group = ctx.group
+    recv_counts_WE, send_splits, recv_splits = exchange_slot_counts(
+        topk_idx_TK, num_experts, ctx.world_size, group)
 
     order_S = torch.argsort(topk_idx_TK.reshape(-1), stable=True)
     x_sent_SH = x_TH[order_S // K]
     x_recv_RH = all_to_all_rows(x_sent_SH, recv_splits, send_splits, group)
 
     # Received rows are ordered [source rank][local expert]; group them by local expert.
-    expert_of_row_R = torch.repeat_interleave(
-        torch.arange(E, device=x_TH.device).repeat(W), recv_counts_WE.reshape(-1))
-    perm_R = torch.argsort(expert_of_row_R, stable=True)
+    perm_R = torch.argsort(received_local_experts(recv_counts_WE), stable=True)
     counts_E = recv_counts_WE.sum(0)
     host_counts = counts_E.tolist() if not x_TH.is_cuda else None
     out_RH = grouped_swiglu_ffn(x_recv_RH[perm_R], counts_E, params["w1_EFH"], params["w2_EHI"],

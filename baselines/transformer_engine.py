@@ -17,8 +17,8 @@ $MOKBENCH_TE_COMM=deepep|nccl_a2a forces one. The shared expert is two te.pytorc
 
 Precision: bf16; fp8 = ``te.pytorch.autocast`` with Float8BlockScaling on SM90 and
 MXFP8BlockScaling on SM100 (TE's grouped FP8 GEMM needs rows per expert padded, hence the
-padded permute). TE GEMM weights are [out, in]: weight{e} of fc1 is w1_EHF[e].T ([F, H]),
-of fc2 w2_EIH[e].T ([H, I]).
+padded permute). TE GEMM weights are [out, in] (``common.out_in_layout``): weight{e} of fc1
+is w1_EHF[e].T ([F, H]), of fc2 w2_EIH[e].T ([H, I]).
 """
 
 from __future__ import annotations
@@ -28,30 +28,20 @@ import os
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from baselines.common import swiglu
+from baselines.common import (
+    canonical_layout,
+    exchange_slot_counts,
+    out_in_layout,
+    received_local_experts,
+    swiglu,
+)
 from baselines.nccl_torch import all_to_all_rows
 from mokbench.backend import BackendBase, Capabilities, RunContext
 
 INSTALL_HINT = "pip install 'mokbench[te]'"
 COMM_ENV = "MOKBENCH_TE_COMM"
 COMMS = ("deepep", "nccl_a2a")
-
-
-def te_expert_weights(w1_EHF: torch.Tensor, w2_EIH: torch.Tensor
-                      ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Canonical expert weights -> TE GroupedLinear per-GEMM weights ([out, in]):
-    fc1 weight{e} = w1_EHF[e].T [F, H] (gate rows first, then up), fc2 weight{e} = w2_EIH[e].T."""
-    fc1 = [w.t().contiguous() for w in w1_EHF]
-    fc2 = [w.t().contiguous() for w in w2_EIH]
-    return fc1, fc2
-
-
-def canonical_from_te(fc1_FH: list[torch.Tensor], fc2_HI: list[torch.Tensor]
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of :func:`te_expert_weights` (also maps TE's weight grads back): w1_EHF, w2_EIH."""
-    return (torch.stack(fc1_FH).transpose(1, 2), torch.stack(fc2_HI).transpose(1, 2))
 
 
 def fp8_recipe_name(cc: tuple[int, int] | None) -> str | None:
@@ -115,22 +105,16 @@ class NcclA2A:
 
     def __init__(self, ctx: RunContext, num_experts: int) -> None:
         self.ctx, self.G = ctx, num_experts
-        self.E = num_experts // ctx.world_size
 
     def dispatch(self, x_TH, topk_idx_TK, topk_weights_TK):
-        W, E, group = self.ctx.world_size, self.E, self.ctx.group
+        group = self.ctx.group
         T, K = topk_idx_TK.shape
-        counts_G = torch.bincount(topk_idx_TK.reshape(-1), minlength=self.G)
-        recv_WE = torch.empty_like(counts_G)
-        dist.all_to_all_single(recv_WE, counts_G, group=group)
-        recv_WE = recv_WE.view(W, E)
-        send = counts_G.view(W, E).sum(1).tolist()
-        recv = recv_WE.sum(1).tolist()
+        recv_WE, send, recv = exchange_slot_counts(topk_idx_TK, self.G, self.ctx.world_size,
+                                                   group)
         order_S = torch.argsort(topk_idx_TK.reshape(-1), stable=True)
         x_RH = all_to_all_rows(x_TH[order_S // K], recv, send, group)
         w_R1 = all_to_all_rows(topk_weights_TK.float().reshape(-1, 1)[order_S], recv, send, group)
-        local_R1 = torch.repeat_interleave(
-            torch.arange(E, device=x_TH.device).repeat(W), recv_WE.reshape(-1)).unsqueeze(1)
+        local_R1 = received_local_experts(recv_WE).unsqueeze(1)
         return x_RH, w_R1, local_R1, (order_S, send, recv, T, K)
 
     def combine(self, y_RH, handle):
@@ -174,7 +158,7 @@ class TEBackend(BackendBase):
         kw = {"bias": False, "params_dtype": torch.bfloat16, "device": ctx.device}
         self.fc1 = te.GroupedLinear(E, H, 2 * I, **kw)
         self.fc2 = te.GroupedLinear(E, I, H, **kw)
-        fc1, fc2 = te_expert_weights(weights.w1_EHF, weights.w2_EIH)
+        fc1, fc2 = out_in_layout(weights.w1_EHF), out_in_layout(weights.w2_EIH)
         self.shared: tuple[Any, Any] | None = None
         with torch.no_grad():
             for e in range(E):
@@ -182,8 +166,8 @@ class TEBackend(BackendBase):
                 getattr(self.fc2, f"weight{e}").copy_(fc2[e])
             if weights.ws1_HF is not None:
                 self.shared = (te.Linear(H, 2 * I, **kw), te.Linear(I, H, **kw))
-                self.shared[0].weight.copy_(weights.ws1_HF.t())
-                self.shared[1].weight.copy_(weights.ws2_IH.t())
+                self.shared[0].weight.copy_(out_in_layout(weights.ws1_HF))
+                self.shared[1].weight.copy_(out_in_layout(weights.ws2_IH))
         self.E, self.first = E, weights.first_expert
         self.recipe, self.align = self._recipe(scenario.precision)
         self.comm_name = choose_comm(ctx.world_size,
@@ -272,10 +256,10 @@ class TEBackend(BackendBase):
         g2 = [getattr(self.fc2, f"weight{e}").grad for e in range(E)]
         out: dict[str, torch.Tensor] = {}
         if all(g is not None for g in g1 + g2):
-            out["w1_EHF"], out["w2_EIH"] = canonical_from_te(g1, g2)
+            out["w1_EHF"], out["w2_EIH"] = canonical_layout(g1), canonical_layout(g2)
         if self.shared is not None and self.shared[0].weight.grad is not None:
-            out["ws1_HF"] = self.shared[0].weight.grad.t()
-            out["ws2_IH"] = self.shared[1].weight.grad.t()
+            out["ws1_HF"] = canonical_layout(self.shared[0].weight.grad)
+            out["ws2_IH"] = canonical_layout(self.shared[1].weight.grad)
         return out
 
     def zero_grad(self) -> None:

@@ -31,34 +31,17 @@ CONFIG_ENV = "MOKBENCH_MOK_CONFIG"
 def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int,
                           num_sms: int, world_size: int = 1,
                           local_experts: int | None = None, arch: int = 90) -> dict:
-    """Minibatch from the two-waves rule (at least 4096 rows, measured better than 2176 on
-    H200; at most the rows one rank can hold), three ring slots. One rank: no communication
-    programs (the GEMM tiles gather and scatter rows themselves); several: 16 programs pull
-    and push over the peer links, so each token row crosses the link once instead of once
-    per column tile. 16, not 8: at EP 2 on two H200s (Kimi shape, 12 experts, 8192 tokens
-    per rank) the forward took 24.8 ms with 8, 13.9 with 16, 14.0 with 32 and 30.5 with 0
-    (results/20261129-mok-knobs-ep2). TMA weight tiles: 20.73 against 20.99 ms (48 x 16384)
-    and 8.83 against 8.90 (384 x 4096) with pointer loads, level at Qwen3-30B (2.63 against
-    2.63; results/20261129-214743-h200-mok-tiles). Gate/up columns interleaved (one 128x256
-    MMA per gate+up tile): 20.162 against 20.747 ms, 8.857 against 9.096, 2.558 against 2.682
-    (results/20261129-221741-h200-mok-layout); with a fourth pipeline stage 20.036, 8.472 and
-    2.557 (results/20261129-221920-h200-mok-layout). The backend keeps its gate+up weights in
-    that layout (converted once at setup).
+    """Defaults for a shape: minibatch from the two-waves rule (at least 4096 rows, at most
+    the rows one rank can hold), three ring slots; no communication programs on one rank, 16
+    on several; TMA weight tiles, gate/up columns interleaved (the backend converts its
+    weights once at setup), four pipeline stages, the schedule through torch.compile; four
+    gate+up and four down tiles per work item where experts are well loaded (at least 2048
+    rows per local expert on average: tokens x topk / local_experts), else one, and one
+    without ``local_experts`` or on Blackwell (``arch`` 100 and up: compute capability x 10).
 
-    The schedule goes through torch.compile: 20.109 / 20.138 / 20.153 against 20.218 /
-    20.252 / 20.227 ms at 48 x 16384 in three runs, 8.872 against 8.880 at 384 x 4096
-    (results/20261129-231608-h200-mok-items, results/20261129-233458-h200-mok-e48,
-    results/20261129-233703-h200-mok-e48). Two gate+up and two down tiles per work item
-    where experts are well loaded (at least 2048 rows per local expert on average, i.e.
-    tokens x topk / local_experts): 20.139 / 20.127 / 20.102 against the same three at
-    48 x 16384 (2731 rows per expert), and with the compiled schedule 19.953 / 20.027; at
-    384 x 4096 (85 rows per expert) 9.014 against 8.880, so one tile there. Between the two
-    points it is unmeasured; 2048 keeps the rule to the measured side. Without
-    ``local_experts`` the rule is off, and on Blackwell (``arch`` 100 and up: compute
-    capability x 10) too: unmeasured there, and its sm_100 build spills 40 bytes. Four and
-    four rather than two and two (they build for sm_90 without spills): 19.854 against
-    20.050 and 20.007 against 20.222 ms at 48 x 16384 in two runs
-    (results/20261130-003817-h200-mok-e48-tiles, results/20261130-004151-h200-mok-e48-tiles4)."""
+    Why: each measured faster on H200 than its alternatives, and the tile rule keeps to where
+    it was measured (notes/mok-kernel.md, "Why the mok backend's defaults are what they
+    are")."""
     from mok_kernels import plan
 
     bound = plan(hidden, intermediate, num_sms, 0).minibatch
@@ -74,10 +57,9 @@ def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int
 
 def graph_option(options: dict | None = None) -> bool:
     """Replay the forward as one CUDA graph: "cuda_graph" in the options or
-    $MOKBENCH_MOK_CONFIG; default off. The timing loop does not wait for the host between
-    iterations, so eager launches are queued ahead of the GPU, while the graph adds copies
-    of x, the routing and y into and out of its static buffers: eager measured 20.73 against
-    20.92 ms graphed (48 x 16384, results/20261129-214743-h200-mok-tiles)."""
+    $MOKBENCH_MOK_CONFIG; default off: eager measured faster (its launches queue ahead of the
+    GPU; the graph adds copies into and out of its static buffers; notes/mok-kernel.md, "Why
+    the mok backend's defaults are what they are")."""
     over = {**env_overrides(), **(options or {})}
     return bool(over.get("cuda_graph", False))
 

@@ -29,6 +29,7 @@ from mok_kernels._details.forward import (
     _row_chunk,
     _token_source,
 )
+from mok_kernels._details.schedule import ScheduleTensors
 from mok_kernels._details.workspace import Workspace
 
 _ALIGN = 1024
@@ -61,6 +62,34 @@ class BackwardBuffers:
     counters_LC: torch.Tensor
     ones_NK: torch.Tensor  # unit weights: the dX slots are summed unweighted
     handle: object = None
+
+
+@dataclass
+class BackwardScratch:
+    """What one backward writes besides the workspace: the weight gradients (dws1 / dws2 a
+    placeholder of one element without the shared expert) and the per-row scratch."""
+
+    dw1_EHF: torch.Tensor  # [L*E, H, 2I] bf16
+    dw2_EIH: torch.Tensor  # [L*E, I, H] bf16
+    dws1_LHF: torch.Tensor  # [L, H, 2I] bf16: each logical rank's share
+    dws2_LIH: torch.Tensor  # [L, I, H] bf16
+    hs_LPI: torch.Tensor  # r * h of every schedule row
+    xg_LPH: torch.Tensor  # pulled x rows
+    dyg_LPH: torch.Tensor  # pulled dY rows
+
+
+def backward_scratch(ws: Workspace) -> BackwardScratch:
+    """Fresh outputs and scratch for one backward on ``ws``."""
+    L, H, I, P, dev = ws.L, ws.H, ws.I, ws.P, ws.device
+    bf = torch.bfloat16
+    return BackwardScratch(
+        dw1_EHF=torch.empty(L * ws.E, H, 2 * I, dtype=bf, device=dev),
+        dw2_EIH=torch.empty(L * ws.E, I, H, dtype=bf, device=dev),
+        dws1_LHF=torch.empty((L, H, 2 * I) if ws.shared else (1,), dtype=bf, device=dev),
+        dws2_LIH=torch.empty((L, I, H) if ws.shared else (1,), dtype=bf, device=dev),
+        hs_LPI=torch.empty(L, P, I, dtype=bf, device=dev),
+        xg_LPH=torch.empty(L, P, H, dtype=bf, device=dev),
+        dyg_LPH=torch.empty(L, P, H, dtype=bf, device=dev))
 
 
 def da_cols(cfg: MoKConfig, intermediate: int) -> int:
@@ -178,11 +207,40 @@ def backward_stages(cfg: MoKConfig) -> int:
 def backward_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots: int,
                        shared: bool, programs: int, interpreting: bool = False,
                        phases: int = 15) -> dict:
-    """The backward kernel's compile-time arguments (the launch and the lowering check)."""
+    """The backward kernel's compile-time arguments (part of :func:`backward_kernel_args`)."""
     return dict(H=hidden, I=intermediate, S=slots, K=slots - int(shared), PROGS=programs,
                 HAS_SHARED=shared, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
                 BKW=wgrad_rows(cfg), DAC=da_cols(cfg, intermediate), F32_DOT=interpreting,
                 INTERLEAVED=cfg.gate_up_interleaved, PHASES=phases)
+
+
+def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tensor,
+                         x_src: torch.Tensor, weights: tuple, sc: BackwardScratch, *,
+                         withhold: int, programs: int, phases: int,
+                         interpreting: bool) -> dict[str, object]:
+    """Every argument of ``mok_backward_kernel`` by name: buffers, TMA descriptors, scalars
+    and compile-time constants. The one list of them, for the launch and for
+    ``lowering.compile_megakernel`` (which derives the types from it). ``pre_LPF``: the
+    training forward's pre-activations; ``x_src``: where the token rows are;
+    ``programs``: programs per logical rank."""
+    cfg, bb = ws.config, _buffers(ws)
+    descs = _descriptors(ws, weights) + _activation_descriptors(cfg, pre_LPF, sc.hs_LPI,
+                                                                sc.xg_LPH, sc.dyg_LPH)
+    names = ("w1_desc", "w2_desc", "ws1_desc", "ws2_desc", "pre_a_desc", "hs_a_desc",
+             "hs_c_desc", "pre_d_desc", "dyg_a_desc", "dyg_c_desc", "xg_d_desc")
+    return dict(
+        x_base=x_src, x_tab=ws.x_tab_R, dy_base=bb.dy_LTH, tab16=bb.tab16_R, p_base=bb.p_LTK,
+        drp_base=bb.drp_LTKJ, tab32=bb.tab32_R, comb_base=ws.comb_LTSH, comb_tab=ws.comb_tab_R,
+        src_ptr=st.src_LP, group_ptr=st.group_LB, total_ptr=st.total_L,
+        gstart_ptr=group_starts(st.counts_LG, cfg.block_m),
+        pre_ptr=pre_LPF, hs_ptr=sc.hs_LPI, ctr_ptr=bb.counters_LC, err_ptr=ws.errors_L4,
+        dw1_ptr=sc.dw1_EHF, dw2_ptr=sc.dw2_EIH, dws1_ptr=sc.dws1_LHF, dws2_ptr=sc.dws2_LIH,
+        **dict(zip(names, descs, strict=True)),
+        T=ws.T, E=ws.E, NG=ws.E + int(ws.shared), P=ws.P, NCTR=bb.counters_LC.shape[1],
+        budget=cfg.spin_budget, withhold=withhold,
+        **backward_constants(cfg, hidden=ws.H, intermediate=ws.I, slots=ws.S,
+                             shared=ws.shared, programs=programs, interpreting=interpreting,
+                             phases=phases))
 
 
 def backward(config: MoKConfig, ws: Workspace, context: ForwardContext, dy_TH: torch.Tensor,
@@ -197,7 +255,7 @@ def backward(config: MoKConfig, ws: Workspace, context: ForwardContext, dy_TH: t
 
     if config != ws.config or context.schedule.workspace is not ws:
         raise ValueError("config / context do not belong to this workspace")
-    L, T, H, I, K = ws.L, ws.T, ws.H, ws.I, ws.K
+    L, T, H, K = ws.L, ws.T, ws.H, ws.K
     if tuple(dy_TH.shape) != (L * T, H):
         raise ValueError(f"dy shape {tuple(dy_TH.shape)} != {(L * T, H)}")
     weights = (w_gate_up, w_down, shared_gate_up, shared_down)
@@ -207,37 +265,20 @@ def backward(config: MoKConfig, ws: Workspace, context: ForwardContext, dy_TH: t
     bb.dy_LTH.copy_(dy_TH.view(bb.dy_LTH.shape))
     bb.p_LTK.copy_(context.p_NK.view(bb.p_LTK.shape))
     x_src = _token_source(ws, context.x_TH)  # real EP: x back into the peer-visible buffer
-    gst = group_starts(st.counts_LG, config.block_m)
-    E = ws.E
-    dw1 = torch.empty(L * E, H, 2 * I, dtype=torch.bfloat16, device=ws.device)
-    dw2 = torch.empty(L * E, I, H, dtype=torch.bfloat16, device=ws.device)
-    dws1 = torch.empty((L, H, 2 * I) if ws.shared else (1,), dtype=torch.bfloat16,
-                       device=ws.device)
-    dws2 = torch.empty((L, I, H) if ws.shared else (1,), dtype=torch.bfloat16,
-                       device=ws.device)
-    hs = torch.empty(L, ws.P, I, dtype=torch.bfloat16, device=ws.device)  # r * h, per row
-    xg = torch.empty(L, ws.P, H, dtype=torch.bfloat16, device=ws.device)  # pulled x rows
-    dyg = torch.empty(L, ws.P, H, dtype=torch.bfloat16, device=ws.device)  # pulled dY rows
+    sc = backward_scratch(ws)
     bb.counters_LC.zero_()
     ws.barrier()
     br = 16
     pull_rows_kernel[(L, ws.P // br)](st.src_LP, st.total_L, x_src, ws.x_tab_R, bb.dy_LTH,
-                                      bb.tab16_R, xg, dyg, T, ws.P, H=H, S=ws.S, BR=br,
-                                      CH=_row_chunk(H), num_warps=4)
+                                      bb.tab16_R, sc.xg_LPH, sc.dyg_LPH, T, ws.P, H=H, S=ws.S,
+                                      BR=br, CH=_row_chunk(H), num_warps=4)
     progs, _ = _programs(ws)
     extra = {} if _interpreting() else {"launch_cooperative_grid": True}
-    descs = _descriptors(ws, weights)
-    mok_backward_kernel[(L * progs,)](
-        x_src, ws.x_tab_R, bb.dy_LTH, bb.tab16_R, bb.p_LTK, bb.drp_LTKJ, bb.tab32_R,
-        ws.comb_LTSH, ws.comb_tab_R, st.src_LP, st.group_LB, st.total_L, gst,
-        context.pre_LPF, hs, bb.counters_LC, ws.errors_L4,
-        dw1, dw2, dws1, dws2, *descs,
-        *_activation_descriptors(config, context.pre_LPF, hs, xg, dyg),
-        T, E, E + int(ws.shared), ws.P, bb.counters_LC.shape[1], config.spin_budget,
-        _withhold,
-        **backward_constants(config, hidden=H, intermediate=I, slots=ws.S, shared=ws.shared,
-                             programs=progs, interpreting=_interpreting(), phases=_phases),
-        num_warps=config.num_warps, num_stages=backward_stages(config), **extra)
+    args = backward_kernel_args(ws, st, context.pre_LPF, x_src, weights, sc,
+                                withhold=_withhold, programs=progs, phases=_phases,
+                                interpreting=_interpreting())
+    mok_backward_kernel[(L * progs,)](**args, num_warps=config.num_warps,
+                                      num_stages=backward_stages(config), **extra)
     ws.barrier()
     dx = torch.empty(L * T, H, dtype=torch.bfloat16, device=ws.device)
     bh = _row_chunk(H)
@@ -246,6 +287,7 @@ def backward(config: MoKConfig, ws: Workspace, context: ForwardContext, dy_TH: t
     dp = bb.drp_LTKJ.sum(-1).view(L * T, K)
     sg = sd = None
     if ws.shared:
+        dws1, dws2 = sc.dws1_LHF, sc.dws2_LIH
         sg, sd = (dws1[0], dws2[0]) if L == 1 else (dws1.float().sum(0).bfloat16(),
                                                      dws2.float().sum(0).bfloat16())
-    return Gradients(dx, dp, dw1, dw2, sg, sd)
+    return Gradients(dx, dp, sc.dw1_EHF, sc.dw2_EIH, sg, sd)

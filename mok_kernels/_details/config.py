@@ -50,7 +50,8 @@ class MoKConfig:
         falls back to 1 where it does not divide hidden / block_n. The tiles of one item run
         as one flattened loop, software-pipelined with ``tma`` (loads continue across the
         epilogues); with pointer loads Triton 3.6 does not pipeline the flattened loop.
-        Measured on H200 (notes/mok-kernel.md): 4 was faster at Qwen3-30B, not at Kimi.
+        Its measurements: notes/mok-kernel.md, "Why the mok backend's defaults are what
+        they are".
     gate_up_tiles: gate+up column tiles per work item, the same way; falls back to 1 where
         it does not divide intermediate / (block_n / 2). Use with ``gate_up_interleaved``:
         with split gate/up columns the two accumulators' reset serialises the MMAs.
@@ -70,14 +71,14 @@ class MoKConfig:
         to S sums that token's S slots in fixed k order and writes y, so the sum overlaps the
         GEMMs instead of running as a separate pass over [T, S, H] after them. Bitwise
         reproducible like the separate pass. Needs ``fwd_comm_sms`` 0 and one process (one
-        rank or loopback ranks: every slot is in local memory). Measured slower on H200
-        (48 x 16384: 22.98 / 23.18 ms against 20.22 / 20.71 with the separate pass,
-        benchmarks/mok_fused_sum_check.py): the summing item's loads stall its GEMM work.
+        rank or loopback ranks: every slot is in local memory). Off by default: measured
+        slower on H200, the summing item's loads stall its GEMM work (notes/mok-kernel.md,
+        "Why the mok backend's defaults are what they are").
     bwd_wide_da: the backward's dA items cover block_n intermediate columns (m64n256 MMAs,
         the SwiGLU-backward epilogue in four quarters) instead of block_n / 2 (m64n128, two
         halves); falls back to block_n / 2 where block_n does not divide the intermediate
-        size. The dA items alone ran at about 350 TFLOP/s at 48 x 16384 with block_n / 2
-        (notes/mok-kernel.md); not measured yet.
+        size. Off by default: not measured yet (notes/mok-kernel.md, "Why the mok backend's
+        defaults are what they are").
     """
 
     fwd_comm_sms: int = 0

@@ -107,8 +107,8 @@ def _row_chunk(H: int) -> int:
 def kernel_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots: int,
                      shared: bool, programs: int, comm: int, interpreting: bool = False,
                      save_pre: bool = False) -> dict:
-    """The megakernel's compile-time arguments for a config and shape (one place, used by the
-    launch and by ``lowering.compile_megakernel``). Tiles per item fall back to 1 where they
+    """The megakernel's compile-time arguments for a config and shape (part of
+    :func:`forward_kernel_args`). Tiles per item fall back to 1 where they
     do not divide the row block's column tiles."""
     H, I = hidden, intermediate
     ch = _row_chunk(H)
@@ -120,6 +120,35 @@ def kernel_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots: i
         CR=max(1, 4096 // ch), CH=ch, QUANT=0, F32_DOT=interpreting, TMA=cfg.tma,
         INTERLEAVED=cfg.gate_up_interleaved, PREFETCH=cfg.prefetch_ticket,
         K=slots - int(shared), FUSED_SUM=cfg.fused_sum, SAVE_PRE=save_pre)
+
+
+def forward_kernel_args(ws: Workspace, st: ScheduleTensors, w1: torch.Tensor,
+                        w2: torch.Tensor, ws1: torch.Tensor | None, ws2: torch.Tensor | None, *,
+                        y_NH: torch.Tensor, p_NK: torch.Tensor, x_LTH: torch.Tensor,
+                        pre_LPF: torch.Tensor | None, withhold: int, programs: int, comm: int,
+                        interpreting: bool) -> dict[str, object]:
+    """Every argument of ``mok_forward_kernel`` by name: buffers, TMA descriptors (None
+    without ``tma``), scalars and compile-time constants. The one list of them, for the
+    launch and for ``lowering.compile_megakernel`` (which derives the types from it).
+    ``programs`` / ``comm``: programs and communication programs per logical rank."""
+    cfg = ws.config
+    h = ws.h_LQI  # SwiGLU rows: the ring (a buffer of QH rows, indexed row % QH)
+    descs = _descriptors(ws, w1, w2, ws1, ws2, h) if cfg.tma else (None,) * 5
+    return dict(
+        x_base=x_LTH, x_tab=ws.x_tab_R, comb_base=ws.comb_LTSH, comb_tab=ws.comb_tab_R,
+        src_ptr=st.src_LP, group_ptr=st.group_LB, total_ptr=st.total_L,
+        ring_ptr=ws.ring_LQH, h_ptr=h, out_ptr=ws.out_LQH,
+        pre_ptr=pre_LPF if pre_LPF is not None else h,
+        ctr_ptr=ws.counters_LC, err_ptr=ws.errors_L4,
+        y_ptr=y_NH, p_ptr=p_NK, sum_ptr=ws.sums_LTJ,
+        w1_ptr=w1, w2_ptr=w2, ws1_ptr=ws1 if ws1 is not None else w1,
+        ws2_ptr=ws2 if ws2 is not None else w2,
+        **dict(zip(("w1_desc", "w2_desc", "ws1_desc", "ws2_desc", "h_desc"), descs)),
+        T=ws.T, E=ws.E, P=ws.P, Q=ws.Q, QH=ws.Q, NCTR=ws.counters_LC.shape[1], MMAX=ws.mmax,
+        budget=cfg.spin_budget, withhold=withhold,
+        **kernel_constants(cfg, hidden=ws.H, intermediate=ws.I, slots=ws.S, shared=ws.shared,
+                           programs=programs, comm=comm, interpreting=interpreting,
+                           save_pre=pre_LPF is not None))
 
 
 def launch_megakernel(ws: Workspace, st: ScheduleTensors, w1: torch.Tensor, w2: torch.Tensor,
@@ -139,21 +168,12 @@ def launch_megakernel(ws: Workspace, st: ScheduleTensors, w1: torch.Tensor, w2: 
     cfg = ws.config
     progs, comm = programs or _programs(ws)
     extra = {} if _interpreting() else {"launch_cooperative_grid": True}
-    h, qh = ws.h_LQI, ws.Q  # SwiGLU rows: the ring (a buffer of QH rows, indexed row % QH)
-    pre = pre_LPF if pre_LPF is not None else h
-    descs = _descriptors(ws, w1, w2, ws1, ws2, h) if cfg.tma else (None,) * 5
-    mok_forward_kernel[(ws.L * progs,)](
-        ws.x_LTH if x_LTH is None else x_LTH, ws.x_tab_R, ws.comb_LTSH, ws.comb_tab_R,
-        st.src_LP, st.group_LB, st.total_L,
-        ws.ring_LQH, h, ws.out_LQH, pre, ws.counters_LC, ws.errors_L4,
-        y_NH, p_NK, ws.sums_LTJ,
-        w1, w2, ws1 if ws1 is not None else w1, ws2 if ws2 is not None else w2, *descs,
-        ws.T, ws.E, ws.P, ws.Q, qh, ws.counters_LC.shape[1], ws.mmax, cfg.spin_budget,
-        withhold,
-        **kernel_constants(cfg, hidden=ws.H, intermediate=ws.I, slots=ws.S, shared=ws.shared,
-                           programs=progs, comm=comm, interpreting=_interpreting(),
-                           save_pre=pre_LPF is not None),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra)
+    args = forward_kernel_args(ws, st, w1, w2, ws1, ws2, y_NH=y_NH, p_NK=p_NK,
+                               x_LTH=ws.x_LTH if x_LTH is None else x_LTH, pre_LPF=pre_LPF,
+                               withhold=withhold, programs=progs, comm=comm,
+                               interpreting=_interpreting())
+    mok_forward_kernel[(ws.L * progs,)](**args, num_warps=cfg.num_warps,
+                                        num_stages=cfg.num_stages, **extra)
 
 
 def weighted_sum(ws: Workspace, p_NK: torch.Tensor, y_NH: torch.Tensor) -> None:

@@ -2,6 +2,10 @@
 bundled ptxas run on any host): lowering errors, shared memory, registers and spills, and
 ptxas's performance warnings for a config and shape, e.g. on a CI machine or before a run.
 
+The kernel is compiled with the arguments its launch passes: the launch's own argument dict
+(``forward_kernel_args`` / ``backward_kernel_args``) built over ``meta`` tensors, from which
+the signature's types follow, so the two cannot drift apart.
+
 Legend: H hidden, I intermediate, K top-k, S combine slots per token (K, +1 shared expert).
 """
 
@@ -13,17 +17,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from mok_kernels._details.config import MoKConfig
+import torch
 
-# Kernel pointer arguments and their element types (the launch passes tensors there).
-_POINTERS = {"x_base": "*bf16", "x_tab": "*i64", "comb_base": "*bf16", "comb_tab": "*i64",
-             "src_ptr": "*i32", "group_ptr": "*i32", "total_ptr": "*i32", "ring_ptr": "*bf16",
-             "h_ptr": "*bf16", "out_ptr": "*bf16", "ctr_ptr": "*i32", "err_ptr": "*i32",
-             "pre_ptr": "*bf16", "hs_ptr": "*bf16", "dy_base": "*bf16", "tab16": "*i64",
-             "p_base": "*fp32", "drp_base": "*fp32", "tab32": "*i64", "gstart_ptr": "*i32",
-             "dw1_ptr": "*bf16", "dw2_ptr": "*bf16", "dws1_ptr": "*bf16", "dws2_ptr": "*bf16",
-             "y_ptr": "*bf16", "p_ptr": "*fp32", "sum_ptr": "*i32",
-             "w1_ptr": "*bf16", "w2_ptr": "*bf16", "ws1_ptr": "*bf16", "ws2_ptr": "*bf16"}
+from mok_kernels._details.config import MoKConfig
 
 
 @dataclass(frozen=True)
@@ -72,6 +68,72 @@ def _ptxas(arch: int):
         return knobs.nvidia.ptxas_blackwell if arch >= 100 else knobs.nvidia.ptxas
 
 
+def kernel_args(config: MoKConfig, hidden: int, intermediate: int, *, topk: int = 8,
+                shared: bool = False, comm_programs: int = 0, programs: int = 132,
+                kernel: str = "forward", phases: int = 15) -> dict[str, object]:
+    """The argument dict the launch would pass (``forward_kernel_args`` /
+    ``backward_kernel_args``), built over a workspace, schedule and weights on the ``meta``
+    device (shapes and dtypes, no memory): one logical rank, one minibatch of tokens, one
+    local expert."""
+    from mok_kernels._details.backward import backward_kernel_args, backward_scratch
+    from mok_kernels._details.forward import forward_kernel_args
+    from mok_kernels._details.schedule import build_schedule_tensors
+    from mok_kernels._details.workspace import get_workspace
+
+    if kernel not in ("forward", "backward"):
+        raise ValueError(f"kernel={kernel!r} is invalid: allowed forward | backward")
+    cfg, H, I, bf = config, hidden, intermediate, torch.bfloat16
+    ws = get_workspace(cfg, tokens=cfg.minibatch, hidden=H, intermediate=I, local_experts=1,
+                       topk=topk, shared=shared, device="meta")
+    st = build_schedule_tensors(ws.gather_idx(), ws.ranks_L, tokens=ws.T, local_experts=ws.E,
+                                shared=shared, block_m=cfg.block_m, capacity=ws.P)
+
+    def meta(*shape: int) -> torch.Tensor:
+        return torch.empty(*shape, dtype=bf, device="meta")
+
+    w = (meta(ws.E, H, 2 * I), meta(ws.E, I, H), meta(H, 2 * I) if shared else None,
+         meta(I, H) if shared else None)
+    if kernel == "forward":
+        p_NK = torch.empty(ws.T, ws.K, dtype=torch.float32, device="meta")
+        return forward_kernel_args(ws, st, *w, y_NH=meta(ws.T, H), p_NK=p_NK, x_LTH=ws.x_LTH,
+                                   pre_LPF=None, withhold=0, programs=programs,
+                                   comm=comm_programs, interpreting=False)
+    return backward_kernel_args(ws, st, meta(1, ws.P, 2 * I), ws.x_LTH, w,
+                                backward_scratch(ws), withhold=0, programs=programs,
+                                phases=phases, interpreting=False)
+
+
+_ELEMENT = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32",
+            torch.int64: "i64"}
+
+
+def signature(kern, args: dict[str, object]) -> tuple[dict, dict, dict]:
+    """(signature, constexprs, attributes) for ``triton.compiler.ASTSource`` from the
+    launch's argument dict: a tensor is a pointer to its dtype (16-byte aligned, as the
+    caching allocator gives and the launch specialises), a TMA descriptor its dtype and
+    box, an int an i32, a constexpr parameter (or None) its value."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    sig: dict[str, str] = {}
+    constexprs: dict[tuple[int, ...], object] = {}
+    attrs: dict[tuple[int, ...], list] = {}
+    for i, param in enumerate(kern.params):
+        value = args[param.name]
+        if param.is_constexpr or value is None:
+            sig[param.name], constexprs[(i,)] = "constexpr", value
+        elif isinstance(value, torch.Tensor):
+            sig[param.name] = f"*{_ELEMENT[value.dtype]}"
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, TensorDescriptor):
+            rows, cols = value.block_shape
+            sig[param.name] = f"tensordesc<{_ELEMENT[value.base.dtype]}[{rows}, {cols}]>"
+        elif isinstance(value, int):
+            sig[param.name] = "i32"
+        else:
+            raise TypeError(f"{param.name}: no Triton type for {type(value).__name__}")
+    return sig, constexprs, attrs
+
+
 def compile_megakernel(config: MoKConfig, hidden: int, intermediate: int, *, topk: int = 8,
                        shared: bool = False, comm_programs: int = 0, programs: int = 132,
                        arch: int = 90, kernel: str = "forward", phases: int = 15) -> Lowered:
@@ -82,61 +144,21 @@ def compile_megakernel(config: MoKConfig, hidden: int, intermediate: int, *, top
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from mok_kernels._details.backward import (
-        backward_constants,
-        backward_stages,
-        da_cols,
-        wgrad_rows,
-    )
-    from mok_kernels._details.forward import descriptor_boxes, kernel_constants
+    from mok_kernels._details.backward import backward_stages
     from mok_kernels._details.tl_backward import mok_backward_kernel
     from mok_kernels._details.tl_mega import mok_forward_kernel
 
-    cfg = config
-    cfg.check_shape(hidden, intermediate)
-    if kernel not in ("forward", "backward"):
-        raise ValueError(f"kernel={kernel!r} is invalid: allowed forward | backward")
-    if kernel == "forward":
-        kern = mok_forward_kernel
-        consts = kernel_constants(cfg, hidden=hidden, intermediate=intermediate,
-                                  slots=topk + int(shared), shared=shared, programs=programs,
-                                  comm=comm_programs)
-        descs = descriptor_boxes(cfg)
-    else:
-        kern = mok_backward_kernel
-        consts = backward_constants(cfg, hidden=hidden, intermediate=intermediate,
-                                    slots=topk + int(shared), shared=shared,
-                                    programs=programs, phases=phases)
-        w1, w2 = [cfg.block_n, cfg.block_k], [da_cols(cfg, intermediate), cfg.block_k]
-        q, bkw = cfg.block_n // 4, wgrad_rows(cfg)
-        descs = {"w1_desc": w1, "w2_desc": w2, "ws1_desc": w1, "ws2_desc": w2,
-                 "pre_a_desc": [cfg.block_m, 2 * q if cfg.gate_up_interleaved else q],
-                 "hs_a_desc": [cfg.block_m, q], "hs_c_desc": [bkw, cfg.block_n // 2],
-                 "pre_d_desc": [bkw, cfg.block_n], "dyg_a_desc": [cfg.block_m, cfg.block_k],
-                 "dyg_c_desc": [bkw, cfg.block_n], "xg_d_desc": [bkw, cfg.block_n // 2]}
-        # the backward always reads weight tiles through TMA, with its own stage count
-        cfg = cfg.__class__(**{**cfg.__dict__, "tma": True, "num_stages": backward_stages(cfg)})
-    sig: dict[str, str] = {}
-    constexprs: dict[tuple[int, ...], object] = {}
-    for i, name in enumerate(kern.arg_names):
-        if name in _POINTERS:
-            sig[name] = _POINTERS[name]
-        elif name in descs:
-            if (cfg.tma or kernel == "backward") and (shared or not name.startswith("ws")):
-                sig[name] = f"tensordesc<bf16[{descs[name][0]}, {descs[name][1]}]>"
-            else:
-                sig[name], constexprs[(i,)] = "constexpr", None
-        elif name in consts:
-            sig[name], constexprs[(i,)] = "constexpr", consts[name]
-        else:
-            sig[name] = "i32"
-    # Tensors from the caching allocator are 16-byte aligned, as the launch specialises.
-    attrs = {(kern.arg_names.index(n),): [["tt.divisibility", 16]] for n in _POINTERS
-             if n in kern.arg_names}
+    config.check_shape(hidden, intermediate)
+    args = kernel_args(config, hidden, intermediate, topk=topk, shared=shared,
+                       comm_programs=comm_programs, programs=programs, kernel=kernel,
+                       phases=phases)
+    kern = mok_forward_kernel if kernel == "forward" else mok_backward_kernel
+    stages = config.num_stages if kernel == "forward" else backward_stages(config)
+    sig, constexprs, attrs = signature(kern, args)
     src = ASTSource(fn=kern, signature=sig, constexprs=constexprs, attrs=attrs)
     target = GPUTarget("cuda", arch, 64 if arch == 90 else 32)
-    c = triton.compile(src, target=target, options={"num_warps": cfg.num_warps,
-                                                    "num_stages": cfg.num_stages})
+    c = triton.compile(src, target=target, options={"num_warps": config.num_warps,
+                                                    "num_stages": stages})
     ptx = c.asm["ptx"]
     suffix = "a" if arch in (90, 100) else ""
     with tempfile.TemporaryDirectory() as tmp:

@@ -43,12 +43,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from mok_kernels._details import errors
 from mok_kernels._details.tl_gemm import mma
 from mok_kernels._details.tl_mega import _slot_rows, _weight_desc
 from mok_kernels._details.tl_sync import no_error, wait_geq
 
-_E_DGRAD_ROWBLOCK: tl.constexpr = tl.constexpr(6)
-_E_DGRAD_GROUP: tl.constexpr = tl.constexpr(7)
+# The error codes of errors.py, as constexprs for the kernel.
+_E_DGRAD_ROWBLOCK: tl.constexpr = tl.constexpr(errors.ERR_WAIT_DGRAD_ROWBLOCK)
+_E_DGRAD_GROUP: tl.constexpr = tl.constexpr(errors.ERR_WAIT_DGRAD_GROUP)
 
 
 @triton.jit

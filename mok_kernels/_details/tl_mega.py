@@ -32,15 +32,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from mok_kernels._details import errors
 from mok_kernels._details.tl_gemm import down_tiles, gate_up_swiglu_tiles
 from mok_kernels._details.tl_sync import no_error, signal, wait_geq
 
-# Error codes (mirror of errors.py, as constexprs for the kernel).
-_E_RING_FREE: tl.constexpr = tl.constexpr(1)
-_E_DISPATCHED: tl.constexpr = tl.constexpr(2)
-_E_ROWBLOCK: tl.constexpr = tl.constexpr(3)
-_E_OUTPUT: tl.constexpr = tl.constexpr(4)
-_E_HSLOT_FREE: tl.constexpr = tl.constexpr(5)
+# The error codes of errors.py, as constexprs for the kernel.
+_E_RING_FREE: tl.constexpr = tl.constexpr(errors.ERR_WAIT_RING_FREE)
+_E_DISPATCHED: tl.constexpr = tl.constexpr(errors.ERR_WAIT_DISPATCHED)
+_E_ROWBLOCK: tl.constexpr = tl.constexpr(errors.ERR_WAIT_ROWBLOCK)
+_E_OUTPUT: tl.constexpr = tl.constexpr(errors.ERR_WAIT_OUTPUT)
+_E_HSLOT_FREE: tl.constexpr = tl.constexpr(errors.ERR_WAIT_HSLOT_FREE)
 
 
 @triton.jit

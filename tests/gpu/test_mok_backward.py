@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 pytestmark = pytest.mark.gpu
 pytest.importorskip("triton")
 
 import mok_kernels as mk  # noqa: E402
+from mokbench.reference import reference_all_experts  # noqa: E402
 from tests.gpu.test_mok_forward import make_layer  # noqa: E402
 
 DEV = "cuda"
@@ -24,28 +24,12 @@ TOL = 1e-2  # bf16 against float32, Frobenius-relative (mokbench.check)
 
 
 def reference_grads(x, idx, p, w, dy):
-    """Float32 autograd through the layer over all tokens and experts (any loopback size)."""
-    w1, w2, ws1, ws2 = w
-    I = w2.shape[1]
-    xf = x.float().requires_grad_(True)
-    pf = p.float().requires_grad_(True)
-    W = [t.float().requires_grad_(True) if t is not None else None for t in w]
-
-    def ffn(a, g1, g2):
-        h = a @ g1
-        return (F.silu(h[:, :I]) * h[:, I:]) @ g2
-
-    y = torch.zeros_like(xf)
-    for e in range(w1.shape[0]):
-        t, k = (idx == e).nonzero(as_tuple=True)
-        if len(t):
-            y = y.index_add(0, t, ffn(xf[t], W[0][e], W[1][e]) * pf[t, k].unsqueeze(1))
-    if ws1 is not None:
-        y = y + ffn(xf, W[2], W[3])
-    (y * dy.float()).sum().backward()
-    return {"y": y.detach(), "dx": xf.grad, "dp": pf.grad, "dw1": W[0].grad, "dw2": W[1].grad,
-            "dws1": W[2].grad if ws1 is not None else None,
-            "dws2": W[3].grad if ws1 is not None else None}
+    """The float32 reference over all tokens and experts (any loopback size), under the
+    names of :func:`grads_of`."""
+    r = reference_all_experts(x, idx, p, *w, dy_NH=dy)
+    d = r.dweights
+    return {"y": r.y_TH, "dx": r.dx_TH, "dp": r.dprobs_TK, "dw1": d["w1_EHF"],
+            "dw2": d["w2_EIH"], "dws1": d.get("ws1_HF"), "dws2": d.get("ws2_IH")}
 
 
 def run_train(cfg, L, x, idx, p, w, E, dy, withhold=0):

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from baselines import hybridep_megatron as hm
+from baselines.common import canonical_layout, out_in_layout
 from mokbench.backend import RunContext
 from mokbench.check import check_backward, check_forward
 from mokbench.inputs import make_inputs, make_weights
@@ -80,13 +81,13 @@ def test_preset_router_outputs():
 def test_fc1_glu_layout_round_trip():
     E, H, I = 2, 8, 4
     w1, w2 = torch.randn(E, H, 2 * I), torch.randn(E, I, H)
-    fc1, fc2 = hm.megatron_expert_weights(w1, w2)
+    fc1, fc2 = out_in_layout(w1), out_in_layout(w2)
     x = torch.randn(3, H)
     gate, linear = torch.chunk(x @ fc1[1].t(), 2, dim=-1)  # Megatron's GLU split
     torch.testing.assert_close(gate, x @ w1[1][:, :I])
     torch.testing.assert_close(linear, x @ w1[1][:, I:])
     assert fc2[0].shape == (H, I)
-    b1, b2 = hm.canonical_expert_weights(fc1, fc2)
+    b1, b2 = canonical_layout(list(fc1)), canonical_layout(list(fc2))  # grads: one per GEMM
     assert torch.equal(b1, w1) and torch.equal(b2, w2)
 
 

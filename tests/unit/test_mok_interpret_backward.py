@@ -22,31 +22,8 @@ pytest.importorskip("triton")
 
 SCRIPT = textwrap.dedent("""
     import torch
-    import torch.nn.functional as F
     import mok_kernels as mk
-
-    def ref(x, idx, p, w1, w2, ws1, ws2, dy):
-        xf, pf = x.float().requires_grad_(True), p.float().requires_grad_(True)
-        W = [t.float().requires_grad_(True) if t is not None else None
-             for t in (w1, w2, ws1, ws2)]
-        I = w2.shape[1]
-
-        def ffn(a, g1, g2):
-            h = a @ g1
-            return (F.silu(h[:, :I]) * h[:, I:]) @ g2
-
-        y = torch.zeros_like(xf)
-        for e in range(w1.shape[0]):
-            t, k = (idx == e).nonzero(as_tuple=True)
-            if len(t):
-                y = y.index_add(0, t, ffn(xf[t], W[0][e], W[1][e]) * pf[t, k].unsqueeze(1))
-        if ws1 is not None:
-            y = y + ffn(xf, W[2], W[3])
-        (y * dy.float()).sum().backward()
-        out = {"dx": xf.grad, "dp": pf.grad, "dw1": W[0].grad, "dw2": W[1].grad}
-        if ws1 is not None:
-            out.update(dws1=W[2].grad, dws2=W[3].grad)
-        return out
+    from mokbench.reference import reference_all_experts
 
     def rel(a, b):
         return ((a.float() - b).norm() / b.norm().clamp_min(1e-30)).item()
@@ -80,9 +57,11 @@ SCRIPT = textwrap.dedent("""
             grads.append(mk.backward(cfg, ws, saved, dy, *W))
         mk.check_errors(ws)
         g = grads[0]
-        got = {"dx": g.dx_TH, "dp": g.d_router_weights_TK, "dw1": g.w_gate_up,
-               "dw2": g.w_down, "dws1": g.shared_gate_up, "dws2": g.shared_down}
-        for name, r in ref(x, idx, p, w1, w2, ws1, ws2, dy).items():
+        got = {"dx_TH": g.dx_TH, "dprobs_TK": g.d_router_weights_TK, "w1_EHF": g.w_gate_up,
+               "w2_EIH": g.w_down, "ws1_HF": g.shared_gate_up, "ws2_IH": g.shared_down}
+        ref = reference_all_experts(x, idx, p, w1, w2, ws1, ws2, dy_NH=dy)
+        want = {"dx_TH": ref.dx_TH, "dprobs_TK": ref.dprobs_TK, **ref.dweights}
+        for name, r in want.items():
             err = rel(got[name], r)
             assert err < 2e-2, (L, T, il, name, err)
         if T == 40:

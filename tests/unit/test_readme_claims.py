@@ -1,5 +1,5 @@
 """Numbers the README quotes from a committed run agree with that run's own files (rows.jsonl
-and env.json, from which its report.md is derived)."""
+and env.json, from which its report.md is derived); CI runs the README's test command."""
 
 from __future__ import annotations
 
@@ -25,3 +25,14 @@ def test_ceiling_fraction_of_the_one_h200_run():
     mok = [r for r in rows if r["scenario_id"] == SCENARIO and r["backend"] == "mok"
            and r["pass"] == "forward" and r["status"] == "ok"]
     assert [round(r["tflops"], 1) for r in mok] == [tflops]
+
+
+def test_ci_runs_the_readme_test_command_then_ruff():
+    """.ci/run runs the README's second set-up command (the tests) verbatim, then ruff."""
+    setup = REPO.joinpath("README.md").read_text().split("\n## Set up\n", 1)[1].split("\n#", 1)[0]
+    commands = re.findall(r"```bash\n(.+?)\n```", setup)
+    assert len(commands) == 2, commands
+    lines = [ln for ln in REPO.joinpath(".ci", "run").read_text().splitlines()
+             if ln and not ln.startswith("#")]
+    i = lines.index(commands[1])
+    assert lines[i + 1:] == ["ruff check ."]

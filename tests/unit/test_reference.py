@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from mokbench.check import check_forward
-from mokbench.inputs import make_inputs, make_weights
-from mokbench.reference import checked_expert_ids, reference_layer
+from mokbench.inputs import MoEWeights, make_inputs, make_weights
+from mokbench.reference import checked_expert_ids, reference_all_experts, reference_layer
 from mokbench.scenario import Scenario, preset
 from tests.layer_check import check_single_rank
 
@@ -39,6 +39,33 @@ def test_reference_forward_and_grads_match_naive():
     y.backward(inp.dy_TH.double())
     assert torch.allclose(ref.dx_TH.double(), x.grad, rtol=1e-4, atol=1e-4)
     assert torch.allclose(ref.dprobs_TK.double(), p.grad, rtol=1e-4, atol=1e-4)
+
+
+def test_all_experts_reference_matches_naive_and_the_layer_reference():
+    """One process, every expert: forward and every gradient against float64 autograd through
+    the per-token loop, and bitwise equal to the layer reference on one rank."""
+    s = Scenario(preset("tiny"), 24, 1, routing="imbalanced")
+    w, inp = make_weights(s, 0, CPU), make_inputs(s, 0, CPU)
+    args = (inp.x_TH, inp.topk_idx_TK, inp.topk_weights_TK, *w.tensors().values())
+    ref = reference_all_experts(*args, dy_NH=inp.dy_TH)
+    assert reference_all_experts(*args).dx_TH is None
+    assert torch.equal(reference_all_experts(*args).y_TH, ref.y_TH)
+    leaves = {k: t.double().requires_grad_() for k, t in w.tensors().items()}
+    x = inp.x_TH.double().requires_grad_()
+    p = inp.topk_weights_TK.double().requires_grad_()
+    y = _naive(x, inp.topk_idx_TK, p, MoEWeights(**leaves, first_expert=0))
+    y.backward(inp.dy_TH.double())
+    assert torch.allclose(ref.y_TH.double(), y, rtol=1e-4, atol=1e-4)
+    assert torch.allclose(ref.dx_TH.double(), x.grad, rtol=1e-4, atol=1e-4)
+    assert torch.allclose(ref.dprobs_TK.double(), p.grad, rtol=1e-4, atol=1e-4)
+    assert ref.dweights.keys() == leaves.keys()
+    for name, leaf in leaves.items():
+        assert torch.allclose(ref.dweights[name].double(), leaf.grad, rtol=1e-4, atol=1e-4), name
+    layer = reference_layer(inp, w, max_checked_experts=s.local_experts)
+    for field in ("y_TH", "dx_TH", "dprobs_TK"):
+        assert torch.equal(getattr(ref, field), getattr(layer, field)), field
+    for name in leaves:
+        assert torch.equal(ref.dweights[name], layer.dweights[name]), name
 
 
 def test_checked_experts_spread():

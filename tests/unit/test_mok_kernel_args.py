@@ -1,0 +1,65 @@
+"""The megakernels' arguments come from one dict per kernel (``forward_kernel_args``,
+``backward_kernel_args``), which the launch passes by name and the lowering types: its keys
+are the kernel's parameters, and the lowering's signature follows its values."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("triton")
+
+import mok_kernels as mk  # noqa: E402
+from mok_kernels._details.lowering import kernel_args, signature  # noqa: E402
+from mok_kernels._details.tl_backward import mok_backward_kernel  # noqa: E402
+from mok_kernels._details.tl_mega import mok_forward_kernel  # noqa: E402
+
+H, I = 2048, 256
+KERNELS = {"forward": mok_forward_kernel, "backward": mok_backward_kernel}
+
+
+def _cfg(**kw) -> mk.MoKConfig:
+    return mk.MoKConfig.for_shape(H, I, minibatch=256, macrobatch=768, **kw)
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
+@pytest.mark.parametrize("tma, shared", [(False, False), (True, True)])
+def test_the_argument_dict_names_every_kernel_parameter(kernel, tma, shared):
+    args = kernel_args(_cfg(tma=tma), H, I, shared=shared, kernel=kernel)
+    assert list(args) == KERNELS[kernel].arg_names
+
+
+def test_forward_signature_follows_the_arguments():
+    args = kernel_args(_cfg(tma=True), H, I, topk=4, shared=False, comm_programs=8)
+    sig, constexprs, attrs = signature(mok_forward_kernel, args)
+    names = mok_forward_kernel.arg_names
+    assert (sig["x_tab"], sig["p_ptr"], sig["sum_ptr"], sig["x_base"]) == (
+        "*i64", "*fp32", "*i32", "*bf16")
+    assert sig["w1_desc"] == "tensordesc<bf16[64, 128]>"  # [BK, BN/2]: split gate/up
+    assert sig["ws1_desc"] == "constexpr" and constexprs[(names.index("ws1_desc"),)] is None
+    assert sig["T"] == sig["withhold"] == "i32"
+    assert constexprs[(names.index("COMM"),)] == 8 and constexprs[(names.index("K"),)] == 4
+    assert set(attrs) == {(i,) for i, n in enumerate(names) if sig[n].startswith("*")}
+
+
+def test_forward_without_tma_has_no_descriptors():
+    sig, constexprs, _ = signature(mok_forward_kernel, kernel_args(_cfg(), H, I))
+    for name in ("w1_desc", "w2_desc", "h_desc"):
+        assert sig[name] == "constexpr"
+        assert constexprs[(mok_forward_kernel.arg_names.index(name),)] is None
+
+
+def test_backward_signature_follows_the_arguments():
+    args = kernel_args(_cfg(gate_up_interleaved=True), H, I, shared=True, kernel="backward",
+                       phases=5)
+    sig, constexprs, _ = signature(mok_backward_kernel, args)
+    names = mok_backward_kernel.arg_names
+    assert (sig["p_base"], sig["drp_base"], sig["gstart_ptr"]) == ("*fp32", "*fp32", "*i32")
+    assert sig["ws1_desc"] == "tensordesc<bf16[256, 64]>"  # [BN, BK], shared expert on
+    assert sig["pre_a_desc"] == "tensordesc<bf16[128, 128]>"  # interleaved: both halves
+    assert constexprs[(names.index("PHASES"),)] == 5
+
+
+def test_an_argument_without_a_triton_type_is_an_error():
+    args = dict(kernel_args(_cfg(), H, I), T=1.5)
+    with pytest.raises(TypeError, match="T: no Triton type for float"):
+        signature(mok_forward_kernel, args)
