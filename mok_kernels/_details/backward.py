@@ -30,9 +30,7 @@ from mok_kernels._details.forward import (
     _token_source,
 )
 from mok_kernels._details.schedule import ScheduleTensors
-from mok_kernels._details.workspace import Workspace
-
-_ALIGN = 1024
+from mok_kernels._details.workspace import Workspace, carve
 
 
 @dataclass
@@ -100,12 +98,8 @@ def da_cols(cfg: MoKConfig, intermediate: int) -> int:
 
 
 def _carve(T: int, H: int, K: int, NJ: int) -> tuple[list[int], int]:
-    sizes = [T * H * 2, T * K * 4, T * K * NJ * 4]
-    offs, pos = [], 0
-    for n in sizes:
-        offs.append(pos)
-        pos += -(-n // _ALIGN) * _ALIGN
-    return offs, pos
+    """Byte offsets of dy, p, drp inside one (symmetric) buffer, and its size."""
+    return carve([T * H * 2, T * K * 4, T * K * NJ * 4])
 
 
 def _buffers(ws: Workspace) -> BackwardBuffers:

@@ -113,14 +113,20 @@ def _local_buffers(config: MoKConfig, L: int, T: int, H: int, I: int, P: int, Q:
     }
 
 
-def _carve(T: int, H: int, K: int, S: int) -> tuple[list[int], int]:
-    """Byte offsets of x, idx, comb inside one symmetric buffer, and its size."""
-    sizes = [T * H * 2, T * K * 4, T * S * H * 2]
+def carve(sizes: list[int]) -> tuple[list[int], int]:
+    """Byte offsets of buffers of ``sizes`` bytes laid one after another in one allocation,
+    each aligned to 1 KiB, and the allocation's size. Every rank carves alike, so one byte
+    offset between two ranks' bases serves every buffer."""
     offs, pos = [], 0
     for n in sizes:
         offs.append(pos)
         pos += -(-n // _ALIGN) * _ALIGN
     return offs, pos
+
+
+def _carve(T: int, H: int, K: int, S: int) -> tuple[list[int], int]:
+    """Byte offsets of x, idx, comb inside one symmetric buffer, and its size."""
+    return carve([T * H * 2, T * K * 4, T * S * H * 2])
 
 
 def _symmetric(T: int, H: int, K: int, S: int, group: Any, dev: torch.device) -> dict:
