@@ -1,4 +1,5 @@
-"""Knobs of the MoK forward megakernel, their validation, and the minibatch planner.
+"""Knobs of the MoK megakernels (forward and backward), their validation, and the minibatch
+planner.
 
 Legend: H hidden, I expert intermediate, F = 2*I (gate then up columns), BM/BN/BK tile sizes
 (rows, output columns, reduction depth) of the grouped GEMMs.
@@ -29,7 +30,8 @@ def _is_pow2(v: int) -> bool:
 
 @dataclass(frozen=True)
 class MoKConfig:
-    """Forward knobs.
+    """Knobs of both megakernels (the backward reuses the tiles, stages and spin budget; its own
+    knob is ``bwd_wide_da``).
 
     fwd_comm_sms: programs (one per SM) per EP rank that run pull dispatch and push combine;
         0 = no communication programs: the GEMM programs gather their rows straight from the
