@@ -17,6 +17,7 @@ import argparse
 import gc
 import json
 import os
+import sys
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -234,5 +235,17 @@ def main(argv: list[str] | None = None) -> None:
             dist.destroy_process_group()
 
 
+def _leave() -> None:
+    """End the worker process after a finished cell without running C++ static destructors:
+    at interpreter exit a process-group thread can abort the process ("terminate called
+    without an active exception", SIGABRT) after every result is written and the group is
+    destroyed, which torchrun then reports as this rank's failure and which leaves the other
+    nodes' agents waiting at their exit barrier."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 if __name__ == "__main__":
     main()
+    _leave()
