@@ -171,10 +171,10 @@ def wgrad_rows(cfg: MoKConfig) -> int:
 
 def _activation_descriptors(cfg: MoKConfig, pre_LPF: torch.Tensor, hs_LPI: torch.Tensor,
                             xg_LPH: torch.Tensor, dyg_LPH: torch.Tensor) -> tuple:
-    """(pre for the dA epilogue, r*h for the dA epilogue, r*h for dW_down, dGU for
-    dW_gate_up), then the pulled rows (dY for dA, dY for dW_down, x for dW_gate_up), over
-    [L*P, cols] views: epilogue boxes cover a quarter tile of I columns (half of an I tile;
-    interleaved gate/up: both of its halves), weight-gradient boxes BKW rows."""
+    """(pre for the dA epilogue, r*h for dW_down, dGU for dW_gate_up), then the pulled rows
+    (dY for dA, dY for dW_down, x for dW_gate_up), over [L*P, cols] views: the epilogue box
+    covers a quarter tile of I columns (interleaved gate/up: both of its halves), the
+    weight-gradient boxes BKW rows."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     bm, bn, bkw = cfg.block_m, cfg.block_n, wgrad_rows(cfg)
@@ -183,7 +183,6 @@ def _activation_descriptors(cfg: MoKConfig, pre_LPF: torch.Tensor, hs_LPI: torch
     hs = hs_LPI.view(-1, hs_LPI.shape[-1])
     xg, dyg = xg_LPH.view(-1, xg_LPH.shape[-1]), dyg_LPH.view(-1, dyg_LPH.shape[-1])
     return (TensorDescriptor.from_tensor(pre, [bm, 2 * q if cfg.gate_up_interleaved else q]),
-            TensorDescriptor.from_tensor(hs, [bm, q]),
             TensorDescriptor.from_tensor(hs, [bkw, bn // 2]),
             TensorDescriptor.from_tensor(pre, [bkw, bn]),
             TensorDescriptor.from_tensor(dyg, [bm, cfg.block_k]),
@@ -209,21 +208,20 @@ def backward_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots:
 
 
 def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tensor,
-                         x_src: torch.Tensor, weights: tuple, sc: BackwardScratch, *,
+                         weights: tuple, sc: BackwardScratch, *,
                          withhold: int, programs: int, phases: int,
                          interpreting: bool) -> dict[str, object]:
     """Every argument of ``mok_backward_kernel`` by name: buffers, TMA descriptors, scalars
     and compile-time constants. The one list of them, for the launch and for
     ``lowering.compile_megakernel`` (which derives the types from it). ``pre_LPF``: the
-    training forward's pre-activations; ``x_src``: where the token rows are;
-    ``programs``: programs per logical rank."""
+    training forward's pre-activations; ``programs``: programs per logical rank."""
     cfg, bb = ws.config, _buffers(ws)
     descs = _descriptors(ws, weights) + _activation_descriptors(cfg, pre_LPF, sc.hs_LPI,
                                                                 sc.xg_LPH, sc.dyg_LPH)
-    names = ("w1_desc", "w2_desc", "ws1_desc", "ws2_desc", "pre_a_desc", "hs_a_desc",
-             "hs_c_desc", "pre_d_desc", "dyg_a_desc", "dyg_c_desc", "xg_d_desc")
+    names = ("w1_desc", "w2_desc", "ws1_desc", "ws2_desc", "pre_a_desc", "hs_c_desc",
+             "pre_d_desc", "dyg_a_desc", "dyg_c_desc", "xg_d_desc")
     return dict(
-        x_base=x_src, x_tab=ws.x_tab_R, dy_base=bb.dy_LTH, tab16=bb.tab16_R, p_base=bb.p_LTK,
+        p_base=bb.p_LTK,
         drp_base=bb.drp_LTKJ, tab32=bb.tab32_R, comb_base=ws.comb_LTSH, comb_tab=ws.comb_tab_R,
         src_ptr=st.src_LP, group_ptr=st.group_LB, total_ptr=st.total_L,
         gstart_ptr=group_starts(st.counts_LG, cfg.block_m),
@@ -268,7 +266,7 @@ def backward(config: MoKConfig, ws: Workspace, context: ForwardContext, dy_TH: t
                                       BR=br, CH=_row_chunk(H), num_warps=4)
     progs, _ = _programs(ws)
     extra = {} if _interpreting() else {"launch_cooperative_grid": True}
-    args = backward_kernel_args(ws, st, context.pre_LPF, x_src, weights, sc,
+    args = backward_kernel_args(ws, st, context.pre_LPF, weights, sc,
                                 withhold=_withhold, programs=progs, phases=_phases,
                                 interpreting=_interpreting())
     mok_backward_kernel[(L * progs,)](**args, num_warps=config.num_warps,

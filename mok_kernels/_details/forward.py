@@ -132,7 +132,7 @@ def forward_kernel_args(ws: Workspace, st: ScheduleTensors, w1: torch.Tensor,
     launch and for ``lowering.compile_megakernel`` (which derives the types from it).
     ``programs`` / ``comm``: programs and communication programs per logical rank."""
     cfg = ws.config
-    h = ws.h_LQI  # SwiGLU rows: the ring (a buffer of QH rows, indexed row % QH)
+    h = ws.h_LQI  # SwiGLU rows: the ring of Q rows, indexed row % Q
     descs = _descriptors(ws, w1, w2, ws1, ws2, h) if cfg.tma else (None,) * 5
     return dict(
         x_base=x_LTH, x_tab=ws.x_tab_R, comb_base=ws.comb_LTSH, comb_tab=ws.comb_tab_R,
@@ -144,7 +144,7 @@ def forward_kernel_args(ws: Workspace, st: ScheduleTensors, w1: torch.Tensor,
         w1_ptr=w1, w2_ptr=w2, ws1_ptr=ws1 if ws1 is not None else w1,
         ws2_ptr=ws2 if ws2 is not None else w2,
         **dict(zip(("w1_desc", "w2_desc", "ws1_desc", "ws2_desc", "h_desc"), descs)),
-        T=ws.T, E=ws.E, P=ws.P, Q=ws.Q, QH=ws.Q, NCTR=ws.counters_LC.shape[1], MMAX=ws.mmax,
+        T=ws.T, E=ws.E, P=ws.P, Q=ws.Q, NCTR=ws.counters_LC.shape[1], MMAX=ws.mmax,
         budget=cfg.spin_budget, withhold=withhold,
         **kernel_constants(cfg, hidden=ws.H, intermediate=ws.I, slots=ws.S, shared=ws.shared,
                            programs=programs, comm=comm, interpreting=interpreting,

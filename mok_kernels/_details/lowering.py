@@ -98,7 +98,7 @@ def kernel_args(config: MoKConfig, hidden: int, intermediate: int, *, topk: int 
         return forward_kernel_args(ws, st, *w, y_NH=meta(ws.T, H), p_NK=p_NK, x_LTH=ws.x_LTH,
                                    pre_LPF=None, withhold=0, programs=programs,
                                    comm=comm_programs, interpreting=False)
-    return backward_kernel_args(ws, st, meta(1, ws.P, 2 * I), ws.x_LTH, w,
+    return backward_kernel_args(ws, st, meta(1, ws.P, 2 * I), w,
                                 backward_scratch(ws), withhold=0, programs=programs,
                                 phases=phases, interpreting=False)
 

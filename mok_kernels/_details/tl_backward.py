@@ -258,15 +258,14 @@ def _wgrad_gate_up_item(g, it, jn, lr, gst, total, P, pre_d_desc, xg_d_desc, ctr
 
 @triton.jit
 def mok_backward_kernel(
-        x_base, x_tab,  # token rows x (peer memory) and [R] int64 element offsets
-        dy_base, tab16, p_base, drp_base, tab32,  # backward buffers; [R] offsets (bf16, fp32)
+        p_base, drp_base, tab32,  # router weights, router-gradient partials; [R] fp32 offsets
         comb_base, comb_tab,  # dX slots [T, S, H] per rank (peer memory)
         src_ptr, group_ptr, total_ptr, gstart_ptr,  # schedule; gstart [L, G+1] int32
         pre_ptr, hs_ptr,  # saved [L, P, 2I] (overwritten with dG, dU); r*h scratch [L, P, I]
         ctr_ptr, err_ptr,  # [L, NCTR] int32 counters, [L, 4] int32 error words
         dw1_ptr, dw2_ptr, dws1_ptr, dws2_ptr,  # [L*E, H, 2I], [L*E, I, H], [L, H, 2I], [L, I, H]
         w1_desc, w2_desc, ws1_desc, ws2_desc,  # weight descriptors ([BN, BK] / [BN/2, BK])
-        pre_a_desc, hs_a_desc, hs_c_desc, pre_d_desc,  # activation descriptors (see host)
+        pre_a_desc, hs_c_desc, pre_d_desc,  # activation descriptors (see host)
         dyg_a_desc, dyg_c_desc, xg_d_desc,  # pulled dY and x rows [L*P, H] (see host)
         T, E, NG, P, NCTR, budget, withhold,
         H: tl.constexpr, I: tl.constexpr, S: tl.constexpr, K: tl.constexpr,

@@ -170,18 +170,17 @@ def _weight_desc(lr, g, E, desc, shared_desc, rows: tl.constexpr, TMA: tl.conste
 
 @triton.jit
 def _gate_up_item(m, b, j, lr, src, grp, total, ring, hbuf, pre, ctr, err, x_base, x_tab,
-                  w1_ptr, ws1_ptr, w1_desc, ws1_desc, T, E, Q, QH, MMAX, budget, withhold,
+                  w1_ptr, ws1_ptr, w1_desc, ws1_desc, T, E, Q, MMAX, budget, withhold,
                   H: tl.constexpr, I: tl.constexpr, S: tl.constexpr, COMM: tl.constexpr,
                   HAS_SHARED: tl.constexpr, MB: tl.constexpr, BM: tl.constexpr,
                   BN: tl.constexpr, BK: tl.constexpr, GJ: tl.constexpr, QUANT: tl.constexpr,
                   F32_DOT: tl.constexpr, TMA: tl.constexpr,
                   INTERLEAVED: tl.constexpr, SAVE_PRE: tl.constexpr):
     """GJ consecutive gate+up tiles (column tiles j*GJ ..) of row block b: one wait, one
-    signal (+GJ) for all of them. SwiGLU rows live in an h buffer of QH rows (a ring of
-    QH = Q rows, or every schedule row, QH = P, in the training forward)."""
+    signal (+GJ) for all of them."""
     GATHER: tl.constexpr = COMM == 0
     ok = 1
-    slots = QH // MB
+    slots = Q // MB
     if COMM > 0:
         ok = wait_geq(ctr + 1 + m, COMM, err, budget, _E_DISPATCHED, m)
     else:
@@ -199,7 +198,7 @@ def _gate_up_item(m, b, j, lr, src, grp, total, ring, hbuf, pre, ctr, err, x_bas
         else:  # gather straight from the (peer) token buffers
             a_rows, a_valid = _token_rows(src, rows, rows >= 0, T, S, x_tab, x_base, H)
         d1, w_row0 = _weight_desc(lr, g, E, w1_desc, ws1_desc, H, TMA, HAS_SHARED)
-        h_rows = hbuf + (rows % QH).to(tl.int64) * I
+        h_rows = hbuf + qrows * I
         pre_rows = pre + rows.to(tl.int64) * (2 * I)
         gate_up_swiglu_tiles(a_rows, a_valid, w1, j * GJ, h_rows, d1, w_row0, pre_rows, H, I,
                              BM, BN, BK, GJ, QUANT, GATHER, F32_DOT, TMA, INTERLEAVED,
@@ -248,7 +247,7 @@ def _sum_arrived(src, rows, rmask, jd, comb_base, comb_tab, y_ptr, p_ptr, sums, 
 
 @triton.jit
 def _down_item(m, b, jd, lr, src, grp, hbuf, outb, ctr, err, comb_base, comb_tab, w2_ptr,
-               ws2_ptr, h_desc, w2_desc, ws2_desc, y_ptr, p_ptr, sums, T, E, Q, QH, MMAX, budget,
+               ws2_ptr, h_desc, w2_desc, ws2_desc, y_ptr, p_ptr, sums, T, E, Q, MMAX, budget,
                H: tl.constexpr, I: tl.constexpr, S: tl.constexpr, K: tl.constexpr,
                COMM: tl.constexpr, HAS_SHARED: tl.constexpr, BM: tl.constexpr,
                BN: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, F32_DOT: tl.constexpr,
@@ -261,8 +260,8 @@ def _down_item(m, b, jd, lr, src, grp, hbuf, outb, ctr, err, comb_base, comb_tab
         rows = b * BM + tl.arange(0, BM)
         qrows = (rows % Q).to(tl.int64)
         w2 = _weights(lr, g, E, w2_ptr, ws2_ptr, I * H, HAS_SHARED)
-        h_rows = hbuf + (rows % QH).to(tl.int64) * I
-        h_row0 = lr * QH + (b * BM) % QH  # row block b's h rows are contiguous
+        h_rows = hbuf + qrows * I
+        h_row0 = lr * Q + (b * BM) % Q  # row block b's h rows are contiguous
         d2, w_row0 = _weight_desc(lr, g, E, w2_desc, ws2_desc, I, TMA, HAS_SHARED)
         if COMM == 0:  # scatter straight into the (peer) combine slots
             dst, valid = _slot_rows(src, rows, rows >= 0, T, S, comb_tab, comb_base, H)
@@ -281,7 +280,7 @@ def _down_item(m, b, jd, lr, src, grp, hbuf, outb, ctr, err, comb_base, comb_tab
 @triton.jit
 def _compute_loop(lr, src, grp, total, ring, hbuf, pre, outb, ctr, err, x_base, x_tab,
                   comb_base, comb_tab, w1_ptr, w2_ptr, ws1_ptr, ws2_ptr, w1_desc, w2_desc,
-                  ws1_desc, ws2_desc, h_desc, y_ptr, p_ptr, sums, T, E, Q, QH, MMAX, budget,
+                  ws1_desc, ws2_desc, h_desc, y_ptr, p_ptr, sums, T, E, Q, MMAX, budget,
                   withhold,
                   H: tl.constexpr, I: tl.constexpr, S: tl.constexpr, K: tl.constexpr,
                   COMM: tl.constexpr, HAS_SHARED: tl.constexpr, MB: tl.constexpr,
@@ -312,7 +311,7 @@ def _compute_loop(lr, src, grp, total, ring, hbuf, pre, outb, ctr, err, x_base, 
             if b * BM < total:
                 ok = _gate_up_item(m, b, i % N1, lr, src, grp, total, ring, hbuf, pre, ctr,
                                    err, x_base, x_tab, w1_ptr, ws1_ptr, w1_desc, ws1_desc, T,
-                                   E, Q, QH, MMAX, budget, withhold, H, I, S, COMM, HAS_SHARED,
+                                   E, Q, MMAX, budget, withhold, H, I, S, COMM, HAS_SHARED,
                                    MB, BM, BN, BK, GJ, QUANT, F32_DOT, TMA, INTERLEAVED,
                                    SAVE_PRE)
         else:
@@ -321,7 +320,7 @@ def _compute_loop(lr, src, grp, total, ring, hbuf, pre, outb, ctr, err, x_base, 
             if b * BM < total:
                 ok = _down_item(m, b, i2 % N2, lr, src, grp, hbuf, outb, ctr, err, comb_base,
                                 comb_tab, w2_ptr, ws2_ptr, h_desc, w2_desc, ws2_desc, y_ptr,
-                                p_ptr, sums, T, E, Q, QH, MMAX, budget, H, I, S, K, COMM,
+                                p_ptr, sums, T, E, Q, MMAX, budget, H, I, S, K, COMM,
                                 HAS_SHARED, BM, BN, BK, DT, F32_DOT, TMA, FUSED_SUM)
         if PREFETCH:
             tk = tk_next
@@ -333,13 +332,13 @@ def _compute_loop(lr, src, grp, total, ring, hbuf, pre, outb, ctr, err, x_base, 
 def mok_forward_kernel(
         x_base, x_tab, comb_base, comb_tab,  # own token / combine buffer; [R] int64 offsets
         src_ptr, group_ptr, total_ptr,  # schedule: [L, P] int32, [L, P/BM] int32, [L] int32
-        ring_ptr, h_ptr, out_ptr,  # [L, Q, H], [L, QH, I], [L, Q, H] bf16
+        ring_ptr, h_ptr, out_ptr,  # [L, Q, H], [L, Q, I], [L, Q, H] bf16
         pre_ptr,  # SAVE_PRE: gate/up pre-activations [L, P, 2I] bf16
         ctr_ptr, err_ptr,  # [L, NCTR] int32 counters, [L, 4] int32 error words
         y_ptr, p_ptr, sum_ptr,  # FUSED_SUM: y [L*T, H] bf16, p [L*T, K] fp32, [L*T, H/BN] i32
         w1_ptr, w2_ptr, ws1_ptr, ws2_ptr,  # [L*E, H, 2I], [L*E, I, H], [H, 2I], [I, H] bf16
         w1_desc, w2_desc, ws1_desc, ws2_desc, h_desc,  # TMA descriptors (None unless TMA)
-        T, E, P, Q, QH, NCTR, MMAX, budget, withhold,
+        T, E, P, Q, NCTR, MMAX, budget, withhold,
         H: tl.constexpr, I: tl.constexpr, S: tl.constexpr, PROGS: tl.constexpr,
         COMM: tl.constexpr, HAS_SHARED: tl.constexpr, MB: tl.constexpr, BM: tl.constexpr,
         BN: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, GJ: tl.constexpr, CR: tl.constexpr,
@@ -357,7 +356,7 @@ def mok_forward_kernel(
     grp = group_ptr + lr * (P // BM)
     total = tl.load(total_ptr + lr)
     ring = ring_ptr + lr.to(tl.int64) * Q * H
-    hbuf = h_ptr + lr.to(tl.int64) * QH * I
+    hbuf = h_ptr + lr.to(tl.int64) * Q * I
     pre = pre_ptr + lr.to(tl.int64) * P * (2 * I)
     outb = out_ptr + lr.to(tl.int64) * Q * H
     if COMM > 0:
@@ -368,13 +367,13 @@ def mok_forward_kernel(
             _compute_loop(lr, src, grp, total, ring, hbuf, pre, outb, ctr, err, x_base, x_tab,
                           comb_base, comb_tab, w1_ptr, w2_ptr, ws1_ptr, ws2_ptr, w1_desc,
                           w2_desc, ws1_desc, ws2_desc, h_desc, y_ptr, p_ptr, sum_ptr, T, E, Q,
-                          QH, MMAX, budget, withhold, H, I, S, K, COMM, HAS_SHARED, MB, BM, BN,
+                          MMAX, budget, withhold, H, I, S, K, COMM, HAS_SHARED, MB, BM, BN,
                           BK, DT, GJ, QUANT, F32_DOT, TMA, INTERLEAVED, PREFETCH, FUSED_SUM,
                           SAVE_PRE)
     else:
         _compute_loop(lr, src, grp, total, ring, hbuf, pre, outb, ctr, err, x_base, x_tab,
                       comb_base, comb_tab, w1_ptr, w2_ptr, ws1_ptr, ws2_ptr, w1_desc, w2_desc,
-                      ws1_desc, ws2_desc, h_desc, y_ptr, p_ptr, sum_ptr, T, E, Q, QH, MMAX,
+                      ws1_desc, ws2_desc, h_desc, y_ptr, p_ptr, sum_ptr, T, E, Q, MMAX,
                       budget, withhold, H, I, S, K, COMM, HAS_SHARED, MB, BM, BN, BK, DT, GJ,
                       QUANT, F32_DOT, TMA, INTERLEAVED, PREFETCH, FUSED_SUM, SAVE_PRE)
 
