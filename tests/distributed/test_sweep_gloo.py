@@ -27,10 +27,25 @@ routing = ["uniform", "imbalanced"]
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_port_range() -> int:
+    """A base port whose RDZV_PORT_SLOTS ports (one per cell) are all free, below Linux's
+    ephemeral range (32768 and up): a port the OS hands out for outgoing connections can
+    be taken by a client socket of an earlier cell between the check and its use."""
+    import random
+
+    from mokbench.launch import RDZV_PORT_SLOTS
+
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 32000 - RDZV_PORT_SLOTS)
+        try:
+            for p in range(base, base + RDZV_PORT_SLOTS):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError("no free port range below 32000")
 
 
 def test_nccl_torch_over_gloo_world_2_and_4(tmp_path):
@@ -92,7 +107,7 @@ def test_default_sweep_runs_on_cpu(tmp_path):
 def test_two_nodes_on_localhost(tmp_path):
     f = tmp_path / "s.toml"
     f.write_text(SWEEP.format(ws=2))
-    port = str(_free_port())
+    port = str(_free_port_range())
     procs = [subprocess.Popen(
         [sys.executable, "-m", "mokbench.cli", "sweep", str(f), "--device", "cpu", "--nnodes", "2",
          "--node-rank", str(i), "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}",
