@@ -17,14 +17,20 @@ Backward: dispatch's backward is a combine and combine's backward is a cached di
 wrapped in ``torch.autograd.Function``. FP8 (``precision="fp8"``) sends e4m3 tokens with one fp32
 scale per 128 channels (needs a DeepEP build with SM90 kernels); experts stay bf16.
 
-Knobs: ``MOKBENCH_DEEPEP_SMS`` communication SMs (even, default 24).
+Knobs: ``MOKBENCH_DEEPEP_SMS`` communication SMs (even, default 24: ``Buffer.set_num_sms(24)`` in
+DeepEP's README; the library's own default is 20). Buffers are sized as the README does, from
+``Buffer.get_dispatch_config(W)`` / ``get_combine_config(W)`` (which read the SM count when
+called, so it is set first); the row's variant records the SMs and the NVLink buffer size.
 DeepEP is not on PyPI; benchmarks/build_deepep.sh builds a checkout of it. The V1 API ships in
-tag v1.2.1 and the hybrid-ep branch; current main is the V2 API (ElasticBuffer).
+tag v1.2.1 and the hybrid-ep branch (same intranode ``Buffer`` calls; its ``Buffer()`` also
+checks NVLink through ``pynvml`` on every GPU, v1.2.1 only on PCIe GPUs); current main is the V2
+API (ElasticBuffer).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
 from typing import Any
 
@@ -47,7 +53,10 @@ def comm_sms(env: dict[str, str] | None = None) -> int:
     """SMs DeepEP's dispatch/combine kernels use: $MOKBENCH_DEEPEP_SMS, default 24. DeepEP
     splits them into send/receive pairs, so the count must be even."""
     raw = (os.environ if env is None else env).get(SMS_ENV, "")
-    n = int(raw) if raw.strip() else DEFAULT_SMS
+    try:
+        n = int(raw) if raw.strip() else DEFAULT_SMS
+    except ValueError:
+        n = -1
     if n <= 0 or n % 2:
         raise ValueError(f"{SMS_ENV}={raw!r} is invalid: allowed a positive even integer")
     return n
@@ -79,13 +88,44 @@ def deep_ep_installed() -> bool:
     return importlib.util.find_spec("deep_ep") is not None
 
 
+def buffer_needs_pynvml(buffer_cls: Any) -> bool:
+    """Whether this ``Buffer`` imports ``pynvml`` on every construction: the hybrid-ep branch's
+    ``Buffer(..., allow_nvlink_for_normal_mode=True)`` checks NVLink between every pair of GPUs
+    through it (v1.2.1 only on PCIe GPUs), and ``pynvml`` is not a dependency of torch."""
+    try:
+        params = inspect.signature(buffer_cls.__init__).parameters
+    except (TypeError, ValueError):
+        return False
+    return "allow_nvlink_for_normal_mode" in params
+
+
+def visible_devices_reason(value: str | None) -> str | None:
+    """The NVLink check of hybrid-ep's ``Buffer()`` maps the current device to a physical GPU
+    with ``int()`` of its $CUDA_VISIBLE_DEVICES entry: UUIDs or MIG names there fail. Pure."""
+    entries = [v.strip() for v in (value or "").strip(",").split(",") if v.strip()]
+    if all(v.isdigit() for v in entries):
+        return None
+    return (f"deep_ep's Buffer reads CUDA_VISIBLE_DEVICES as GPU indices; it is {value!r} "
+            "(use indices, e.g. 0,1)")
+
+
 def deepep_reason(world_size: int, precision: str, hidden: int, *, installed: bool,
-                  has_v1_buffer: bool = True, sm90_compiled: bool = True) -> str | None:
-    """Why DeepEP cannot run this cell (None when it can). Pure: facts are passed in."""
+                  has_v1_buffer: bool = True, sm90_compiled: bool = True,
+                  import_error: str | None = None, pynvml_missing: bool = False,
+                  visible_devices: str | None = None) -> str | None:
+    """Why DeepEP cannot run this cell (None when it can). Pure: facts are passed in;
+    ``visible_devices``: $CUDA_VISIBLE_DEVICES where the Buffer checks NVLink through pynvml."""
     if not installed:
         return f"package 'deep_ep' is not installed ({INSTALL_HINT})"
+    if import_error:
+        return f"package 'deep_ep' does not import: {import_error}"
     if not has_v1_buffer:
         return "deep_ep has no V1 Buffer (V2 API installed); install v1.2.1 or the hybrid-ep branch"
+    if pynvml_missing:
+        return ("deep_ep's Buffer checks NVLink through pynvml, which is not installed "
+                "(pip install nvidia-ml-py)")
+    if visible_devices_reason(visible_devices):
+        return visible_devices_reason(visible_devices)
     if world_size not in WORLD_SIZES:
         return f"needs 2, 4 or 8 GPUs (world size {world_size})"
     if precision == "fp8":
@@ -131,13 +171,21 @@ class DeepEPComm:
     def __init__(self, group: Any, num_experts: int, hidden: int, fp8: bool) -> None:
         from deep_ep import Buffer
 
-        Buffer.set_num_sms(comm_sms())
+        self.num_sms = comm_sms()
+        Buffer.set_num_sms(self.num_sms)  # before the configs: they read Buffer.num_sms
         W = group.size()
         configs = [Buffer.get_dispatch_config(W), Buffer.get_combine_config(W)]
-        nvl, rdma = buffer_bytes(configs, hidden_bytes(hidden, 2), W)
-        self.buffer = Buffer(group, nvl, rdma, explicitly_destroy=True)
+        self.nvl_bytes, self.rdma_bytes = buffer_bytes(configs, hidden_bytes(hidden, 2), W)
+        self.buffer = Buffer(group, self.nvl_bytes, self.rdma_bytes, explicitly_destroy=True)
         self.num_experts, self.fp8 = num_experts, fp8
         self.counts: list[int] = []
+
+    def describe(self) -> str:
+        """The row's variant: communication SMs, NVLink buffer (MiB), FP8 dispatch."""
+        mib = self.nvl_bytes / 2**20
+        return (f"sms={self.num_sms},nvl_buffer_mib={mib:.0f}"
+                + (f",rdma_buffer_mib={self.rdma_bytes / 2**20:.0f}" if self.rdma_bytes else "")
+                + (",fp8_dispatch" if self.fp8 else ""))
 
     def dispatch(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor,
                  topk_weights_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
@@ -149,8 +197,16 @@ class DeepEPComm:
     def combine(self, y_RH: torch.Tensor, handle: Any) -> torch.Tensor:
         return _Combine.apply(y_RH, handle, self)
 
-    def raw_dispatch(self, x_TH, topk_idx_TK, topk_weights_TK):
+    def raw_dispatch(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor,
+                     topk_weights_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
+                                                             torch.Tensor, Any]:
+        """``get_dispatch_layout`` then a non-cached ``dispatch`` (synchronous: no previous
+        event, no async finish). DeepEP checks: x bf16 [T, H] contiguous, or (e4m3 [T, H], fp32
+        [T, H/128]) in FP8; topk_idx int64 [T, K]; topk_weights fp32 [T, K] contiguous. It
+        returns (recv_x, recv_topk_idx, recv_topk_weights, per-expert counts (host list),
+        handle, event); recv_x is a tuple again in FP8, converted back to bf16 here."""
         buf = self.buffer
+        topk_idx_TK = topk_idx_TK.to(torch.int64).contiguous()
         n_rank, n_rdma, n_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx_TK,
                                                                       self.num_experts)
         x_in = per_token_cast_to_fp8(x_TH) if self.fp8 else x_TH
@@ -205,13 +261,20 @@ def deepep_status(world_size: int, precision: str, hidden: int) -> str | None:
     """:func:`deepep_reason` with the facts read from the installed package."""
     if not deep_ep_installed():
         return deepep_reason(world_size, precision, hidden, installed=False)
-    import deep_ep
-
+    try:
+        import deep_ep
+    except Exception as exc:  # noqa: BLE001 - a broken build (missing .so, symbols) is a reason
+        first = (str(exc).strip().splitlines() or [""])[0]
+        return deepep_reason(world_size, precision, hidden, installed=True,
+                             import_error=f"{type(exc).__name__}: {first}")
     buffer = getattr(deep_ep, "Buffer", None)
     v1 = buffer is not None and hasattr(buffer, "get_dispatch_layout")
     sm90 = buffer.is_sm90_compiled() if v1 and precision == "fp8" else True
+    nvml = v1 and buffer_needs_pynvml(buffer)
     return deepep_reason(world_size, precision, hidden, installed=True, has_v1_buffer=v1,
-                         sm90_compiled=bool(sm90))
+                         sm90_compiled=bool(sm90),
+                         pynvml_missing=nvml and importlib.util.find_spec("pynvml") is None,
+                         visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES") if nvml else None)
 
 
 class DeepEPBackend(BackendBase):
@@ -240,7 +303,7 @@ class DeepEPBackend(BackendBase):
         self.params = expert_params(weights)
         self.comm = DeepEPComm(ctx.group, scenario.shape.num_experts, scenario.shape.hidden,
                                fp8=scenario.precision == "fp8")
-        self.variant = f"sms={comm_sms()}" + (",fp8_dispatch" if self.comm.fp8 else "")
+        self.variant = self.comm.describe()
 
     def forward(self, x_TH, topk_idx_TK, topk_weights_TK):
         recv_x_RH, recv_w_RK, recv_idx_RK, handle = self.comm.dispatch(x_TH, topk_idx_TK,

@@ -24,8 +24,21 @@ gate rows first (Megatron's GLU splits fc1's output with ``chunk(2)``: gate, the
 ``linear_fc2.weight`` likewise.
 
 ``check()`` (called by the worker outside the timed region) asserts that no token was dropped:
-the rows Megatron handed the experts equal the routed slots of all ranks for this rank's experts.
+the rows Megatron handed the experts (``tokens_per_expert``, the experts' second argument) equal
+the routed slots of all ranks for this rank's experts. With HybridEP at fp8 those counts are
+already padded per expert to the FP8 GEMM alignment (HybridEP pads in its permute, and
+TEGroupedMLP then skips its own padding), so they are compared with the routed slots rounded up.
 Megatron's parallel state is global: set up once per process, destroyed in ``teardown``.
+
+HybridEP (Megatron-Core 0.19.2 ``fused_a2a``, DeepEP branch hybrid-ep): Megatron builds one
+``HybridEPBuffer`` lazily at the first dispatch (max tokens per rank = that call's tokens), with
+``moe_flex_dispatcher_num_sms`` SMs for dispatch and for combine ($MOKBENCH_HYBRIDEP_SMS, default
+24, HybridEP's own intranode default; the row's variant records it) and 108 for its metadata
+preprocessing; it dispatches bf16 only (fp8 here means FP8 expert GEMMs). HybridEP compiles its
+kernels at run time with ``$CUDA_HOME/bin/nvcc`` (it reads ``CUDA_HOME`` only), so ``setup`` sets
+``CUDA_HOME`` from torch's ``cpp_extension.CUDA_HOME`` when it is unset; the first forward (the
+check, outside the timed region) pays the compilation. Its kernels need hidden a multiple of 16 and
+(local experts x ranks in the NVLink domain) a multiple of 4.
 """
 
 from __future__ import annotations
@@ -46,6 +59,76 @@ from mokbench.backend import BackendBase, Capabilities, RunContext
 INSTALL_HINT = "pip install 'mokbench[megatron]'"
 HYBRIDEP_HINT = f"not on PyPI: build DeepEP's branch hybrid-ep with {BUILD_SCRIPT}"
 SMS_ENV = "MOKBENCH_HYBRIDEP_SMS"
+DEFAULT_SMS = 24  # HybridEP's Configurer default for dispatch and combine within one node
+MAX_NVL_DOMAIN = 8  # GPUs of one H200/B200 node: the ranks HybridEP reaches over NVLink
+
+
+def hybridep_sms(env: dict[str, str] | None = None) -> int:
+    """SMs for HybridEP's dispatch and for its combine kernels (Megatron's
+    ``moe_flex_dispatcher_num_sms``): $MOKBENCH_HYBRIDEP_SMS, default 24."""
+    raw = (os.environ if env is None else env).get(SMS_ENV, "")
+    try:
+        n = int(raw) if raw.strip() else DEFAULT_SMS
+    except ValueError:
+        n = 0
+    if n <= 0:
+        raise ValueError(f"{SMS_ENV}={raw!r} is invalid: allowed a positive integer")
+    return n
+
+
+def hybridep_shape_reason(world_size: int, hidden: int, num_experts: int) -> str | None:
+    """HybridEP's buffer-config checks for bf16 tokens (``BufferConfig.is_valid``): hidden a
+    multiple of 16 (TMA rows) and local experts x ranks per NVLink domain a multiple of 4. Pure."""
+    if hidden % 16:
+        return f"HybridEP needs hidden a multiple of 16; hidden is {hidden}"
+    local = num_experts // max(world_size, 1)
+    ranks = min(world_size, MAX_NVL_DOMAIN)
+    if (local * ranks) % 4:
+        return (f"HybridEP needs local experts x ranks per node a multiple of 4; "
+                f"{local} x {ranks} is not")
+    return None
+
+
+def jit_cuda_home(env: dict[str, str] | None = None) -> str | None:
+    """The CUDA toolkit HybridEP's run-time compiler will use: $CUDA_HOME, else torch's guess
+    (``torch.utils.cpp_extension.CUDA_HOME``: $CUDA_PATH, ``nvcc`` on PATH, /usr/local/cuda)."""
+    env = os.environ if env is None else env
+    if env.get("CUDA_HOME"):
+        return env["CUDA_HOME"]
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    return CUDA_HOME
+
+
+def nvcc_reason(cuda_home: str | None, nvcc_exists: bool) -> str | None:
+    """Why HybridEP cannot compile its kernels at run time (None when it can). Pure."""
+    if not cuda_home:
+        return ("HybridEP compiles its kernels at run time with $CUDA_HOME/bin/nvcc; no CUDA "
+                "toolkit found (set CUDA_HOME)")
+    if not nvcc_exists:
+        return f"HybridEP compiles its kernels at run time; {cuda_home}/bin/nvcc does not exist"
+    return None
+
+
+def cpath_with(cpath: str | None, include_dir: str) -> str:
+    """``cpath`` (a $CPATH value) with ``include_dir`` appended unless already there. Pure."""
+    parts = [d for d in (cpath or "").split(os.pathsep) if d]
+    return os.pathsep.join(parts if include_dir in parts else [*parts, include_dir])
+
+
+def ensure_jit_nvcc() -> None:
+    """Export ``CUDA_HOME`` for HybridEP's compiler (which reads only that variable) or raise a
+    one-line RuntimeError naming what is missing. Where CUDA 13 keeps CCCL apart
+    (``include/cccl``, with ``<cuda/ptx>`` that HybridEP's kernels include), that folder joins
+    $CPATH too, as for building DeepEP: harmless where nvcc finds it by itself."""
+    home = jit_cuda_home()
+    why = nvcc_reason(home, bool(home) and os.path.isfile(os.path.join(home, "bin", "nvcc")))
+    if why:
+        raise RuntimeError(why)
+    os.environ.setdefault("CUDA_HOME", home)
+    cccl = os.path.join(home, "include", "cccl")
+    if os.path.isdir(cccl):
+        os.environ["CPATH"] = cpath_with(os.environ.get("CPATH"), cccl)
 
 
 def installed(module: str) -> bool:
@@ -56,18 +139,29 @@ def installed(module: str) -> bool:
         return False
 
 
+def hybridep_import_error() -> str | None:
+    """Why ``from deep_ep import HybridEPBuffer`` (what Megatron's ``fused_a2a`` imports) fails:
+    None when it works, "" when ``deep_ep`` is not installed or lacks HybridEPBuffer, else the
+    import's one-line error (a broken build: missing ``hybrid_ep_cpp``, undefined symbols)."""
+    if not installed("deep_ep"):
+        return ""
+    try:
+        import deep_ep
+    except Exception as exc:  # noqa: BLE001 - any failure to import is the reason
+        first = (str(exc).strip().splitlines() or [""])[0]
+        return f"{type(exc).__name__}: {first}"
+    return None if hasattr(deep_ep, "HybridEPBuffer") else ""
+
+
 def hybridep_installed() -> bool:
     """Whether the installed ``deep_ep`` has ``HybridEPBuffer`` (DeepEP's hybrid-ep branch)."""
-    if not installed("deep_ep"):
-        return False
-    import deep_ep
-
-    return hasattr(deep_ep, "HybridEPBuffer")
+    return hybridep_import_error() is None
 
 
 def megatron_reason(world_size: int, *, hybridep: bool, has_megatron: bool, has_te: bool,
-                    has_hybridep: bool = False) -> str | None:
-    """Why a Megatron baseline cannot run this cell (None when it can). Pure: facts passed in."""
+                    has_hybridep: bool = False, hybridep_error: str = "") -> str | None:
+    """Why a Megatron baseline cannot run this cell (None when it can). Pure: facts passed in;
+    ``hybridep_error``: why ``deep_ep`` with HybridEPBuffer failed to import, if it did."""
     if not has_megatron:
         return f"package 'megatron.core' is not installed ({INSTALL_HINT})"
     if not has_te:
@@ -75,6 +169,8 @@ def megatron_reason(world_size: int, *, hybridep: bool, has_megatron: bool, has_
                 f"it; {INSTALL_HINT})")
     if hybridep:
         if not has_hybridep:
+            if hybridep_error:
+                return f"package 'deep_ep' does not import: {hybridep_error}"
             return f"package 'deep_ep' with HybridEPBuffer is not installed ({HYBRIDEP_HINT})"
         if world_size < 2:
             return f"HybridEP needs at least 2 GPUs (world size {world_size})"
@@ -141,12 +237,22 @@ def preset_router_outputs(topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tens
     return probs_TG, routing_map_TG.scatter_(1, topk_idx_TK, True)
 
 
-def dropped_tokens(expected_E: list[int], got_E: list[int]) -> int:
+def padded_rows(rows: int, pad_multiple: int) -> int:
+    """``rows`` rounded up to a multiple of ``pad_multiple`` (0 stays 0), as HybridEP pads each
+    expert's rows for FP8 GEMMs."""
+    return -(-rows // pad_multiple) * pad_multiple
+
+
+def dropped_tokens(expected_E: list[int], got_E: list[int], pad_multiple: int = 1) -> int:
     """Routed slots the experts did not receive (0 when dropless); a mismatch in the number of
-    experts or extra rows is an error too, reported as a ValueError."""
-    if len(expected_E) != len(got_E) or any(g > e for e, g in zip(expected_E, got_E)):
-        raise ValueError(f"rows per local expert {got_E} do not match the routing {expected_E}")
-    return sum(e - g for e, g in zip(expected_E, got_E))
+    experts or extra rows is an error too, reported as a ValueError. ``pad_multiple`` > 1: the
+    counts ``got_E`` include padding up to that multiple, and a missing slot can only be seen
+    where it lowers the padded count."""
+    want_E = [padded_rows(e, pad_multiple) for e in expected_E]
+    if len(want_E) != len(got_E) or any(g > w for w, g in zip(want_E, got_E)):
+        raise ValueError(f"rows per local expert {got_E} do not match the routing {expected_E}"
+                         + (f" padded to {pad_multiple}" if pad_multiple > 1 else ""))
+    return sum(w - g for w, g in zip(want_E, got_E))
 
 
 def fp8_shared_tokens_reason(scenario, cc: tuple[int, int] | None) -> str | None:
@@ -205,10 +311,19 @@ class HybridEPMegatronBackend(BackendBase):
 
     def unavailable_reason(self, ctx: RunContext | None, scenario=None) -> str | None:
         ws = scenario.world_size if scenario is not None else (ctx.world_size if ctx else 1)
-        has_hybridep = self.dispatcher == "hybridep" and hybridep_installed()
-        why = megatron_reason(ws, hybridep=self.dispatcher == "hybridep",
-                              has_megatron=installed("megatron.core"),
-                              has_te=installed("transformer_engine"), has_hybridep=has_hybridep)
+        hybridep = self.dispatcher == "hybridep"
+        error = hybridep_import_error() if hybridep else ""
+        why = megatron_reason(ws, hybridep=hybridep, has_megatron=installed("megatron.core"),
+                              has_te=installed("transformer_engine"),
+                              has_hybridep=hybridep and error is None,
+                              hybridep_error=error or "")
+        if why is None and hybridep:
+            home = jit_cuda_home()
+            why = nvcc_reason(home, bool(home) and os.path.isfile(os.path.join(home, "bin",
+                                                                               "nvcc")))
+            if why is None and scenario is not None:
+                s = scenario.shape
+                why = hybridep_shape_reason(ws, s.hidden, s.num_experts)
         if why is None and scenario is not None and scenario.precision == "fp8":
             cc = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
             s = scenario.shape
@@ -232,22 +347,29 @@ class HybridEPMegatronBackend(BackendBase):
                 tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                 expert_model_parallel_size=ctx.world_size)
         model_parallel_cuda_manual_seed(scenario.seed)
-        raw_sms = os.environ.get(SMS_ENV, "")
+        hybridep = self.dispatcher == "hybridep"
+        sms = hybridep_sms() if hybridep else None
+        if hybridep:
+            ensure_jit_nvcc()
         recipe = (fp8_recipe_name(torch.cuda.get_device_capability())
                   if scenario.precision == "fp8" else None)
-        kw = config_kwargs(scenario, self.dispatcher, int(raw_sms) if raw_sms else None, recipe)
+        kw = config_kwargs(scenario, self.dispatcher, sms, recipe)
         kw, dropped = known_kwargs(kw, {f.name for f in dataclasses.fields(TransformerConfig)})
         G = scenario.shape.num_experts
         self.config = TransformerConfig(**kw)
         self.layer = _build_layer(self.config, G)
         self.layer.router = PresetRouter()
         self.G, self.E, self.first = G, scenario.local_experts, weights.first_expert
+        # HybridEP pads each expert's rows for FP8 GEMMs (Megatron's
+        # get_align_size_for_quantization: 16, 32 for MXFP8); alltoall pads inside the experts.
+        self.pad_multiple = fp8_align(recipe) if hybridep and recipe else 1
         self._copy_weights(weights)
         self.rows_E: Any = None
         self.last_idx: torch.Tensor | None = None
         self.layer.experts.register_forward_pre_hook(self._record_rows)
-        self.variant = f"dispatcher={self.dispatcher}" + (f",recipe={recipe}" if recipe else "") + (
-            f",dropped_config={'/'.join(dropped)}" if dropped else "")
+        self.variant = (f"dispatcher={self.dispatcher}" + (f",sms={sms}" if sms else "")
+                        + (f",recipe={recipe}" if recipe else "")
+                        + (f",dropped_config={'/'.join(dropped)}" if dropped else ""))
 
     def _record_rows(self, module: Any, args: tuple) -> None:
         """Keep the experts' tokens_per_expert (no host sync here; read in ``check``)."""
@@ -292,7 +414,7 @@ class HybridEPMegatronBackend(BackendBase):
         expected = counts_G[self.first:self.first + self.E].tolist()
         rows = self.rows_E
         got = rows.tolist() if isinstance(rows, torch.Tensor) else [int(r) for r in rows]
-        n = dropped_tokens(expected, got)
+        n = dropped_tokens(expected, got, getattr(self, "pad_multiple", 1))
         if n:
             raise RuntimeError(f"Megatron dropped {n} routed token-slots on rank's experts")
 
@@ -322,8 +444,9 @@ class HybridEPMegatronBackend(BackendBase):
             except ImportError:
                 reset_hybrid_ep_buffer = None
             if reset_hybrid_ep_buffer is not None:
-                torch.cuda.synchronize()
-                reset_hybrid_ep_buffer()
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()  # no HybridEP kernel may still use its buffers
+                reset_hybrid_ep_buffer()  # drops Megatron's global HybridEPBuffer (frees it)
         self.layer = None
         parallel_state.destroy_model_parallel()
         super().teardown()

@@ -136,7 +136,7 @@ def multinode_reason(world_size: int, nnodes: int, nproc_per_node: int) -> str |
 
 # Environment variables that change what a backend does; a repro command carries those set.
 BACKEND_ENV = ("MOKBENCH_MOK_CONFIG", "MOKBENCH_COMPILE_MODE", "MOKBENCH_DEEPEP_SMS",
-               "MOKBENCH_TE_COMM")
+               "MOKBENCH_TE_COMM", "MOKBENCH_HYBRIDEP_SMS")
 
 
 def repro_command(cell: Cell) -> str:

@@ -5,8 +5,10 @@ small fake ``megatron.core`` whose MoELayer follows Megatron's conventions."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import os
 import sys
 import types
 
@@ -98,23 +100,97 @@ def test_dropped_tokens():
         hm.dropped_tokens([3, 2], [4, 2])
     with pytest.raises(ValueError):
         hm.dropped_tokens([3, 2], [3])
+    # HybridEP at fp8: counts padded per expert (0 stays 0)
+    assert hm.dropped_tokens([5, 0, 16, 17], [16, 0, 16, 32], pad_multiple=16) == 0
+    assert hm.dropped_tokens([17], [16], pad_multiple=16) == 16
+    with pytest.raises(ValueError, match="padded to 16"):
+        hm.dropped_tokens([5], [32], pad_multiple=16)
 
 
-# ---- a fake megatron.core, enough for the adapter -------------------------------------------
+def test_hybridep_knobs_and_reasons(tmp_path, monkeypatch):
+    assert hm.hybridep_sms({}) == 24 and hm.hybridep_sms({hm.SMS_ENV: "32"}) == 32
+    for bad in ("0", "-4", "x"):
+        with pytest.raises(ValueError, match=hm.SMS_ENV):
+            hm.hybridep_sms({hm.SMS_ENV: bad})
+    assert hm.hybridep_shape_reason(2, 7168, 12) is None
+    assert "multiple of 16" in hm.hybridep_shape_reason(2, 7000, 12)
+    assert "3 x 2" in hm.hybridep_shape_reason(2, 7168, 6)
+    assert hm.hybridep_shape_reason(4, 7168, 4) is None
+    assert "set CUDA_HOME" in hm.nvcc_reason(None, False)
+    assert "/x/bin/nvcc does not exist" in hm.nvcc_reason("/x", False)
+    assert hm.nvcc_reason("/x", True) is None
+    assert hm.jit_cuda_home({"CUDA_HOME": "/opt/cuda"}) == "/opt/cuda"
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path))
+    with pytest.raises(RuntimeError, match="bin/nvcc does not exist"):
+        hm.ensure_jit_nvcc()
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "nvcc").write_text("")
+    (tmp_path / "include" / "cccl").mkdir(parents=True)
+    monkeypatch.setenv("CPATH", "/a")
+    hm.ensure_jit_nvcc()
+    assert os.environ["CPATH"] == f"/a:{tmp_path}/include/cccl"
+    hm.ensure_jit_nvcc()  # idempotent
+    assert os.environ["CPATH"] == f"/a:{tmp_path}/include/cccl"
+    assert hm.cpath_with(None, "/c") == "/c" and hm.cpath_with("/c:/d", "/c") == "/c:/d"
+    why = hm.megatron_reason(2, hybridep=True, has_megatron=True, has_te=True,
+                             hybridep_error="ImportError: hybrid_ep_cpp")
+    assert why == "package 'deep_ep' does not import: ImportError: hybrid_ep_cpp"
+
+
+# ---- a fake megatron.core 0.19.2, enough for the adapter --------------------------------------
+
+MCORE_DISPATCHERS = ("allgather", "alltoall", "flex")
+MCORE_FLEX_BACKENDS = ("deepep", "hybridep", "ncclep")
+MCORE_FP8_RECIPES = ("tensorwise", "delayed", "mxfp8", "blockwise", "custom")
+
 
 @dataclasses.dataclass
 class FakeConfig:
+    """The TransformerConfig fields the adapter sets, with 0.19.2's allowed values checked."""
+
+    num_layers: int = 0
     hidden_size: int = 0
-    num_moe_experts: int = 0
-    moe_router_topk: int = 0
-    moe_ffn_hidden_size: int = 0
-    moe_shared_expert_intermediate_size: int | None = None
-    moe_token_dispatcher_type: str = "allgather"
+    num_attention_heads: int = 0
+    ffn_hidden_size: int | None = None
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    num_moe_experts: int | None = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int | None = None
+    moe_grouped_gemm: bool = False
+    moe_permute_fusion: bool = False
+    moe_router_dtype: str | None = None
+    moe_router_load_balancing_type: str = "aux_loss"
+    moe_aux_loss_coeff: float = 0.0
+    moe_expert_capacity_factor: float | None = None
+    moe_pad_expert_input_to_capacity: bool = False
+    gated_linear_unit: bool = False
     activation_func: object = None
+    add_bias_linear: bool = True
+    bf16: bool = False
     params_dtype: torch.dtype = torch.float32
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_shared_expert_overlap: bool = False
+    fp8: str | None = None
+    fp8_recipe: str = "delayed"
+    moe_token_dispatcher_type: str = "allgather"
+    moe_flex_dispatcher_backend: str = "deepep"
+    moe_flex_dispatcher_num_sms: int | None = None
+    moe_expert_rank_capacity_factor: float | None = None
+
+    def __post_init__(self):
+        assert self.moe_token_dispatcher_type in MCORE_DISPATCHERS
+        assert self.moe_flex_dispatcher_backend in MCORE_FLEX_BACKENDS
+        assert self.fp8 in (None, "e4m3", "hybrid") and self.fp8_recipe in MCORE_FP8_RECIPES
+        assert self.moe_router_dtype in (None, "fp32", "fp64")
 
 
 class _Grouped(torch.nn.Module):
+    """TE GroupedLinear's parameters: weight0 .. weight{n-1}, each [out, in]."""
+
     def __init__(self, n, fin, fout, dtype):
         super().__init__()
         for i in range(n):
@@ -122,9 +198,18 @@ class _Grouped(torch.nn.Module):
                                                                                  dtype=dtype)))
 
 
+def _hybridep(config) -> bool:
+    return (config.moe_token_dispatcher_type == "flex"
+            and config.moe_flex_dispatcher_backend == "hybridep")
+
+
 class FakeMoELayer(torch.nn.Module):
-    """route -> experts(x, tokens_per_expert, probs) with GLU chunk(2) and probs after the
-    activation -> sum, plus the shared expert, on [seq, batch, hidden] (Megatron's order)."""
+    """Megatron's MoELayer order on [seq, batch, hidden]: shared expert, router(hidden,
+    padding_mask) -> (probs [T, G], routing_map [T, G] bool), permute by expert, experts(x,
+    tokens_per_expert, probs) -> (out, None) with GLU chunk(2) and probs after the activation,
+    unpermute-sum, plus the shared expert. With the flex/HybridEP dispatcher (fp32 probs only)
+    at fp8, each expert's rows are padded to the FP8 alignment (16, 32 for mxfp8) before the
+    experts, as HybridEP's permute does, so tokens_per_expert counts the padding."""
 
     def __init__(self, config, submodules=None):
         super().__init__()
@@ -156,24 +241,44 @@ class FakeMoELayer(torch.nn.Module):
         return torch.cat([o @ getattr(self.experts.linear_fc2, f"weight{e}").t()
                           for e, o in enumerate(outs)]).to(x_MH.dtype), None
 
-    def forward(self, hidden_SBH):
+    def _pad(self):
+        if not (_hybridep(self.config) and self.config.fp8):
+            return 1
+        return 32 if self.config.fp8_recipe == "mxfp8" else 16
+
+    def forward(self, hidden_SBH, padding_mask=None):
         S, B, H = hidden_SBH.shape
         x_TH = hidden_SBH.reshape(-1, H)
-        probs_TG, rmap_TG = self.router(hidden_SBH, None)
-        tok = torch.cat([rmap_TG[:, e].nonzero().flatten() for e in range(rmap_TG.shape[1])])
-        exp = torch.cat([torch.full((int(rmap_TG[:, e].sum()),), e)
-                         for e in range(rmap_TG.shape[1])])
-        out, _ = self.experts(x_TH[tok], rmap_TG.sum(0), probs_TG[tok, exp])
-        y = torch.zeros_like(x_TH).index_add(0, tok, out)
+        y = None
         if self.shared_experts is not None:
             s = self.shared_experts
-            y = y + s.linear_fc2(self._glu(s.linear_fc1(x_TH)))
+            y = s.linear_fc2(self._glu(s.linear_fc1(x_TH)))
+        probs_TG, rmap_TG = self.router(hidden_SBH, padding_mask)
+        assert rmap_TG.dtype == torch.bool and probs_TG.shape == rmap_TG.shape
+        if _hybridep(self.config):
+            assert probs_TG.dtype == torch.float32, "HybridEP only supports float32 probs"
+        G, pad = rmap_TG.shape[1], self._pad()
+        toks, counts = [], []
+        for e in range(G):
+            t = rmap_TG[:, e].nonzero().flatten()
+            n = len(t)
+            toks.append(t)
+            counts.append(-(-n // pad) * pad)
+        rows = torch.cat([torch.cat([t, t.new_full((c - len(t),), -1)])
+                          for t, c in zip(toks, counts)])
+        real = rows >= 0
+        exp = torch.repeat_interleave(torch.arange(G), torch.tensor(counts))
+        x_MH = torch.where(real[:, None], x_TH[rows.clamp(min=0)], 0)
+        p_M = torch.where(real, probs_TG[rows.clamp(min=0), exp], 0)
+        out, _ = self.experts(x_MH, torch.tensor(counts), p_M)
+        routed = torch.zeros_like(x_TH).index_add(0, rows[real], out[real])
+        y = routed if y is None else routed + y
         return y.view(S, B, H), None
 
 
 @pytest.fixture
 def fake_megatron(monkeypatch):
-    log: dict = {"init": 0, "destroy": 0}
+    log: dict = {"init": 0, "destroy": 0, "reset_hybrid_ep": 0, "fp8_context": 0}
     ps = types.SimpleNamespace(
         model_parallel_is_initialized=lambda: log["init"] > log["destroy"],
         initialize_model_parallel=lambda **kw: log.update(init=log["init"] + 1, ps_kw=kw),
@@ -181,10 +286,13 @@ def fake_megatron(monkeypatch):
     mods = {
         "megatron": types.ModuleType("megatron"),
         "megatron.core": types.ModuleType("megatron.core"),
+        "megatron.core.fp8_utils": types.ModuleType("megatron.core.fp8_utils"),
         "megatron.core.tensor_parallel": types.ModuleType("megatron.core.tensor_parallel"),
         "megatron.core.tensor_parallel.random": types.ModuleType("r"),
         "megatron.core.transformer": types.ModuleType("megatron.core.transformer"),
         "megatron.core.transformer.transformer_config": types.ModuleType("tc"),
+        "megatron.core.transformer.moe": types.ModuleType("megatron.core.transformer.moe"),
+        "megatron.core.transformer.moe.fused_a2a": types.ModuleType("fused_a2a"),
         "megatron.core.models": types.ModuleType("megatron.core.models"),
         "megatron.core.models.gpt": types.ModuleType("megatron.core.models.gpt"),
         "megatron.core.models.gpt.moe_module_specs": types.ModuleType("specs"),
@@ -193,8 +301,16 @@ def fake_megatron(monkeypatch):
     mods["megatron.core.tensor_parallel.random"].model_parallel_cuda_manual_seed = \
         lambda seed: log.update(seed=seed)
     mods["megatron.core.transformer.transformer_config"].TransformerConfig = FakeConfig
+    mods["megatron.core.transformer.moe.fused_a2a"].reset_hybrid_ep_buffer = \
+        lambda: log.update(reset_hybrid_ep=log["reset_hybrid_ep"] + 1)
 
-    def get_moe_module_spec(use_te, num_experts, moe_grouped_gemm):
+    def get_fp8_context(config, layer_no=-1, is_init=False):
+        log["fp8_context"] += 1
+        return contextlib.nullcontext()
+
+    mods["megatron.core.fp8_utils"].get_fp8_context = get_fp8_context
+
+    def get_moe_module_spec(use_te=True, num_experts=None, moe_grouped_gemm=False):
         log["spec"] = (use_te, num_experts, moe_grouped_gemm)
         return functools.partial(FakeMoELayer, submodules="te-grouped")
 
@@ -214,7 +330,7 @@ def test_alltoall_adapter_matches_reference(fake_megatron, shared):
     assert fake_megatron["ps_kw"]["expert_model_parallel_size"] == 1
     assert fake_megatron["spec"] == (True, 8, True) and fake_megatron["seed"] == sc.seed
     assert isinstance(be.layer.router, hm.PresetRouter)
-    assert be.variant.startswith("dispatcher=alltoall,dropped_config=")  # fake lacks fields
+    assert be.variant == "dispatcher=alltoall"  # every field is known to 0.19.2
     x = inputs.x_TH.clone().requires_grad_(True)
     p = inputs.topk_weights_TK.clone().requires_grad_(True)
     y = be.forward(x, inputs.topk_idx_TK, p)
@@ -230,6 +346,42 @@ def test_alltoall_adapter_matches_reference(fake_megatron, shared):
         be.check()
     be.teardown()
     assert fake_megatron["destroy"] == 1
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_hybridep_adapter_matches_reference(fake_megatron, monkeypatch, tmp_path, precision):
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "nvcc").write_text("")
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path))
+    monkeypatch.setenv(hm.SMS_ENV, "32")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    sc = Scenario(preset("tiny"), tokens_per_rank=16, world_size=1, precision=precision)
+    weights, inputs = make_weights(sc, 0, "cpu"), make_inputs(sc, 0, "cpu")
+    ref = reference_layer(inputs, weights)
+    be = hm.HybridEPMegatronBackend()
+    be.setup(sc, RunContext(), weights)
+    c = be.config
+    assert (c.moe_token_dispatcher_type, c.moe_flex_dispatcher_backend) == ("flex", "hybridep")
+    assert c.moe_flex_dispatcher_num_sms == 32 and c.moe_router_dtype == "fp32"
+    fp8 = precision == "fp8"
+    assert be.variant == "dispatcher=hybridep,sms=32" + (",recipe=Float8BlockScaling" if fp8
+                                                         else "")
+    assert be.pad_multiple == (16 if fp8 else 1)
+    x = inputs.x_TH.clone().requires_grad_(True)
+    p = inputs.topk_weights_TK.clone().requires_grad_(True)
+    y = be.forward(x, inputs.topk_idx_TK, p)
+    assert fake_megatron["fp8_context"] == int(fp8)
+    fwd = check_forward(y, ref, precision)
+    assert fwd.ok, fwd.reason()
+    be.zero_grad()
+    y.backward(inputs.dy_TH)
+    bwd = check_backward(x.grad, p.grad, be.weight_grads(), ref, precision)
+    assert bwd.ok, bwd.reason()
+    if fp8:
+        assert all(int(r) % 16 == 0 for r in be.rows_E)  # padded by the dispatcher
+    be.check()  # padded counts are not drops
+    be.teardown()
+    assert fake_megatron["reset_hybrid_ep"] == 1 and fake_megatron["destroy"] == 1
 
 
 def test_fp8_shared_expert_needs_aligned_tokens():
