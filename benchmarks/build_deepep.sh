@@ -186,7 +186,8 @@ env_names+=(NCCL_NVLS_ENABLE TORCH_SYMM_MEM_DISABLE_MULTICAST NVSHMEM_DISABLE_NV
 if ((inplace)); then
   build=("$python" setup.py build_ext --inplace)
 else
-  build=("$python" -m pip install --no-build-isolation .)
+  # --no-deps: hybrid-ep asks for pynvml (nvidia-ml-py provides it; an offline pip cannot fetch it)
+  build=("$python" -m pip install --no-build-isolation --no-deps .)
 fi
 check_code="import deep_ep; print(deep_ep.Buffer)"
 [[ $flavour != hybrid-ep ]] \

@@ -149,7 +149,7 @@ def test_dry_run_without_nvshmem_builds_intranode_only(fakes):
         "  export TORCH_CUDA_ARCH_LIST=9.0", "  export MAX_JOBS=3", f"  export CUDA_HOME={cuda}",
         *RUNTIME_ENV]
     assert _block(r.stdout, "build") == [
-        f"  cd {src.resolve()} && {sys.executable} -m pip install --no-build-isolation ."]
+        f"  cd {src.resolve()} && {sys.executable} -m pip install --no-build-isolation --no-deps ."]
     assert "arch 9.0 (default: no GPU visible); 3 jobs; no NVSHMEM" in r.stdout
     assert "intranode kernels only (-DDISABLE_NVSHMEM)" in r.stdout
     assert "(git: none; V1 Buffer: the deepep backend)" in r.stdout
