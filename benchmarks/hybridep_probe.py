@@ -1,0 +1,45 @@
+"""Does DeepEP's ``HybridEPBuffer`` construct on this machine? Two ranks, one per GPU:
+
+    torchrun --standalone --nproc-per-node 2 benchmarks/hybridep_probe.py \
+        ['{"use_shared_buffer": false}']
+
+The optional argument is a JSON dict of constructor overrides (defaults: hidden 7168, 1024
+tokens per rank, 8 local experts, bf16). Each rank prints the stage it reached; a crash in
+native code is shown by faulthandler (for a native backtrace, run each rank under
+``cuda-gdb -batch -ex run -ex bt --args python3 ...`` through ``torchrun --no-python``).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+
+def main() -> None:
+    faulthandler.enable()
+    rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+    kw = dict(hidden_dim=7168, max_num_of_tokens_per_rank=1024, num_local_experts=8,
+              use_fp8=False)
+    kw.update(json.loads(sys.argv[1]) if len(sys.argv) > 1 else {})
+    import hybrid_ep_cpp
+    from deep_ep import HybridEPBuffer
+
+    ranks = hybrid_ep_cpp.ExtendedMemoryAllocator().detect_accessible_ranks(dist.group.WORLD)
+    print(rank, "ranks reachable over NVLink:", ranks, flush=True)
+    print(rank, "constructing HybridEPBuffer", kw, flush=True)
+    HybridEPBuffer(group=dist.group.WORLD, **kw)
+    print(rank, "constructed", flush=True)
+    torch.cuda.synchronize()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
