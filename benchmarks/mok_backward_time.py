@@ -30,7 +30,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--options", default="{}", help="JSON MoKConfig overrides")
     ap.add_argument("--phases", default="", help="comma-separated backward item masks to time "
-                    "alone (1 dA, 2 dX, 4 dW_down, 8 dW_gate_up; profiling only)")
+                    "(1 dA, 2 dX, 4 dW_down, 8 dW_gate_up; 0 everything outside the items; "
+                    "masks without 1 end at their first wait; profiling only)")
     a = ap.parse_args()
     H, I, E, T, K = a.hidden, a.intermediate, a.experts, a.tokens, a.topk
     dev = torch.device("cuda")
