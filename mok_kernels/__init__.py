@@ -17,6 +17,11 @@ Training: ``y_TH, ctx = forward_train(...)`` (same arguments) keeps what the bac
 returns dx, the router-weight gradient and every weight gradient (:class:`Gradients`), in one
 persistent launch plus two fixed-order sums, with no host sync.
 
+FP8 expert FFN (the tiles of the coming FP8 path, runnable alone): ``ops = quantize_ffn(recipe,
+x_TH, w1_EHF, w2_EIH)`` (recipe ``FP8_RECIPES``: blockwise, rowwise, mx), ``y_TH = ffn_fp8(ops,
+grp_B)`` for rows grouped by expert in row blocks, ``ref_ffn_fp8`` the torch reference,
+``compile_fp8_ffn_kernel`` their builds.
+
 ``GraphedForward(cfg, ws, weights)`` captures schedule + forward in one CUDA graph.
 ``compile_megakernel(cfg, H, I, arch=90)`` builds the kernel for Hopper (or 100: Blackwell) on
 any host, GPU or not, and reports shared memory, spills and ptxas's warnings.
@@ -36,6 +41,7 @@ from mok_kernels._details.errors import (
     MoKTimeoutError,
     check_errors,
 )
+from mok_kernels._details.ffn_fp8 import Fp8Ffn, ffn_fp8, quantize_ffn, ref_ffn_fp8, tiles_for
 from mok_kernels._details.forward import (
     WITHHOLD_DGRAD,
     WITHHOLD_DISPATCH,
@@ -50,7 +56,13 @@ from mok_kernels._details.forward import (
 )
 from mok_kernels._details.graph import GraphedForward
 from mok_kernels._details.lowering import Lowered, compile_megakernel
-from mok_kernels._details.quant_lowering import QUANT_KERNELS, compile_quant_kernel
+from mok_kernels._details.quant_lowering import (
+    FFN_KERNELS,
+    QUANT_KERNELS,
+    compile_fp8_ffn_kernel,
+    compile_quant_kernel,
+)
+from mok_kernels._details.tl_gemm_fp8 import RECIPES as FP8_RECIPES
 from mok_kernels._details.tl_quant import (
     dequantize_blockwise,
     dequantize_colwise,
@@ -71,7 +83,10 @@ from mok_kernels._details.tl_quant import (
 from mok_kernels._details.workspace import Workspace, clear_workspace_cache, get_workspace
 
 __all__ = [
+    "FFN_KERNELS",
+    "FP8_RECIPES",
     "ForwardContext",
+    "Fp8Ffn",
     "Gradients",
     "GraphedForward",
     "Lowered",
@@ -92,6 +107,7 @@ __all__ = [
     "build_schedule",
     "check_errors",
     "clear_workspace_cache",
+    "compile_fp8_ffn_kernel",
     "compile_megakernel",
     "compile_quant_kernel",
     "dequantize_blockwise",
@@ -99,19 +115,23 @@ __all__ = [
     "dequantize_mx",
     "dequantize_rowwise",
     "dequantize_weight_128x128",
+    "ffn_fp8",
     "forward",
     "forward_train",
     "get_workspace",
     "interleave_gate_up",
     "plan",
     "quantize_blockwise",
+    "quantize_ffn",
     "quantize_mx",
     "quantize_rowwise",
     "quantize_weight_128x128",
     "quantize_weight_colwise",
+    "ref_ffn_fp8",
     "ref_quantize_blockwise",
     "ref_quantize_colwise",
     "ref_quantize_mx",
     "ref_quantize_rowwise",
     "ref_quantize_weight_128x128",
+    "tiles_for",
 ]

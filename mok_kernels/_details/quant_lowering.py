@@ -54,11 +54,57 @@ def compile_quant_kernel(kernel: str, size: int = 7168, *, arch: int = 90,
     scale per activation row, 128x128 weight blocks, one per weight output column, MXFP8)
     for ``sm_<arch>`` (90 Hopper, 100 Blackwell) with ``dtype`` input (bf16 | fp16 | fp32)
     as its host wrapper launches it, then run ptxas -v on the PTX."""
+    fn, types, consts, warps = _spec(kernel, size, pow2_scales, soft_cast, dtype)
+    return _compile(fn, types, consts, {"num_warps": warps}, arch)
+
+
+FFN_KERNELS = ("gate_up", "down")
+
+
+def compile_fp8_ffn_kernel(kernel: str, recipe: str, *, arch: int = 90, hidden: int = 7168,
+                           intermediate: int = 2048, tiles: dict | None = None) -> Lowered:
+    """Compile one FP8 expert-FFN kernel of ``tl_gemm_fp8`` (``FFN_KERNELS``) for a recipe
+    (blockwise | rowwise | mx) and ``sm_<arch>`` with the tiles ``ffn_fp8`` launches it with
+    (``ffn_fp8.tiles_for``), then run ptxas -v: registers, spills, and (in the PTX) which MMA
+    instructions the FP8 dots became."""
+    from mok_kernels._details import ffn_fp8
+    from mok_kernels._details import tl_gemm_fp8 as tg
+
+    if kernel not in FFN_KERNELS:
+        raise ValueError(f"kernel={kernel!r} is invalid: allowed {' | '.join(FFN_KERNELS)}")
+    rec = ffn_fp8._check_recipe(recipe)
+    t = dict((tiles or ffn_fp8.tiles_for(recipe))[kernel])
+    H, I = hidden, intermediate
+    mx = rec == tg.MX
+    hrec = tg.MX if mx else tg.BLOCKWISE
+    scale = "*u8/16" if mx else "*fp32/16"
+    sh = I // 32 if mx else I // 128
+    opts = {"num_warps": t.pop("num_warps"), "num_stages": t.pop("num_stages")}
+    if kernel == "gate_up":
+        sx = {tg.BLOCKWISE: H // 128, tg.ROWWISE: 1, tg.MX: H // 32}[rec]
+        sw1 = {tg.BLOCKWISE: H // 128 * (2 * I // 128), tg.ROWWISE: 2 * I,
+               tg.MX: 2 * I * (H // 32)}[rec]
+        types = {"x_ptr": "*fp8e4nv/16", "sx_ptr": scale if rec != tg.ROWWISE else "*fp32/16",
+                 "grp_ptr": "*i32/16", "w1_ptr": "*fp8e4nv/16", "sw1_ptr": scale,
+                 "h_ptr": "*fp8e4nv/16", "sh_ptr": scale}
+        consts = {"H": H, "I": I, "SX": sx, "SW1": sw1, "SH": sh, **t, "RECIPE": rec,
+                  "H_RECIPE": hrec, "POW2": False, "SOFT_CAST": False, "F32_DOT": False}
+        return _compile(tg.fp8_gate_up_kernel, types, consts, opts, arch)
+    sw2 = H * (I // 32) if mx else I // 128 * (H // 128)
+    types = {"h_ptr": "*fp8e4nv/16", "sh_ptr": scale, "grp_ptr": "*i32/16",
+             "w2_ptr": "*fp8e4nv/16", "sw2_ptr": scale, "y_ptr": "*bf16/16"}
+    consts = {"H": H, "I": I, "SH": sh, "SW2": sw2, **t, "RECIPE": hrec, "F32_DOT": False}
+    return _compile(tg.fp8_down_kernel, types, consts, opts, arch)
+
+
+def _compile(fn, types: dict[str, str], consts: dict[str, object], options: dict,
+             arch: int) -> Lowered:
+    """triton.compile ``fn`` for sm_<arch> with the runtime argument ``types`` ("/16": known
+    multiple of 16) and ``consts``, then ptxas -v on its PTX."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fn, types, consts, warps = _spec(kernel, size, pow2_scales, soft_cast, dtype)
     sig: dict[str, str] = {}
     constexprs: dict[tuple[int, ...], object] = {}
     attrs: dict[tuple[int, ...], list[list[object]]] = {}
@@ -71,7 +117,7 @@ def compile_quant_kernel(kernel: str, size: int = 7168, *, arch: int = 90,
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     target = GPUTarget("cuda", arch, 64 if arch == 90 else 32)
-    c = triton.compile(src, target=target, options={"num_warps": warps})
+    c = triton.compile(src, target=target, options=options)
     ptx = c.asm["ptx"]
     suffix = "a" if arch in (90, 100) else ""
     with tempfile.TemporaryDirectory() as tmp:

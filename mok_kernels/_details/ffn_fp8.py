@@ -1,0 +1,168 @@
+"""Host side of the FP8 expert FFN tiles (``tl_gemm_fp8``): quantise the operands for a
+recipe, run the grouped gate+up (SwiGLU, h quantised in the epilogue) and down kernels, and
+the torch reference with the same quantisation.
+
+Legend: T rows grouped by expert in row blocks of BM (``grp_B[b]`` is block b's expert), H
+hidden, I intermediate, F = 2*I, E experts. w1_EHF is gate/up interleaved
+(``interleave_gate_up``), as the megakernel keeps it.
+
+These run alone (tests, ``benchmarks/fp8_ffn_recipes.py``); the megakernel's FP8 path is built
+from the same tiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+from mok_kernels._details import quant_ref as qr
+from mok_kernels._details import tl_quant as tq
+from mok_kernels._details.tl_gemm_fp8 import BLOCKWISE, MX, RECIPES
+
+# Tiles the standalone kernels launch with on GPUs. BN = 256 interleaved gate/up columns give
+# one 1x128 block of h per row and tile. Hopper: BM = 64, since the blockwise recipe's extra
+# [BM, BN] fp32 tile per step spills at BM = 128 (sm_90, 8 warps); Blackwell MXFP8: BM = 128,
+# the M of a block-scaled tcgen05 MMA (at BM = 64 Triton emulates dot_scaled with bf16 MMAs).
+# tests/unit/test_mok_fp8_tiles.py pins both builds.
+_HOPPER = {"BM": 64, "BN": 256, "BK": 128, "num_warps": 8, "num_stages": 3}
+_BLACKWELL_MX = {"BM": 128, "BN": 256, "BK": 128, "num_warps": 8, "num_stages": 3}
+TILES = {"gate_up": _HOPPER, "down": _HOPPER}
+TILES_MX = {"gate_up": _BLACKWELL_MX, "down": _BLACKWELL_MX}
+
+
+def tiles_for(recipe: str) -> dict:
+    """The launch tiles of both kernels for a recipe (see TILES)."""
+    return TILES_MX if recipe == "mx" else TILES
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Ffn:
+    """Quantised operands of one recipe. x_TH, w1_EHF, w2_EIH e4m3 (weights [K, N] per expert);
+    scales: sx per x row (K/128 fp32 blockwise, 1 fp32 rowwise, H/32 e8m0 mx), sw1 / sw2 per
+    expert (K/128 x N/128 fp32 blockwise, N fp32 rowwise for w1, N x K/32 e8m0 mx)."""
+
+    recipe: str
+    x_TH: torch.Tensor
+    sx: torch.Tensor
+    w1_EHF: torch.Tensor
+    sw1: torch.Tensor
+    w2_EIH: torch.Tensor
+    sw2: torch.Tensor
+
+    @property
+    def down_recipe(self) -> str:
+        """The down GEMM's recipe: h is quantised per 1x128 block unless the recipe is mx."""
+        return "mx" if self.recipe == "mx" else "blockwise"
+
+
+def _check_recipe(recipe: str) -> int:
+    if recipe not in RECIPES:
+        raise ValueError(f"recipe={recipe!r} is invalid: allowed {' | '.join(RECIPES)}")
+    return RECIPES[recipe]
+
+
+def _mx_weight(w_EKN: torch.Tensor, soft_cast: bool | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP8 weights: 1x32 blocks along K of every output column; returns (w_q [E, K, N],
+    codes [E, N, K/32]), the scale layout ``tl.dot_scaled`` takes."""
+    E, K, N = w_EKN.shape
+    q, code = tq.quantize_mx(w_EKN.transpose(1, 2).reshape(E * N, K), soft_cast=soft_cast)
+    return q.view(E, N, K).transpose(1, 2).contiguous(), code.view(E, N, K // 32)
+
+
+def quantize_ffn(recipe: str, x_TH: torch.Tensor, w1_EHF: torch.Tensor, w2_EIH: torch.Tensor,
+                 *, pow2_scales: bool = False, soft_cast: bool | None = None) -> Fp8Ffn:
+    """Quantise activations (at the source, once per forward) and weights (once, at setup)
+    with the Triton quantisers (bitwise equal to ``quant_ref``)."""
+    _check_recipe(recipe)
+    kw = {"pow2_scales": pow2_scales, "soft_cast": soft_cast}
+    if recipe == "mx":
+        x_q, sx = tq.quantize_mx(x_TH, soft_cast=soft_cast)
+        w1, sw1 = _mx_weight(w1_EHF, soft_cast)
+        w2, sw2 = _mx_weight(w2_EIH, soft_cast)
+        return Fp8Ffn(recipe, x_q, sx, w1, sw1, w2, sw2)
+    if recipe == "rowwise":
+        x_q, sx = tq.quantize_rowwise(x_TH, **kw)
+        w1, sw1 = tq.quantize_weight_colwise(w1_EHF, **kw)
+    else:
+        x_q, sx = tq.quantize_blockwise(x_TH, 128, **kw)
+        w1, sw1 = tq.quantize_weight_128x128(w1_EHF, **kw)
+    w2, sw2 = tq.quantize_weight_128x128(w2_EIH, **kw)
+    return Fp8Ffn(recipe, x_q, sx, w1, sw1, w2, sw2)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def ffn_fp8(ops: Fp8Ffn, grp_B: torch.Tensor, *, pow2_scales: bool = False,
+            tiles: dict | None = None) -> torch.Tensor:
+    """y [T, H] bf16 = down(SwiGLU(x @ w1)) of each row block's expert, in FP8: two grouped
+    launches, h quantised in the gate+up epilogue (never in bf16 in memory)."""
+    from mok_kernels._details.tl_gemm_fp8 import fp8_down_kernel, fp8_gate_up_kernel
+
+    T, H = ops.x_TH.shape
+    E, _, F = ops.w1_EHF.shape
+    I = F // 2  # noqa: E741 (the model's name for the intermediate size)
+    t = {k: dict(v) for k, v in (tiles or tiles_for(ops.recipe)).items()}
+    bm = t["gate_up"]["BM"]
+    if T != grp_B.numel() * bm or t["down"]["BM"] != bm:
+        raise ValueError(f"rows {T} != row blocks {grp_B.numel()} x BM {bm} (both kernels)")
+    interp = _interpreting()
+    rec, hrec = RECIPES[ops.recipe], RECIPES[ops.down_recipe]
+    sh_cols = I // 32 if hrec == MX else I // 128
+    h = torch.empty(T, I, dtype=torch.float8_e4m3fn, device=ops.x_TH.device)
+    sh = torch.empty(T, sh_cols, dtype=torch.uint8 if hrec == MX else torch.float32,
+                     device=ops.x_TH.device)
+    y = torch.empty(T, H, dtype=torch.bfloat16, device=ops.x_TH.device)
+    gu, dn = t["gate_up"], t["down"]
+    run = {} if interp else {"num_warps": gu["num_warps"], "num_stages": gu["num_stages"]}
+    fp8_gate_up_kernel[(grp_B.numel(), I // (gu["BN"] // 2))](
+        ops.x_TH, ops.sx, grp_B, ops.w1_EHF, ops.sw1, h, sh, H=H, I=I,
+        SX=ops.sx[0].numel(), SW1=ops.sw1[0].numel(), SH=sh_cols, BM=bm, BN=gu["BN"],
+        BK=gu["BK"], RECIPE=rec, H_RECIPE=hrec, POW2=pow2_scales, SOFT_CAST=interp,
+        F32_DOT=interp, **run)
+    run = {} if interp else {"num_warps": dn["num_warps"], "num_stages": dn["num_stages"]}
+    fp8_down_kernel[(grp_B.numel(), H // dn["BN"])](
+        h, sh, grp_B, ops.w2_EIH, ops.sw2, y, H=H, I=I, SH=sh_cols, SW2=ops.sw2[0].numel(),
+        BM=bm, BN=dn["BN"], BK=dn["BK"], RECIPE=hrec, F32_DOT=interp, **run)
+    return y
+
+
+def _dequant_weight(recipe: str, w_q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    if recipe == "mx":
+        return qr.dequantize_mx(w_q.transpose(1, 2), s).transpose(1, 2)
+    if recipe == "rowwise":
+        return qr.dequantize_colwise(w_q, s)
+    return qr.dequantize_weight_128x128(w_q, s)
+
+
+def _dequant_act(recipe: str, x_q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    if recipe == "mx":
+        return qr.dequantize_mx(x_q, s)
+    if recipe == "rowwise":
+        return qr.dequantize_rowwise(x_q, s)
+    return qr.dequantize_blockwise(x_q, s)
+
+
+def ref_ffn_fp8(ops: Fp8Ffn, grp_B: torch.Tensor, block_m: int, *,
+                pow2_scales: bool = False) -> torch.Tensor:
+    """The same FP8 computation in fp32 torch: dequantised operands, SwiGLU, h quantised with
+    the reference quantiser of the down recipe, dequantised, down GEMM. y [T, H] fp32."""
+    x = _dequant_act(ops.recipe, ops.x_TH, ops.sx)
+    w1 = _dequant_weight(ops.recipe, ops.w1_EHF, ops.sw1)
+    w2 = _dequant_weight(ops.down_recipe, ops.w2_EIH, ops.sw2)
+    e_T = grp_B.long().repeat_interleave(block_m)
+    pre = torch.einsum("th,thf->tf", x, w1[e_T])
+    gate, up = pre[:, 0::2], pre[:, 1::2]
+    h = gate * torch.sigmoid(gate) * up
+    if ops.down_recipe == "mx":
+        h = qr.dequantize_mx(*qr.ref_quantize_mx(h))
+    else:
+        h = qr.dequantize_blockwise(*qr.ref_quantize_blockwise(h, 128, pow2_scales=pow2_scales))
+    return torch.einsum("ti,tih->th", h, w2[e_T])
+
+
+__all__ = ["BLOCKWISE", "MX", "TILES", "TILES_MX", "Fp8Ffn", "ffn_fp8", "quantize_ffn",
+           "ref_ffn_fp8", "tiles_for"]

@@ -1,0 +1,144 @@
+"""FP8 GEMM tiles of the expert FFN (the building blocks of mok's FP8 path), one per recipe,
+and two standalone grouped kernels over them (gate+up with the SwiGLU epilogue quantising h
+for the down GEMM; down) that tests and benchmarks run alone.
+
+Legend: BM rows of one row block (one expert), H hidden, I intermediate, F = 2*I, BN output
+columns of a tile, BK reduction step, E experts. Weights are in the math layout (y = x @ w):
+w1 [E, H, F] gate/up interleaved (column 2c gate c, 2c+1 up c: ``interleave_gate_up``), w2
+[E, I, H]. Every value is e4m3 (``torch.float8_e4m3fn``) with fp32 accumulation.
+
+Recipes (``RECIPE``), each a pair of activation and weight scalings (``tl_quant``):
+    1 BLOCKWISE  activations one fp32 scale per 1x128 block along K, weights one per 128x128
+                 block: TransformerEngine's ``Float8BlockScaling`` on Hopper. The scales change
+                 every 128 along K, so each 128-deep step's dot goes to a fresh fp32 tile that
+                 is scaled and added (BK = 128): the K loop is not pure tensor-core work.
+    2 ROWWISE    activations one scale per row, weights one per output column: the scales
+                 factor out of the sum over K and apply once, after the loop. A row of h is
+                 spread over I/(BN/2) gate+up tiles, so no tile can give it one scale: with
+                 this recipe the gate+up GEMM is row-wise and the epilogue quantises h 1x128,
+                 for a BLOCKWISE down GEMM (128x128 weight scales).
+    3 MX         MXFP8: one e8m0 scale per 1x32 block along K for both operands
+                 (``tl.dot_scaled``; block-scaled tensor-core MMAs on Blackwell, an emulation
+                 elsewhere).
+The gate+up epilogue quantises h = silu(gate) * up in registers, one 1x128 block (BN = 256
+interleaved columns give 128 h columns) or four 1x32 MX blocks per row and tile, so h
+reaches memory already in FP8 with its scales: no separate quantisation pass.
+
+``F32_DOT`` (Triton's interpreter on CPU) widens the e4m3 operands to fp32 before the dot;
+the products and sums are then exact up to fp32 rounding, as on the tensor cores.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from mok_kernels._details.tl_quant import quant_rows_e4m3, quant_rows_mx
+
+BLOCKWISE, ROWWISE, MX = 1, 2, 3
+RECIPES = {"blockwise": BLOCKWISE, "rowwise": ROWWISE, "mx": MX}
+
+
+@triton.jit
+def _dot8(a, b, acc, F32_DOT: tl.constexpr):
+    """acc + a @ b for e4m3 operands, fp32 accumulation."""
+    if F32_DOT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def fp8_tile(a_rows, a_mask, sa_rows, w_ptr, sw_ptr, n0, K: tl.constexpr, N: tl.constexpr,
+             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, RECIPE: tl.constexpr,
+             F32_DOT: tl.constexpr):
+    """The [BM, BN] fp32 tile dequant(A)[rows, :] @ dequant(W)[:, n0:n0+BN] of one expert.
+
+    a_rows: [BM] pointers to e4m3 A rows (K elements); a_mask: [BM] rows to read (the others
+    read 0 and give 0); sa_rows: [BM] pointers to each row's scales: K/128 fp32 (BLOCKWISE),
+    one fp32 (ROWWISE), K/32 uint8 e8m0 codes (MX).
+    w_ptr: this expert's e4m3 W [K, N]; sw_ptr: its scales: [K/128, N/128] fp32 (BLOCKWISE),
+    [N] fp32 (ROWWISE), [N, K/32] uint8 (MX, the layout ``tl.dot_scaled`` takes).
+    """
+    offs_k = tl.arange(0, BK)
+    cols = n0 + tl.arange(0, BN)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k in range(0, K, BK):
+        a = tl.load(a_rows[:, None] + (k + offs_k)[None, :], mask=a_mask[:, None], other=0.0)
+        w = tl.load(w_ptr + (k + offs_k).to(tl.int64)[:, None] * N + cols[None, :])
+        if RECIPE == 3:
+            g = k // 32 + tl.arange(0, BK // 32)
+            sa = tl.load(sa_rows[:, None] + g[None, :], mask=a_mask[:, None], other=0)
+            sw = tl.load(sw_ptr + cols.to(tl.int64)[:, None] * (K // 32) + g[None, :])
+            acc = tl.dot_scaled(a, sa, "e4m3", w, sw, "e4m3", acc)
+        elif RECIPE == 1:
+            tl.static_assert(BK == 128, "BLOCKWISE needs BK = 128 (one scale per step)")
+            part = _dot8(a, w, tl.zeros((BM, BN), dtype=tl.float32), F32_DOT)
+            sa = tl.load(sa_rows + k // 128, mask=a_mask, other=0.0)
+            sw = tl.load(sw_ptr + (k // 128) * (N // 128) + cols // 128)
+            acc += part * sa[:, None] * sw[None, :]
+        else:
+            acc = _dot8(a, w, acc, F32_DOT)
+    if RECIPE == 2:
+        sa = tl.load(sa_rows, mask=a_mask, other=0.0)
+        sw = tl.load(sw_ptr + cols)
+        acc = acc * sa[:, None] * sw[None, :]
+    return acc
+
+
+@triton.jit
+def swiglu_quant_epilogue(acc, h_rows, sh_rows, j, BM: tl.constexpr, BN: tl.constexpr,
+                          H_RECIPE: tl.constexpr, POW2: tl.constexpr, SOFT_CAST: tl.constexpr):
+    """From an interleaved gate/up tile [BM, BN] (column 2c gate c, 2c+1 up c) of h-column
+    tile j: h = silu(gate) * up, stored as e4m3 at h columns j*BN/2.. with its scales, one fp32
+    per row for this 1x128 block (H_RECIPE 1; BN = 256) at ``sh_rows + j``, or BN/64 e8m0
+    codes per row (H_RECIPE 3) at ``sh_rows + j*BN/64``; H_RECIPE 0 stores h in bf16."""
+    HALF: tl.constexpr = BN // 2
+    gate, up = tl.split(tl.reshape(acc, (BM, HALF, 2)))
+    h = gate / (1.0 + tl.exp(-gate)) * up
+    cols = j * HALF + tl.arange(0, HALF)
+    if H_RECIPE == 0:
+        tl.store(h_rows[:, None] + cols[None, :], h.to(tl.bfloat16))
+    elif H_RECIPE == 3:
+        q, code = quant_rows_mx(h, SOFT_CAST)
+        tl.store(h_rows[:, None] + cols[None, :], q)
+        g = j * (HALF // 32) + tl.arange(0, HALF // 32)
+        tl.store(sh_rows[:, None] + g[None, :], code)
+    else:
+        tl.static_assert(HALF == 128, "1x128 h scales need BN = 256 interleaved columns")
+        q, scale = quant_rows_e4m3(h, POW2, SOFT_CAST)
+        tl.store(h_rows[:, None] + cols[None, :], q)
+        tl.store(sh_rows + j, scale)
+
+
+@triton.jit
+def fp8_gate_up_kernel(x_ptr, sx_ptr, grp_ptr, w1_ptr, sw1_ptr, h_ptr, sh_ptr,
+                       H: tl.constexpr, I: tl.constexpr, SX: tl.constexpr, SW1: tl.constexpr,
+                       SH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                       RECIPE: tl.constexpr, H_RECIPE: tl.constexpr, POW2: tl.constexpr,
+                       SOFT_CAST: tl.constexpr, F32_DOT: tl.constexpr):
+    """Program (b, j): row block b (expert ``grp[b]``), h columns j*BN/2..: h_q, sh. Row
+    strides of the scale arrays: SX per x row, SH per h row; SW1 elements per expert."""
+    b = tl.program_id(0)
+    j = tl.program_id(1)
+    e = tl.load(grp_ptr + b).to(tl.int64)
+    rows = (b * BM + tl.arange(0, BM)).to(tl.int64)
+    acc = fp8_tile(x_ptr + rows * H, rows >= 0, sx_ptr + rows * SX, w1_ptr + e * H * (2 * I),
+                   sw1_ptr + e * SW1, j * BN, H, 2 * I, BM, BN, BK, RECIPE, F32_DOT)
+    swiglu_quant_epilogue(acc, h_ptr + rows * I, sh_ptr + rows * SH, j, BM, BN, H_RECIPE,
+                          POW2, SOFT_CAST)
+
+
+@triton.jit
+def fp8_down_kernel(h_ptr, sh_ptr, grp_ptr, w2_ptr, sw2_ptr, y_ptr, H: tl.constexpr,
+                    I: tl.constexpr, SH: tl.constexpr, SW2: tl.constexpr, BM: tl.constexpr,
+                    BN: tl.constexpr, BK: tl.constexpr, RECIPE: tl.constexpr,
+                    F32_DOT: tl.constexpr):
+    """Program (b, j): y[rows of block b, j*BN..] = dequant(h_q) @ dequant(w2_q) in bf16."""
+    b = tl.program_id(0)
+    j = tl.program_id(1)
+    e = tl.load(grp_ptr + b).to(tl.int64)
+    rows = (b * BM + tl.arange(0, BM)).to(tl.int64)
+    acc = fp8_tile(h_ptr + rows * I, rows >= 0, sh_ptr + rows * SH, w2_ptr + e * I * H,
+                   sw2_ptr + e * SW2, j * BN, I, H, BM, BN, BK, RECIPE, F32_DOT)
+    cols = j * BN + tl.arange(0, BN)
+    tl.store(y_ptr + rows[:, None] * H + cols[None, :], acc.to(tl.bfloat16))
