@@ -153,15 +153,19 @@ def ref_ffn_fp8(ops: Fp8Ffn, grp_B: torch.Tensor, block_m: int, *,
     x = _dequant_act(ops.recipe, ops.x_TH, ops.sx)
     w1 = _dequant_weight(ops.recipe, ops.w1_EHF, ops.sw1)
     w2 = _dequant_weight(ops.down_recipe, ops.w2_EIH, ops.sw2)
-    e_T = grp_B.long().repeat_interleave(block_m)
-    pre = torch.einsum("th,thf->tf", x, w1[e_T])
-    gate, up = pre[:, 0::2], pre[:, 1::2]
-    h = gate * torch.sigmoid(gate) * up
-    if ops.down_recipe == "mx":
-        h = qr.dequantize_mx(*qr.ref_quantize_mx(h))
-    else:
-        h = qr.dequantize_blockwise(*qr.ref_quantize_blockwise(h, 128, pow2_scales=pow2_scales))
-    return torch.einsum("ti,tih->th", h, w2[e_T])
+    y = torch.empty(x.shape[0], w2.shape[2], dtype=torch.float32, device=x.device)
+    for b, e in enumerate(grp_B.tolist()):  # one row block at a time: no [T, H, F] gather
+        rows = slice(b * block_m, (b + 1) * block_m)
+        pre = x[rows] @ w1[e]
+        gate, up = pre[:, 0::2], pre[:, 1::2]
+        h = gate * torch.sigmoid(gate) * up
+        if ops.down_recipe == "mx":
+            h = qr.dequantize_mx(*qr.ref_quantize_mx(h))
+        else:
+            h = qr.dequantize_blockwise(*qr.ref_quantize_blockwise(h, 128,
+                                                                   pow2_scales=pow2_scales))
+        y[rows] = h @ w2[e]
+    return y
 
 
 __all__ = ["BLOCKWISE", "MX", "TILES", "TILES_MX", "Fp8Ffn", "ffn_fp8", "quantize_ffn",

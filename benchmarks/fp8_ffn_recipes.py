@@ -1,0 +1,82 @@
+"""Time the FP8 expert-FFN tiles (``mok_kernels.ffn_fp8``) per recipe against the same grouped
+FFN in bf16 through ``torch._grouped_mm``, at one shape, on one GPU: the measurement that
+picks the recipe of mok's FP8 path (blockwise scales inside the K loop against rowwise scales
+after it; MXFP8 on Blackwell). CUDA events, median of ``--iters`` after ``--warmup``; the
+FP8 times cover both kernels (gate+up with SwiGLU and the h quantisation, down), not the
+activation quantisation, which is timed apart (once per forward, at the source rank).
+
+    python benchmarks/fp8_ffn_recipes.py --experts 48 --tokens 16384 --topk 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+import mok_kernels as mk
+
+
+def timed(fn, warmup: int, iters: int) -> list[float]:
+    out = []
+    for i in range(warmup + iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        if i >= warmup:
+            out.append((s, e))
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) for s, e in out]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--intermediate", type=int, default=2048)
+    ap.add_argument("--experts", type=int, default=48)
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--recipes", default=",".join(mk.FP8_RECIPES))
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5)
+    a = ap.parse_args()
+    H, I, E = a.hidden, a.intermediate, a.experts
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    w1 = (torch.randn(E, H, 2 * I, device=dev, generator=g) * H ** -0.5).bfloat16()
+    w2 = (torch.randn(E, I, H, device=dev, generator=g) * I ** -0.5).bfloat16()
+    w1i = mk.interleave_gate_up(w1)
+    print(f"shape H{H} I{I} E{E}, {a.tokens} tokens x top-{a.topk} rows; "
+          f"{torch.cuda.get_device_name()}")
+    for recipe in a.recipes.split(","):
+        bm = mk.tiles_for(recipe)["gate_up"]["BM"]
+        per = -(-a.tokens * a.topk // E // bm)  # row blocks per expert (balanced routing)
+        grp = torch.arange(E, device=dev, dtype=torch.int32).repeat_interleave(per)
+        T = grp.numel() * bm
+        x = torch.randn(T, H, device=dev, generator=g).bfloat16()
+        ops = mk.quantize_ffn(recipe, x, w1i, w2)
+        y8 = mk.ffn_fp8(ops, grp)
+        offs = torch.arange(1, E + 1, device=dev, dtype=torch.int32) * (per * bm)
+
+        def bf16(x=x, offs=offs):
+            pre = torch._grouped_mm(x, w1, offs=offs)
+            h = torch.nn.functional.silu(pre[:, :I]) * pre[:, I:]
+            return torch._grouped_mm(h, w2, offs=offs)
+
+        y16 = bf16()
+        err = ((y8.float() - y16.float()).norm() / y16.float().norm()).item()
+        flops = 6.0 * T * H * I
+        for name, fn in ((f"{recipe} fp8 FFN", lambda ops=ops, grp=grp: mk.ffn_fp8(ops, grp)),
+                         ("bf16 grouped_mm FFN", bf16),
+                         (f"{recipe} x quantisation", lambda r=recipe, x=x:
+                          mk.quantize_ffn(r, x, w1i[:1, :128, :256], w2[:1, :128, :128]))):
+            t = statistics.median(timed(fn, a.warmup, a.iters))
+            tf = f"{flops / t / 1e9:7.1f} TFLOP/s" if "FFN" in name else ""
+            print(f"{name:28s} rows {T:7d}  median {t:8.3f} ms  {tf}")
+        print(f"{recipe}: fp8 output vs bf16 output, norm relative {err:.3e}")
+
+
+if __name__ == "__main__":
+    main()
