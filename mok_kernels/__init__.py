@@ -20,7 +20,9 @@ persistent launch plus two fixed-order sums, with no host sync.
 FP8 expert FFN (the tiles of the coming FP8 path, runnable alone): ``ops = quantize_ffn(recipe,
 x_TH, w1_EHF, w2_EIH)`` (recipe ``FP8_RECIPES``: blockwise, rowwise, mx), ``y_TH = ffn_fp8(ops,
 grp_B)`` for rows grouped by expert in row blocks, ``ref_ffn_fp8`` the torch reference,
-``compile_fp8_ffn_kernel`` their builds.
+``compile_fp8_ffn_kernel`` their builds. The megakernel's forward runs them with
+``MoKConfig(fp8="blockwise", gate_up_interleaved=True, block_k=128)`` and the weights of
+``quantize_weights(cfg, ...)`` (not yet run on a GPU).
 
 ``GraphedForward(cfg, ws, weights)`` captures schedule + forward in one CUDA graph.
 ``compile_megakernel(cfg, H, I, arch=90)`` builds the kernel for Hopper (or 100: Blackwell) on
@@ -41,7 +43,15 @@ from mok_kernels._details.errors import (
     MoKTimeoutError,
     check_errors,
 )
-from mok_kernels._details.ffn_fp8 import Fp8Ffn, ffn_fp8, quantize_ffn, ref_ffn_fp8, tiles_for
+from mok_kernels._details.ffn_fp8 import (
+    Fp8Ffn,
+    Fp8Weight,
+    ffn_fp8,
+    quantize_ffn,
+    quantize_weights,
+    ref_ffn_fp8,
+    tiles_for,
+)
 from mok_kernels._details.forward import (
     WITHHOLD_DGRAD,
     WITHHOLD_DISPATCH,
@@ -87,6 +97,7 @@ __all__ = [
     "FP8_RECIPES",
     "ForwardContext",
     "Fp8Ffn",
+    "Fp8Weight",
     "Gradients",
     "GraphedForward",
     "Lowered",
@@ -123,6 +134,7 @@ __all__ = [
     "plan",
     "quantize_blockwise",
     "quantize_ffn",
+    "quantize_weights",
     "quantize_mx",
     "quantize_rowwise",
     "quantize_weight_128x128",

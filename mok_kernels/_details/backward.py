@@ -251,12 +251,12 @@ def backward(config: MoKConfig, ws: Workspace, context: ForwardContext, dy_TH: t
     if tuple(dy_TH.shape) != (L * T, H):
         raise ValueError(f"dy shape {tuple(dy_TH.shape)} != {(L * T, H)}")
     weights = (w_gate_up, w_down, shared_gate_up, shared_down)
-    _check_weights(ws, *weights)
+    _check_weights(ws, *weights, fp8=False)
     bb = _buffers(ws)
     st = context.schedule.tensors
     bb.dy_LTH.copy_(dy_TH.view(bb.dy_LTH.shape))
     bb.p_LTK.copy_(context.p_NK.view(bb.p_LTK.shape))
-    x_src = _token_source(ws, context.x_TH)  # real EP: x back into the peer-visible buffer
+    x_src = _token_source(ws, context.x_TH, fp8=False)  # real EP: x back into the peer buffer
     sc = backward_scratch(ws)
     bb.counters_LC.zero_()
     ws.barrier()

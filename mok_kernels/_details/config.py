@@ -14,6 +14,9 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+# "none" and the FP8 recipes, in the order of their codes in the kernels (tl_gemm_fp8).
+FP8_MODES = ("none", "blockwise", "rowwise", "mx")
+
 
 class MoKConfigError(ValueError):
     """A bad MoK knob; the message is one line: field, value, what is allowed."""
@@ -81,6 +84,16 @@ class MoKConfig:
         halves); falls back to block_n / 2 where block_n does not divide the intermediate
         size. Off by default: not measured yet (notes/mok-kernel.md, "Why the mok backend's
         defaults are what they are").
+    fp8: the forward's FP8 recipe (``tl_gemm_fp8``): "none" (bf16), "blockwise" (1x128
+        activation and 128x128 weight scales, as TransformerEngine's Float8BlockScaling),
+        "rowwise" (per row / per weight column, applied after the K loop; h still 1x128) or
+        "mx" (MXFP8, Blackwell). Tokens are quantised once at the source into the token
+        buffer's rows (e4m3 values, then their scales, in the bytes of the bf16 row), the
+        gate+up epilogue quantises h, both GEMMs run in FP8 with fp32 accumulation; combine
+        and the weighted sum stay bf16/fp32. Weights come quantised (``quantize_weights``).
+        Needs gate_up_interleaved, block_n 256, block_k 128 and tma off (the FP8 tiles load
+        through pointers). Not yet run on a GPU.
+    fp8_pow2_scales: FP8 scales rounded to powers of two (TransformerEngine's default).
     """
 
     fwd_comm_sms: int = 0
@@ -101,6 +114,8 @@ class MoKConfig:
     compile_schedule: bool = False
     fused_sum: bool = False
     bwd_wide_da: bool = False
+    fp8: str = "none"
+    fp8_pow2_scales: bool = False
 
     def __post_init__(self) -> None:
         _check(isinstance(self.fwd_comm_sms, int) and 0 <= self.fwd_comm_sms <= 64,
@@ -139,6 +154,23 @@ class MoKConfig:
                "true | false")
         _check(not (self.fused_sum and self.fwd_comm_sms), "fused_sum", self.fused_sum,
                "false when fwd_comm_sms > 0 (the summing items are the GEMM programs')")
+        _check(self.fp8 in FP8_MODES, "fp8", self.fp8, " | ".join(FP8_MODES))
+        _check(isinstance(self.fp8_pow2_scales, bool), "fp8_pow2_scales", self.fp8_pow2_scales,
+               "true | false")
+        if self.fp8 != "none":
+            _check(self.gate_up_interleaved, "gate_up_interleaved", self.gate_up_interleaved,
+                   f"true with fp8={self.fp8!r} (one interleaved tile gives one h block)")
+            _check(self.block_n == 256, "block_n", self.block_n,
+                   f"256 with fp8={self.fp8!r} (128 h columns: one 1x128 scale block)")
+            _check(self.block_k == 128, "block_k", self.block_k,
+                   f"128 with fp8={self.fp8!r} (one scale step per K step)")
+            _check(not self.tma, "tma", self.tma,
+                   f"false with fp8={self.fp8!r} (the FP8 tiles load through pointers)")
+
+    @property
+    def quant(self) -> int:
+        """The kernels' QUANT constant: 0 bf16, else the FP8 recipe's code."""
+        return FP8_MODES.index(self.fp8)
 
     @property
     def ring_slots(self) -> int:

@@ -168,5 +168,74 @@ def ref_ffn_fp8(ops: Fp8Ffn, grp_B: torch.Tensor, block_m: int, *,
     return y
 
 
-__all__ = ["BLOCKWISE", "MX", "TILES", "TILES_MX", "Fp8Ffn", "ffn_fp8", "quantize_ffn",
-           "ref_ffn_fp8", "tiles_for"]
+
+
+# --- the megakernel's FP8 operands ---------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Weight:
+    """One quantised weight for the megakernel's FP8 path: q e4m3 in the bf16 weight's shape
+    ([E, K, N] or [K, N], the gate+up one interleaved) and its scales (``fp8_scale_sizes``
+    per expert: 128x128 blocks, one per column for rowwise gate+up, MX [N, K/32] codes)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.q.shape)
+
+
+def _quantize_weight(recipe: str, w: torch.Tensor, gate_up: bool, pow2: bool) -> Fp8Weight:
+    w3 = w if w.dim() == 3 else w[None]
+    kw = {"pow2_scales": pow2}
+    if recipe == "mx":
+        q, s = _mx_weight(w3.contiguous(), None)
+    elif recipe == "rowwise" and gate_up:
+        q, s = tq.quantize_weight_colwise(w3.contiguous(), **kw)
+    else:
+        q, s = tq.quantize_weight_128x128(w3.contiguous(), **kw)
+    if w.dim() == 2:
+        q, s = q[0], s[0]
+    return Fp8Weight(q.contiguous(), s.contiguous())
+
+
+def quantize_weights(config, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                     shared_gate_up: torch.Tensor | None = None,
+                     shared_down: torch.Tensor | None = None) -> tuple:
+    """The four weights of ``forward`` quantised for ``config.fp8`` (once, at setup; the
+    gate+up ones already interleaved): (w_gate_up, w_down, shared_gate_up, shared_down) as
+    :class:`Fp8Weight` (None stays None)."""
+    recipe, pow2 = config.fp8, config.fp8_pow2_scales
+    if recipe == "none":
+        raise ValueError("fp8='none' is invalid for quantize_weights: allowed "
+                         "blockwise | rowwise | mx")
+    return (_quantize_weight(recipe, w_gate_up, True, pow2),
+            _quantize_weight(recipe, w_down, False, pow2),
+            None if shared_gate_up is None else _quantize_weight(recipe, shared_gate_up, True,
+                                                                 pow2),
+            None if shared_down is None else _quantize_weight(recipe, shared_down, False, pow2))
+
+
+def quantize_tokens_into(recipe: str, x_NH: torch.Tensor, rows_NH: torch.Tensor, *,
+                         pow2_scales: bool = False) -> None:
+    """Quantise x (the tokens, at their source rank) into the FP8 row layout the megakernel
+    reads: in the bytes of each bf16 row of ``rows_NH`` ([N, H] bf16, e.g. the token buffer),
+    H e4m3 values, then the row's scales from byte H (fp32; e8m0 codes for mx)."""
+    N, H = x_NH.shape
+    if recipe == "mx":
+        q, s = tq.quantize_mx(x_NH)
+    elif recipe == "rowwise":
+        q, s = tq.quantize_rowwise(x_NH, pow2_scales=pow2_scales)
+    else:
+        q, s = tq.quantize_blockwise(x_NH, 128, pow2_scales=pow2_scales)
+    raw = rows_NH.view(N, H).view(torch.uint8)  # [N, 2H] bytes
+    sb = s.reshape(N, -1).contiguous().view(torch.uint8)
+    raw[:, :H].copy_(q.view(torch.uint8))
+    raw[:, H:H + sb.shape[1]].copy_(sb)
+
+
+__all__ = ["BLOCKWISE", "MX", "TILES", "TILES_MX", "Fp8Ffn", "Fp8Weight", "ffn_fp8",
+           "quantize_ffn", "quantize_tokens_into", "quantize_weights", "ref_ffn_fp8",
+           "tiles_for"]

@@ -14,12 +14,14 @@ from dataclasses import dataclass
 import torch
 
 from mok_kernels._details.config import MoKConfig
+from mok_kernels._details.ffn_fp8 import Fp8Weight, quantize_tokens_into
 from mok_kernels._details.schedule import (
     ScheduleTensors,
     build_schedule_tensors,
     compiled_schedule_builder,
     flag_capacity_errors,
 )
+from mok_kernels._details.tl_gemm_fp8 import fp8_scale_sizes
 from mok_kernels._details.workspace import Workspace
 
 # Test-only switch: withhold one signal so a bounded wait must expire (0 = off).
@@ -117,7 +119,9 @@ def kernel_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots: i
         MB=cfg.minibatch, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
         DT=cfg.down_tiles if (H // cfg.block_n) % cfg.down_tiles == 0 else 1,
         GJ=cfg.gate_up_tiles if (2 * I // cfg.block_n) % cfg.gate_up_tiles == 0 else 1,
-        CR=max(1, 4096 // ch), CH=ch, QUANT=0, F32_DOT=interpreting, TMA=cfg.tma,
+        CR=max(1, 4096 // ch), CH=ch, QUANT=cfg.quant, POW2=cfg.fp8_pow2_scales,
+        SW1=fp8_scale_sizes(H, I, cfg.quant)[0], SW2=fp8_scale_sizes(H, I, cfg.quant)[1],
+        F32_DOT=interpreting, TMA=cfg.tma,
         INTERLEAVED=cfg.gate_up_interleaved, PREFETCH=cfg.prefetch_ticket,
         K=slots - int(shared), FUSED_SUM=cfg.fused_sum, SAVE_PRE=save_pre)
 
@@ -141,14 +145,27 @@ def forward_kernel_args(ws: Workspace, st: ScheduleTensors, w1: torch.Tensor,
         pre_ptr=pre_LPF if pre_LPF is not None else h,
         ctr_ptr=ws.counters_LC, err_ptr=ws.errors_L4,
         y_ptr=y_NH, p_ptr=p_NK, sum_ptr=ws.sums_LTJ,
-        w1_ptr=w1, w2_ptr=w2, ws1_ptr=ws1 if ws1 is not None else w1,
-        ws2_ptr=ws2 if ws2 is not None else w2,
+        **_weight_args(w1, w2, ws1, ws2),
         **dict(zip(("w1_desc", "w2_desc", "ws1_desc", "ws2_desc", "h_desc"), descs)),
         T=ws.T, E=ws.E, P=ws.P, Q=ws.Q, NCTR=ws.counters_LC.shape[1], MMAX=ws.mmax,
         budget=cfg.spin_budget, withhold=withhold,
         **kernel_constants(cfg, hidden=ws.H, intermediate=ws.I, slots=ws.S, shared=ws.shared,
                            programs=programs, comm=comm, interpreting=interpreting,
                            save_pre=pre_LPF is not None))
+
+
+def _weight_args(w1, w2, ws1, ws2) -> dict[str, object]:
+    """The weight pointers (bf16 tensors; with FP8, the e4m3 ``q`` of each
+    :class:`Fp8Weight`) and, with FP8, their scales (None for bf16: never read). A missing
+    shared expert's pointers are the routed ones (never read either)."""
+    ws1 = w1 if ws1 is None else ws1
+    ws2 = w2 if ws2 is None else ws2
+    if isinstance(w1, Fp8Weight):
+        return dict(w1_ptr=w1.q, w2_ptr=w2.q, ws1_ptr=ws1.q, ws2_ptr=ws2.q,
+                    sw1_ptr=w1.scale, sw2_ptr=w2.scale, sws1_ptr=ws1.scale,
+                    sws2_ptr=ws2.scale)
+    return dict(w1_ptr=w1, w2_ptr=w2, ws1_ptr=ws1, ws2_ptr=ws2, sw1_ptr=None, sw2_ptr=None,
+                sws1_ptr=None, sws2_ptr=None)
 
 
 def launch_megakernel(ws: Workspace, st: ScheduleTensors, w1: torch.Tensor, w2: torch.Tensor,
@@ -198,8 +215,9 @@ def interleave_gate_up(w_gate_up: torch.Tensor) -> torch.Tensor:
         .contiguous()
 
 
-def _check_weights(ws: Workspace, w1: torch.Tensor, w2: torch.Tensor,
-                   ws1: torch.Tensor | None, ws2: torch.Tensor | None) -> None:
+def _check_weights(ws: Workspace, w1, w2, ws1, ws2, fp8: bool | None = None) -> None:
+    """bf16 weights, or with ``fp8`` (default: the config's forward is FP8) the
+    :class:`Fp8Weight` of ``quantize_weights``. The backward always takes bf16 weights."""
     n_exp, H, I = ws.L * ws.E, ws.H, ws.I
     want = {"w_gate_up": (w1, (n_exp, H, 2 * I)), "w_down": (w2, (n_exp, I, H))}
     if ws.shared:
@@ -207,17 +225,33 @@ def _check_weights(ws: Workspace, w1: torch.Tensor, w2: torch.Tensor,
             raise ValueError("workspace has the shared expert on: pass shared_gate_up/down")
         want["shared_gate_up"] = (ws1, (H, 2 * I))
         want["shared_down"] = (ws2, (I, H))
+    fp8 = ws.config.fp8 != "none" if fp8 is None else fp8
     for name, (t, shape) in want.items():
-        if tuple(t.shape) != shape or t.dtype != torch.bfloat16 or not t.is_contiguous():
-            raise ValueError(f"{name}: want contiguous bf16 {shape}, got {t.dtype} "
-                             f"{tuple(t.shape)}")
+        if fp8:
+            if not isinstance(t, Fp8Weight) or t.shape != shape \
+                    or t.q.dtype != torch.float8_e4m3fn:
+                raise ValueError(f"{name}: want an Fp8Weight {shape} (quantize_weights) with "
+                                 f"fp8={ws.config.fp8!r}, got {type(t).__name__}")
+        elif (not isinstance(t, torch.Tensor) or tuple(t.shape) != shape
+              or t.dtype != torch.bfloat16 or not t.is_contiguous()):
+            raise ValueError(f"{name}: want contiguous bf16 {shape}, got "
+                             f"{getattr(t, 'dtype', type(t).__name__)} "
+                             f"{tuple(getattr(t, 'shape', ()))}")
 
 
-def _token_source(ws: Workspace, x_TH: torch.Tensor) -> torch.Tensor:
+def _token_source(ws: Workspace, x_TH: torch.Tensor, fp8: bool | None = None) -> torch.Tensor:
     """The buffer the kernel reads token rows from. Real EP: the symmetric buffer (peers read
     it), so x is copied in. One process (one rank or loopback): every reader is in this
     launch, so a contiguous bf16 x on the device is read where it is ([L*T, H] is laid out
-    like the loopback [L, T, H] buffer, whose rank offsets x_tab_R holds): no copy."""
+    like the loopback [L, T, H] buffer, whose rank offsets x_tab_R holds): no copy.
+    FP8 (``fp8``, default: the config's forward is FP8): x is quantised once, here at its
+    source, into FP8 rows of the token buffer (the backward passes ``fp8=False``)."""
+    if fp8 is None:
+        fp8 = ws.config.fp8 != "none"
+    if fp8:
+        quantize_tokens_into(ws.config.fp8, x_TH, ws.x_LTH.view(ws.L * ws.T, ws.H),
+                             pow2_scales=ws.config.fp8_pow2_scales)
+        return ws.x_LTH
     if (ws.handle is None and x_TH.dtype == torch.bfloat16 and x_TH.is_contiguous()
             and x_TH.device.type == ws.device.type
             and ws.device.index in (None, x_TH.device.index)):

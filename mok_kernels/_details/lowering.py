@@ -76,8 +76,10 @@ def kernel_args(config: MoKConfig, hidden: int, intermediate: int, *, topk: int 
     device (shapes and dtypes, no memory): one logical rank, one minibatch of tokens, one
     local expert."""
     from mok_kernels._details.backward import backward_kernel_args, backward_scratch
+    from mok_kernels._details.ffn_fp8 import Fp8Weight
     from mok_kernels._details.forward import forward_kernel_args
     from mok_kernels._details.schedule import build_schedule_tensors
+    from mok_kernels._details.tl_gemm_fp8 import fp8_scale_sizes
     from mok_kernels._details.workspace import get_workspace
 
     if kernel not in ("forward", "backward"):
@@ -93,6 +95,18 @@ def kernel_args(config: MoKConfig, hidden: int, intermediate: int, *, topk: int 
 
     w = (meta(ws.E, H, 2 * I), meta(ws.E, I, H), meta(H, 2 * I) if shared else None,
          meta(I, H) if shared else None)
+    if kernel == "forward" and cfg.fp8 != "none":  # e4m3 weights and their scales
+        sw1, sw2 = fp8_scale_sizes(H, I, cfg.quant)
+        sdt = torch.uint8 if cfg.fp8 == "mx" else torch.float32
+
+        def fp8(t: torch.Tensor | None, scales: int) -> Fp8Weight | None:
+            if t is None:
+                return None
+            lead = t.shape[:-2]
+            return Fp8Weight(torch.empty(t.shape, dtype=torch.float8_e4m3fn, device="meta"),
+                             torch.empty(*lead, scales, dtype=sdt, device="meta"))
+
+        w = (fp8(w[0], sw1), fp8(w[1], sw2), fp8(w[2], sw1), fp8(w[3], sw2))
     if kernel == "forward":
         p_NK = torch.empty(ws.T, ws.K, dtype=torch.float32, device="meta")
         return forward_kernel_args(ws, st, *w, y_NH=meta(ws.T, H), p_NK=p_NK, x_LTH=ws.x_LTH,
@@ -104,7 +118,7 @@ def kernel_args(config: MoKConfig, hidden: int, intermediate: int, *, topk: int 
 
 
 _ELEMENT = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32",
-            torch.int64: "i64"}
+            torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv", torch.uint8: "u8"}
 
 
 def signature(kern, args: dict[str, object]) -> tuple[dict, dict, dict]:

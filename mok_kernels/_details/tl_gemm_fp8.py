@@ -142,3 +142,70 @@ def fp8_down_kernel(h_ptr, sh_ptr, grp_ptr, w2_ptr, sw2_ptr, y_ptr, H: tl.conste
                    sw2_ptr + e * SW2, j * BN, I, H, BM, BN, BK, RECIPE, F32_DOT)
     cols = j * BN + tl.arange(0, BN)
     tl.store(y_ptr + rows[:, None] * H + cols[None, :], acc.to(tl.bfloat16))
+
+
+@triton.jit
+def fp8_row_views(rows16, WIDTH: tl.constexpr, RECIPE: tl.constexpr):
+    """An FP8 row kept in the bytes of a bf16 row of WIDTH elements (2*WIDTH bytes): WIDTH e4m3
+    values, then the row's scales from byte WIDTH (fp32; e8m0 codes for MX). From [BM] bf16
+    row pointers: ([BM] e4m3 pointers, [BM] scale pointers)."""
+    q = rows16.to(tl.pointer_type(tl.float8e4nv), bitcast=True)
+    if RECIPE == 3:
+        s = rows16.to(tl.pointer_type(tl.uint8), bitcast=True) + WIDTH
+    else:
+        s = rows16.to(tl.pointer_type(tl.float32), bitcast=True) + WIDTH // 4
+    return q, s
+
+
+@triton.jit
+def gate_up_fp8_tiles(a_rows16, a_mask, w1, sw1, j0, h_rows16, pre_row_ptrs, H: tl.constexpr,
+                      I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                      GJ: tl.constexpr, RECIPE: tl.constexpr, POW2: tl.constexpr,
+                      F32_DOT: tl.constexpr, SAVE_PRE: tl.constexpr):
+    """The megakernel's FP8 gate+up work: GJ interleaved column tiles j0.. of one row block.
+    A rows and h rows are FP8 rows in bf16-row storage (:func:`fp8_row_views`); w1 / sw1 this
+    group's e4m3 weights [H, 2I] and scales (``fp8_tile``). h is quantised in the epilogue
+    (1x128, or MX 1x32 with the mx recipe); SAVE_PRE also stores the pre-activations in bf16
+    (the backward's input, in w1's interleaved column layout)."""
+    H_RECIPE: tl.constexpr = 3 if RECIPE == 3 else 1
+    a_rows, sa_rows = fp8_row_views(a_rows16, H, RECIPE)
+    h_rows, sh_rows = fp8_row_views(h_rows16, I, H_RECIPE)
+    for jj in tl.range(0, GJ):
+        j = j0 + jj
+        acc = fp8_tile(a_rows, a_mask, sa_rows, w1, sw1, j * BN, H, 2 * I, BM, BN, BK, RECIPE,
+                       F32_DOT)
+        if SAVE_PRE:
+            wcols = j * BN + tl.arange(0, BN)
+            tl.store(pre_row_ptrs[:, None] + wcols[None, :], acc.to(tl.bfloat16))
+        swiglu_quant_epilogue(acc, h_rows, sh_rows, j, BM, BN, H_RECIPE, POW2, F32_DOT)
+
+
+@triton.jit
+def down_fp8_tiles(h_rows16, w2, sw2, j0, dst_row_ptrs, dst_mask, I: tl.constexpr,
+                   H: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                   DT: tl.constexpr, RECIPE: tl.constexpr, F32_DOT: tl.constexpr):
+    """The megakernel's FP8 down work: DT column tiles j0.. of one row block from its FP8 h
+    rows (1x128 blocks, MX with the mx recipe) and this group's e4m3 w2 [I, H] + scales;
+    bf16 out to dst rows (masked)."""
+    H_RECIPE: tl.constexpr = 3 if RECIPE == 3 else 1
+    h_rows, sh_rows = fp8_row_views(h_rows16, I, H_RECIPE)
+    for jj in tl.range(0, DT):
+        cols = (j0 + jj) * BN + tl.arange(0, BN)
+        acc = fp8_tile(h_rows, tl.full((BM,), 1, tl.int1), sh_rows, w2, sw2, (j0 + jj) * BN, I, H,
+                       BM, BN, BK, H_RECIPE, F32_DOT)
+        tl.store(dst_row_ptrs[:, None] + cols[None, :], acc.to(tl.bfloat16),
+                 mask=dst_mask[:, None])
+
+
+def fp8_scale_sizes(hidden: int, intermediate: int, recipe: int) -> tuple[int, int]:
+    """Scale elements per expert of w1 [H, 2I] and w2 [I, H] for a recipe code (the layouts
+    ``quantize_weights`` makes): blockwise 128x128 blocks, rowwise one per w1 column (w2 stays
+    128x128: h is quantised 1x128), MX one per (column, 32 rows). (0, 0) for bf16."""
+    H, I = hidden, intermediate
+    if recipe == MX:
+        return 2 * I * (H // 32), H * (I // 32)
+    if recipe == ROWWISE:
+        return 2 * I, (I // 128) * (H // 128)
+    if recipe == BLOCKWISE:
+        return (H // 128) * (2 * I // 128), (I // 128) * (H // 128)
+    return 0, 0

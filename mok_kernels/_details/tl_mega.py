@@ -34,6 +34,7 @@ import triton.language as tl
 
 from mok_kernels._details import errors
 from mok_kernels._details.tl_gemm import down_tiles, gate_up_swiglu_tiles
+from mok_kernels._details.tl_gemm_fp8 import down_fp8_tiles, gate_up_fp8_tiles
 from mok_kernels._details.tl_sync import no_error, signal, wait_geq
 
 # The error codes of errors.py, as constexprs for the kernel.
@@ -170,14 +171,16 @@ def _weight_desc(lr, g, E, desc, shared_desc, rows: tl.constexpr, TMA: tl.conste
 
 @triton.jit
 def _gate_up_item(m, b, j, lr, src, grp, total, ring, hbuf, pre, ctr, err, x_base, x_tab,
-                  w1_ptr, ws1_ptr, w1_desc, ws1_desc, T, E, Q, MMAX, budget, withhold,
-                  H: tl.constexpr, I: tl.constexpr, S: tl.constexpr, COMM: tl.constexpr,
-                  HAS_SHARED: tl.constexpr, MB: tl.constexpr, BM: tl.constexpr,
-                  BN: tl.constexpr, BK: tl.constexpr, GJ: tl.constexpr, QUANT: tl.constexpr,
+                  w1_ptr, ws1_ptr, sw1_ptr, sws1_ptr, w1_desc, ws1_desc, T, E, Q, MMAX, budget,
+                  withhold, H: tl.constexpr, I: tl.constexpr, S: tl.constexpr,
+                  COMM: tl.constexpr, HAS_SHARED: tl.constexpr, MB: tl.constexpr,
+                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GJ: tl.constexpr,
+                  QUANT: tl.constexpr, POW2: tl.constexpr, SW1: tl.constexpr,
                   F32_DOT: tl.constexpr, TMA: tl.constexpr,
                   INTERLEAVED: tl.constexpr, SAVE_PRE: tl.constexpr):
     """GJ consecutive gate+up tiles (column tiles j*GJ ..) of row block b: one wait, one
-    signal (+GJ) for all of them."""
+    signal (+GJ) for all of them. QUANT > 0: the FP8 tiles (token and h rows are FP8 rows in
+    bf16-row storage; w1 / sw1 e4m3 weights and their scales, SW1 scales per expert)."""
     GATHER: tl.constexpr = COMM == 0
     ok = 1
     slots = Q // MB
@@ -200,9 +203,14 @@ def _gate_up_item(m, b, j, lr, src, grp, total, ring, hbuf, pre, ctr, err, x_bas
         d1, w_row0 = _weight_desc(lr, g, E, w1_desc, ws1_desc, H, TMA, HAS_SHARED)
         h_rows = hbuf + qrows * I
         pre_rows = pre + rows.to(tl.int64) * (2 * I)
-        gate_up_swiglu_tiles(a_rows, a_valid, w1, j * GJ, h_rows, d1, w_row0, pre_rows, H, I,
-                             BM, BN, BK, GJ, QUANT, GATHER, F32_DOT, TMA, INTERLEAVED,
-                             SAVE_PRE)
+        if QUANT > 0:
+            sw1 = _weights(lr, g, E, sw1_ptr, sws1_ptr, SW1, HAS_SHARED)
+            gate_up_fp8_tiles(a_rows, a_valid, w1, sw1, j * GJ, h_rows, pre_rows, H, I, BM,
+                              BN, BK, GJ, QUANT, POW2, F32_DOT, SAVE_PRE)
+        else:
+            gate_up_swiglu_tiles(a_rows, a_valid, w1, j * GJ, h_rows, d1, w_row0, pre_rows, H,
+                                 I, BM, BN, BK, GJ, QUANT, GATHER, F32_DOT, TMA, INTERLEAVED,
+                                 SAVE_PRE)
         if (withhold != 2) | (b != 0):
             signal(ctr + 1 + 3 * MMAX + b, GJ)
     return ok
@@ -247,11 +255,12 @@ def _sum_arrived(src, rows, rmask, jd, comb_base, comb_tab, y_ptr, p_ptr, sums, 
 
 @triton.jit
 def _down_item(m, b, jd, lr, src, grp, hbuf, outb, ctr, err, comb_base, comb_tab, w2_ptr,
-               ws2_ptr, h_desc, w2_desc, ws2_desc, y_ptr, p_ptr, sums, T, E, Q, MMAX, budget,
-               H: tl.constexpr, I: tl.constexpr, S: tl.constexpr, K: tl.constexpr,
-               COMM: tl.constexpr, HAS_SHARED: tl.constexpr, BM: tl.constexpr,
-               BN: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, F32_DOT: tl.constexpr,
-               TMA: tl.constexpr, FUSED_SUM: tl.constexpr):
+               ws2_ptr, sw2_ptr, sws2_ptr, h_desc, w2_desc, ws2_desc, y_ptr, p_ptr, sums, T, E,
+               Q, MMAX, budget, H: tl.constexpr, I: tl.constexpr, S: tl.constexpr,
+               K: tl.constexpr, COMM: tl.constexpr, HAS_SHARED: tl.constexpr, BM: tl.constexpr,
+               BN: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, QUANT: tl.constexpr,
+               SW2: tl.constexpr, F32_DOT: tl.constexpr, TMA: tl.constexpr,
+               FUSED_SUM: tl.constexpr):
     """DT consecutive down tiles (column tiles jd*DT ..) of row block b: one wait, one
     signal for all of them (the fixed per-item cost is a few L2 round trips)."""
     ok = wait_geq(ctr + 1 + 3 * MMAX + b, I // (BN // 2), err, budget, _E_ROWBLOCK, b)
@@ -268,8 +277,13 @@ def _down_item(m, b, jd, lr, src, grp, hbuf, outb, ctr, err, comb_base, comb_tab
         else:  # the output ring; the communication programs push it
             dst = outb + qrows * H
             valid = rows >= 0
-        down_tiles(h_rows, w2, jd * DT, h_desc, h_row0, d2, w_row0, dst, valid, I, H, BM, BN,
-                   BK, DT, F32_DOT, TMA)
+        if QUANT > 0:
+            sw2 = _weights(lr, g, E, sw2_ptr, sws2_ptr, SW2, HAS_SHARED)
+            down_fp8_tiles(h_rows, w2, sw2, jd * DT, dst, valid, I, H, BM, BN, BK, DT, QUANT,
+                           F32_DOT)
+        else:
+            down_tiles(h_rows, w2, jd * DT, h_desc, h_row0, d2, w_row0, dst, valid, I, H, BM,
+                       BN, BK, DT, F32_DOT, TMA)
         if FUSED_SUM:
             _sum_arrived(src, rows, rows >= 0, jd, comb_base, comb_tab, y_ptr, p_ptr, sums, T,
                          H, S, K, BM, BN, DT)
@@ -279,13 +293,14 @@ def _down_item(m, b, jd, lr, src, grp, hbuf, outb, ctr, err, comb_base, comb_tab
 
 @triton.jit
 def _compute_loop(lr, src, grp, total, ring, hbuf, pre, outb, ctr, err, x_base, x_tab,
-                  comb_base, comb_tab, w1_ptr, w2_ptr, ws1_ptr, ws2_ptr, w1_desc, w2_desc,
-                  ws1_desc, ws2_desc, h_desc, y_ptr, p_ptr, sums, T, E, Q, MMAX, budget,
-                  withhold,
+                  comb_base, comb_tab, w1_ptr, w2_ptr, ws1_ptr, ws2_ptr, sw1_ptr, sw2_ptr,
+                  sws1_ptr, sws2_ptr, w1_desc, w2_desc, ws1_desc, ws2_desc, h_desc, y_ptr,
+                  p_ptr, sums, T, E, Q, MMAX, budget, withhold,
                   H: tl.constexpr, I: tl.constexpr, S: tl.constexpr, K: tl.constexpr,
                   COMM: tl.constexpr, HAS_SHARED: tl.constexpr, MB: tl.constexpr,
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr,
-                  GJ: tl.constexpr, QUANT: tl.constexpr, F32_DOT: tl.constexpr,
+                  GJ: tl.constexpr, QUANT: tl.constexpr, POW2: tl.constexpr,
+                  SW1: tl.constexpr, SW2: tl.constexpr, F32_DOT: tl.constexpr,
                   TMA: tl.constexpr, INTERLEAVED: tl.constexpr, PREFETCH: tl.constexpr,
                   FUSED_SUM: tl.constexpr, SAVE_PRE: tl.constexpr):
     """Claim tickets until the work of this logical rank is done (or an error is set).
@@ -310,18 +325,19 @@ def _compute_loop(lr, src, grp, total, ring, hbuf, pre, outb, ctr, err, x_base, 
             b = m * NBM + i // N1
             if b * BM < total:
                 ok = _gate_up_item(m, b, i % N1, lr, src, grp, total, ring, hbuf, pre, ctr,
-                                   err, x_base, x_tab, w1_ptr, ws1_ptr, w1_desc, ws1_desc, T,
-                                   E, Q, MMAX, budget, withhold, H, I, S, COMM, HAS_SHARED,
-                                   MB, BM, BN, BK, GJ, QUANT, F32_DOT, TMA, INTERLEAVED,
-                                   SAVE_PRE)
+                                   err, x_base, x_tab, w1_ptr, ws1_ptr, sw1_ptr, sws1_ptr,
+                                   w1_desc, ws1_desc, T, E, Q, MMAX, budget, withhold, H, I, S,
+                                   COMM, HAS_SHARED, MB, BM, BN, BK, GJ, QUANT, POW2, SW1,
+                                   F32_DOT, TMA, INTERLEAVED, SAVE_PRE)
         else:
             i2 = i - NBM * N1
             b = m * NBM + i2 // N2
             if b * BM < total:
                 ok = _down_item(m, b, i2 % N2, lr, src, grp, hbuf, outb, ctr, err, comb_base,
-                                comb_tab, w2_ptr, ws2_ptr, h_desc, w2_desc, ws2_desc, y_ptr,
-                                p_ptr, sums, T, E, Q, MMAX, budget, H, I, S, K, COMM,
-                                HAS_SHARED, BM, BN, BK, DT, F32_DOT, TMA, FUSED_SUM)
+                                comb_tab, w2_ptr, ws2_ptr, sw2_ptr, sws2_ptr, h_desc, w2_desc,
+                                ws2_desc, y_ptr, p_ptr, sums, T, E, Q, MMAX, budget, H, I, S, K,
+                                COMM, HAS_SHARED, BM, BN, BK, DT, QUANT, SW2, F32_DOT, TMA,
+                                FUSED_SUM)
         if PREFETCH:
             tk = tk_next
         else:
@@ -337,12 +353,14 @@ def mok_forward_kernel(
         ctr_ptr, err_ptr,  # [L, NCTR] int32 counters, [L, 4] int32 error words
         y_ptr, p_ptr, sum_ptr,  # FUSED_SUM: y [L*T, H] bf16, p [L*T, K] fp32, [L*T, H/BN] i32
         w1_ptr, w2_ptr, ws1_ptr, ws2_ptr,  # [L*E, H, 2I], [L*E, I, H], [H, 2I], [I, H] bf16
+        sw1_ptr, sw2_ptr, sws1_ptr, sws2_ptr,  # QUANT > 0: their scales (w*_ptr are e4m3)
         w1_desc, w2_desc, ws1_desc, ws2_desc, h_desc,  # TMA descriptors (None unless TMA)
         T, E, P, Q, NCTR, MMAX, budget, withhold,
         H: tl.constexpr, I: tl.constexpr, S: tl.constexpr, PROGS: tl.constexpr,
         COMM: tl.constexpr, HAS_SHARED: tl.constexpr, MB: tl.constexpr, BM: tl.constexpr,
         BN: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, GJ: tl.constexpr, CR: tl.constexpr,
-        CH: tl.constexpr, QUANT: tl.constexpr, F32_DOT: tl.constexpr, TMA: tl.constexpr,
+        CH: tl.constexpr, QUANT: tl.constexpr, POW2: tl.constexpr, SW1: tl.constexpr,
+        SW2: tl.constexpr, F32_DOT: tl.constexpr, TMA: tl.constexpr,
         INTERLEAVED: tl.constexpr, PREFETCH: tl.constexpr, K: tl.constexpr,
         FUSED_SUM: tl.constexpr, SAVE_PRE: tl.constexpr):
     """One persistent program per SM. x_tab/comb_tab hold, for every EP rank r, the element
@@ -365,17 +383,18 @@ def mok_forward_kernel(
                        T, Q, MMAX, budget, withhold, H, S, COMM, MB, BM, BN, CR, CH)
         else:
             _compute_loop(lr, src, grp, total, ring, hbuf, pre, outb, ctr, err, x_base, x_tab,
-                          comb_base, comb_tab, w1_ptr, w2_ptr, ws1_ptr, ws2_ptr, w1_desc,
-                          w2_desc, ws1_desc, ws2_desc, h_desc, y_ptr, p_ptr, sum_ptr, T, E, Q,
-                          MMAX, budget, withhold, H, I, S, K, COMM, HAS_SHARED, MB, BM, BN,
-                          BK, DT, GJ, QUANT, F32_DOT, TMA, INTERLEAVED, PREFETCH, FUSED_SUM,
-                          SAVE_PRE)
+                          comb_base, comb_tab, w1_ptr, w2_ptr, ws1_ptr, ws2_ptr, sw1_ptr,
+                          sw2_ptr, sws1_ptr, sws2_ptr, w1_desc, w2_desc, ws1_desc, ws2_desc,
+                          h_desc, y_ptr, p_ptr, sum_ptr, T, E, Q, MMAX, budget, withhold, H, I,
+                          S, K, COMM, HAS_SHARED, MB, BM, BN, BK, DT, GJ, QUANT, POW2, SW1,
+                          SW2, F32_DOT, TMA, INTERLEAVED, PREFETCH, FUSED_SUM, SAVE_PRE)
     else:
         _compute_loop(lr, src, grp, total, ring, hbuf, pre, outb, ctr, err, x_base, x_tab,
-                      comb_base, comb_tab, w1_ptr, w2_ptr, ws1_ptr, ws2_ptr, w1_desc, w2_desc,
-                      ws1_desc, ws2_desc, h_desc, y_ptr, p_ptr, sum_ptr, T, E, Q, MMAX,
-                      budget, withhold, H, I, S, K, COMM, HAS_SHARED, MB, BM, BN, BK, DT, GJ,
-                      QUANT, F32_DOT, TMA, INTERLEAVED, PREFETCH, FUSED_SUM, SAVE_PRE)
+                      comb_base, comb_tab, w1_ptr, w2_ptr, ws1_ptr, ws2_ptr, sw1_ptr, sw2_ptr,
+                      sws1_ptr, sws2_ptr, w1_desc, w2_desc, ws1_desc, ws2_desc, h_desc, y_ptr,
+                      p_ptr, sum_ptr, T, E, Q, MMAX, budget, withhold, H, I, S, K, COMM,
+                      HAS_SHARED, MB, BM, BN, BK, DT, GJ, QUANT, POW2, SW1, SW2, F32_DOT, TMA,
+                      INTERLEAVED, PREFETCH, FUSED_SUM, SAVE_PRE)
 
 
 @triton.jit

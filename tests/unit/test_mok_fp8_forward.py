@@ -1,0 +1,144 @@
+"""The megakernel's FP8 forward (``MoKConfig(fp8=...)``) on CPU: in Triton's interpreter
+(no communication programs, one and two loopback ranks, shared expert on and off, inference
+and training forward) against (a) a torch reference with the same quantisation (tokens at the
+source, weights 128x128 / per column / MX, h 1x128 or MX) within 2e-2 norm relative (the
+interpreter truncates the bf16 combine slots; the bf16 test uses the same bound), and (b) the
+exact fp32 layer within the FP8 bound 0.1 (measured about 0.065). Inputs and weights carry
+block magnitudes from 2^-3 to 2^3 so that a scale read from the wrong block shows. Then the
+builds: sm_90 e4m3 wgmma without spills at block_m 64, sm_100 MXFP8 block-scaled tcgen05 MMAs
+without spills at block_m 128. Not yet run on a GPU (tests/gpu/test_mok_forward.py's FP8 case
+checks it there)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+import mok_kernels as mk  # noqa: E402
+
+SCRIPT = textwrap.dedent('''
+import torch
+import mok_kernels as mk
+from mok_kernels._details import quant_ref as qr
+from mokbench.reference import reference_all_experts
+
+def blocks(shape, b0, b1, lo, hi):
+    """2^k factors, constant over b0 x b1 blocks of the last two dims."""
+    *lead, R, C = shape
+    f = 2.0 ** torch.randint(lo, hi + 1, (*lead, R // b0, C // b1)).float()
+    return f.repeat_interleave(b0, -2).repeat_interleave(b1, -1)
+
+def deq_w(recipe, fw, gate_up):
+    q, s = fw.q, fw.scale
+    three = q.dim() == 3
+    q3, s3 = (q, s) if three else (q[None], s[None])
+    if recipe == "mx":
+        w = qr.dequantize_mx(q3.transpose(1, 2), s3).transpose(1, 2)
+    elif recipe == "rowwise" and gate_up:
+        w = qr.dequantize_colwise(q3, s3)
+    else:
+        w = qr.dequantize_weight_128x128(q3, s3)
+    return w if three else w[0]
+
+def deq_x(recipe, x):
+    if recipe == "mx":
+        return qr.dequantize_mx(*qr.ref_quantize_mx(x))
+    if recipe == "rowwise":
+        return qr.dequantize_rowwise(*qr.ref_quantize_rowwise(x))
+    return qr.dequantize_blockwise(*qr.ref_quantize_blockwise(x, 128))
+
+def ffn(recipe, xd, w1d, w2d):
+    pre = xd @ w1d
+    g, u = pre[:, 0::2], pre[:, 1::2]
+    h = g * torch.sigmoid(g) * u
+    h = qr.dequantize_mx(*qr.ref_quantize_mx(h)) if recipe == "mx" else \
+        qr.dequantize_blockwise(*qr.ref_quantize_blockwise(h, 128))
+    return h @ w2d
+
+for recipe in ("blockwise", "rowwise", "mx"):
+    for (L, T, E, K, shared, train) in [(1, 24, 3, 2, True, False), (2, 13, 2, 2, False, True)]:
+        torch.manual_seed(L)
+        H, I = 256, 128
+        cfg = mk.MoKConfig(minibatch=32, macrobatch=64, block_m=16, block_n=256, block_k=128,
+                           num_warps=4, num_stages=1, spin_budget=1000,
+                           gate_up_interleaved=True, fp8=recipe)
+        ws = mk.get_workspace(cfg, tokens=T, hidden=H, intermediate=I, local_experts=E,
+                              topk=K, shared=shared, device="cpu", loopback_ranks=L)
+        x = (torch.randn(L * T, H) * blocks((L * T, H), 1, 128, -3, 3)).bfloat16()
+        idx = torch.stack([torch.randperm(L * E)[:K] for _ in range(L * T)])
+        p = torch.softmax(torch.randn(L * T, K), 1)
+        w1 = (torch.randn(L * E, H, 2 * I) * H ** -0.5
+              * blocks((L * E, H, 2 * I), 128, 128, -2, 2)).bfloat16()
+        w2 = (torch.randn(L * E, I, H) * I ** -0.5
+              * blocks((L * E, I, H), 128, 128, -2, 2)).bfloat16()
+        ws1 = (torch.randn(H, 2 * I) * H ** -0.5).bfloat16() if shared else None
+        ws2 = (torch.randn(I, H) * I ** -0.5).bfloat16() if shared else None
+        il = mk.interleave_gate_up
+        fw = mk.quantize_weights(cfg, il(w1), w2, il(ws1) if shared else None, ws2)
+        sched = mk.build_schedule(ws, idx)
+        if train:
+            y, ctx = mk.forward_train(cfg, ws, sched, x, p, *fw)
+        else:
+            y = mk.forward(cfg, ws, sched, x, p, *fw)
+        mk.check_errors(ws)
+        exact = reference_all_experts(x, idx, p, w1, w2, ws1, ws2).y_TH
+        xd = deq_x(recipe, x)
+        w1d, w2d = deq_w(recipe, fw[0], True), deq_w(recipe, fw[1], False)
+        ref = torch.zeros(L * T, H)
+        for t in range(L * T):
+            for k in range(K):
+                e = int(idx[t, k])
+                ref[t] += p[t, k] * ffn(recipe, xd[t:t + 1], w1d[e], w2d[e])[0]
+            if shared:
+                ref[t] += ffn(recipe, xd[t:t + 1], deq_w(recipe, fw[2], True),
+                              deq_w(recipe, fw[3], False))[0]
+        e_ref = ((y.float() - ref).norm() / ref.norm()).item()
+        e_exact = ((y.float() - exact).norm() / exact.norm()).item()
+        print("case", recipe, L, train, e_ref, e_exact, bool(y.isfinite().all()))
+''')
+
+
+def test_fp8_forward_in_interpreter_matches_references():
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(repo))
+    out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
+                         text=True, timeout=900, cwd=repo)
+    assert out.returncode == 0, out.stderr[-3000:]
+    cases = [line.split()[1:] for line in out.stdout.splitlines() if line.startswith("case ")]
+    assert len(cases) == 6, out.stdout
+    for recipe, L, train, e_ref, e_exact, finite in cases:
+        assert float(e_ref) < 2e-2, (recipe, L, train, e_ref)
+        assert float(e_exact) < 0.1, (recipe, L, train, e_exact)
+        assert finite == "True", (recipe, L, train)
+
+
+@pytest.mark.parametrize("recipe, arch, block_m", [("blockwise", 90, 64), ("rowwise", 90, 64),
+                                                   ("mx", 100, 128)])
+def test_fp8_megakernel_builds_without_spills(recipe, arch, block_m):
+    cfg = mk.MoKConfig.for_shape(7168, 2048, fp8=recipe, gate_up_interleaved=True,
+                                 block_k=128, block_m=block_m, minibatch=4096,
+                                 macrobatch=12288)
+    lw = mk.compile_megakernel(cfg, 7168, 2048, arch=arch)
+    assert not lw.spills, lw.ptxas_log
+    if arch == 90:
+        assert lw.mma_instructions == ["wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3"]
+    else:
+        assert any("mxf8f6f4.block_scale" in i for i in lw.mma_instructions), \
+            lw.mma_instructions
+
+
+def test_fp8_config_errors_name_the_field():
+    with pytest.raises(mk.MoKConfigError, match=r"^fp8='e5m2' is invalid: allowed none \| "
+                                                r"blockwise \| rowwise \| mx$"):
+        mk.MoKConfig(fp8="e5m2")
+    with pytest.raises(mk.MoKConfigError, match=r"^block_k=64 is invalid: allowed 128 with"):
+        mk.MoKConfig(fp8="blockwise", gate_up_interleaved=True, block_k=64)
+    with pytest.raises(mk.MoKConfigError, match=r"^tma=True is invalid: allowed false with"):
+        mk.MoKConfig(fp8="mx", gate_up_interleaved=True, block_k=128, tma=True)
