@@ -1,4 +1,5 @@
-"""The ``mok`` backend: our MoK-style Triton megakernels (BF16), one rank of the EP group.
+"""The ``mok`` backend: our MoK-style Triton megakernels (BF16; FP8 forward), one rank of the
+EP group.
 
 Legend: T tokens on this rank, H hidden, I intermediate, E local experts, K top-k.
 
@@ -14,6 +15,12 @@ inside a ``torch.autograd.Function`` whose backward is the backward megakernel, 
 ``y.backward(dy)`` gives dx, the router-weight gradient and the weight gradients. Under
 ``torch.no_grad()`` (or with no input requiring grad) it is the inference forward, which keeps
 nothing.
+
+FP8 (``precision = "fp8"``): the forward runs the megakernel's FP8 path
+(``MoKConfig.fp8``, default "blockwise": TransformerEngine's Float8BlockScaling recipe, 1x128
+activation and 128x128 weight scales; knob ``fp8`` = blockwise | rowwise | mx), with the
+weights quantised once at setup (not timed); the backward is the BF16 backward megakernel on
+the BF16 weights (the row's variant says ``bwd=bf16``). Not yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -26,6 +33,16 @@ import torch
 from mokbench.backend import BackendBase, Capabilities
 
 CONFIG_ENV = "MOKBENCH_MOK_CONFIG"
+
+
+def fp8_config_fields(arch: int = 90, recipe: str = "blockwise") -> dict:
+    """What the FP8 path needs on top of the defaults: the recipe, interleaved gate/up,
+    block_n 256, block_k 128 (one scale step per K step), pointer loads (no TMA); 64-row tiles
+    on Hopper (the blockwise tiles spill at 128 rows), 128 on Blackwell for MXFP8 (the M of a
+    block-scaled tcgen05 MMA); one tile per work item (not measured yet)."""
+    bm = 128 if recipe == "mx" and arch >= 100 else 64
+    return {"fp8": recipe, "gate_up_interleaved": True, "block_n": 256, "block_k": 128,
+            "tma": False, "block_m": bm, "gate_up_tiles": 1, "down_tiles": 1}
 
 
 def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int,
@@ -96,6 +113,27 @@ def config_from_env(hidden: int, intermediate: int, defaults: dict,
     return MoKConfig.for_shape(hidden, intermediate, **fields)
 
 
+def scenario_config(scenario, options: dict | None = None, num_sms: int = 132,
+                    arch: int = 90):
+    """The MoKConfig of a cell: shape defaults (FP8 ones for ``precision = "fp8"``, recipe
+    from the ``fp8`` knob), then $MOKBENCH_MOK_CONFIG, then the variant's options. A knob
+    that contradicts the precision is a one-line error."""
+    from mok_kernels import MoKConfigError
+
+    s = scenario.shape
+    defaults = default_config_fields(s.hidden, s.intermediate, scenario.tokens_per_rank, s.topk,
+                                     num_sms, scenario.world_size, scenario.local_experts, arch)
+    fp8 = scenario.precision == "fp8"
+    if fp8:
+        recipe = {**env_overrides(), **(options or {})}.get("fp8", "blockwise")
+        defaults.update(fp8_config_fields(arch, recipe))
+    cfg = config_from_env(s.hidden, s.intermediate, defaults, options)
+    if fp8 != (cfg.fp8 != "none"):
+        raise MoKConfigError(f"fp8={cfg.fp8!r} is invalid for precision {scenario.precision!r}:"
+                             " allowed none for bf16, blockwise | rowwise | mx for fp8")
+    return cfg
+
+
 class _MoKLayer(torch.autograd.Function):
     """y = MoE(x, router weights); backward through the backward megakernel. The weights are
     not autograd inputs: their gradients land in ``backend.grads`` (canonical layout)."""
@@ -106,7 +144,7 @@ class _MoKLayer(torch.autograd.Function):
 
         sched = mok_kernels.build_schedule(backend.ws, topk_idx_TK)
         y, saved = mok_kernels.forward_train(backend.config, backend.ws, sched, x_TH,
-                                             topk_weights_TK, *backend.w)
+                                             topk_weights_TK, *backend.w_fwd)
         fctx.saved_mok = saved
         fctx.backend = backend
         fctx.p_dtype = topk_weights_TK.dtype
@@ -129,9 +167,10 @@ class MoKBackend(BackendBase):
 
     name = "mok"
     capabilities = Capabilities(
-        passes=("forward", "backward"), precisions=("bf16",), needs_gpu=True, min_cc=(9, 0),
-        packages=("triton",), is_baseline=False,
-        notes="Triton persistent megakernels, forward and backward")
+        passes=("forward", "backward"), precisions=("bf16", "fp8"), needs_gpu=True,
+        min_cc=(9, 0), packages=("triton",), is_baseline=False,
+        notes="Triton persistent megakernels, forward and backward; fp8 = FP8 forward "
+              "(weights quantised at setup), bf16 backward")
 
     def setup(self, scenario, ctx, weights) -> None:
         import mok_kernels
@@ -139,11 +178,10 @@ class MoKBackend(BackendBase):
         s = scenario.shape
         dev = torch.device(ctx.device)
         props = torch.cuda.get_device_properties(dev)
-        defaults = default_config_fields(s.hidden, s.intermediate, scenario.tokens_per_rank,
-                                         s.topk, props.multi_processor_count, ctx.world_size,
-                                         scenario.local_experts, 10 * props.major + props.minor)
         options = ctx.extra.get("options", {})
-        self.config = config_from_env(s.hidden, s.intermediate, defaults, options)
+        fp8 = scenario.precision == "fp8"
+        self.config = scenario_config(scenario, options, props.multi_processor_count,
+                                      10 * props.major + props.minor)
         group = ctx.group if ctx.world_size > 1 else None
         self.ws = mok_kernels.get_workspace(
             self.config, tokens=scenario.tokens_per_rank, hidden=s.hidden,
@@ -155,9 +193,11 @@ class MoKBackend(BackendBase):
         self.w = (lay(weights.w1_EHF), weights.w2_EIH.contiguous(),
                   None if weights.ws1_HF is None else lay(weights.ws1_HF),
                   None if weights.ws2_IH is None else weights.ws2_IH.contiguous())
+        # FP8: the forward's weights quantised once (not timed); the backward keeps bf16.
+        self.w_fwd = mok_kernels.quantize_weights(self.config, *self.w) if fp8 else self.w
         self.params = {}
         self.grads: dict = {}
-        self.graphed = (mok_kernels.GraphedForward(self.config, self.ws, self.w)
+        self.graphed = (mok_kernels.GraphedForward(self.config, self.ws, self.w_fwd)
                         if graph_option(options) else None)
         c = self.config
         self.variant = (f"comm_sms={c.fwd_comm_sms},minibatch={c.minibatch},"
@@ -167,18 +207,15 @@ class MoKBackend(BackendBase):
                         f"interleaved={int(c.gate_up_interleaved)},"
                         f"prefetch={int(c.prefetch_ticket)},"
                         f"compiled_schedule={int(c.compile_schedule)},"
-                        f"fused_sum={int(c.fused_sum)},wide_da={int(c.bwd_wide_da)}")
+                        f"fused_sum={int(c.fused_sum)},wide_da={int(c.bwd_wide_da)}"
+                        + (f",fp8={c.fp8},block_m={c.block_m},bwd=bf16" if fp8 else ""))
 
     def validate_options(self, scenario, options: dict) -> None:
         """Build the configuration a variant asks for (``mok@minibatch=512``) on the host, so
         a bad knob is a one-line error before launch (SM count assumed 132 when no GPU)."""
         from mok_kernels import MoKConfigError
 
-        s = scenario.shape
-        defaults = default_config_fields(s.hidden, s.intermediate, scenario.tokens_per_rank,
-                                         s.topk, 132, scenario.world_size,
-                                         scenario.local_experts)
-        cfg = config_from_env(s.hidden, s.intermediate, defaults, options)
+        cfg = scenario_config(scenario, options)
         if cfg.fused_sum and scenario.world_size > 1:
             raise MoKConfigError(f"fused_sum=True is invalid at world_size "
                                  f"{scenario.world_size}: allowed only at world_size 1 (every "
@@ -209,7 +246,7 @@ class MoKBackend(BackendBase):
                 return self.graphed(x_TH.detach(), topk_idx_TK, topk_weights_TK.detach())
             sched = mok_kernels.build_schedule(self.ws, topk_idx_TK)
             return mok_kernels.forward(self.config, self.ws, sched, x_TH.detach(),
-                                       topk_weights_TK.detach(), *self.w)
+                                       topk_weights_TK.detach(), *self.w_fwd)
 
     def check(self) -> None:
         """Raise the first error the kernels recorded on the device (one host sync)."""
@@ -221,5 +258,5 @@ class MoKBackend(BackendBase):
         self.grads = {}
         self.graphed = None
         self.ws = None
-        self.w = ()
+        self.w = self.w_fwd = ()
         self.params = {}

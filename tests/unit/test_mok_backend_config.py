@@ -58,3 +58,38 @@ def test_capabilities():
     caps = b.capabilities
     assert b.name == "mok" and caps.passes == ("forward", "backward") and caps.min_cc == (9, 0)
     assert caps.needs_gpu and not caps.is_baseline and caps.packages == ("triton",)
+
+
+def _scenario(precision: str):
+    from mokbench.scenario import ModelShape, Scenario
+
+    return Scenario(ModelShape("kimi", 48, 7168, 2048, 8), tokens_per_rank=16384, world_size=1,
+                    precision=precision)
+
+
+def test_fp8_cells_get_the_fp8_path(monkeypatch):
+    """precision fp8: the FP8 forward with TE's recipe by default, its tile constraints, and
+    64-row tiles on Hopper (128 for MXFP8 on Blackwell); a bf16 cell stays bf16."""
+    from mokbench.mok_backend import scenario_config
+
+    monkeypatch.delenv(CONFIG_ENV, raising=False)
+    cfg = scenario_config(_scenario("fp8"))
+    assert (cfg.fp8, cfg.block_k, cfg.block_n, cfg.block_m, cfg.tma,
+            cfg.gate_up_interleaved) == ("blockwise", 128, 256, 64, False, True)
+    mx = scenario_config(_scenario("fp8"), {"fp8": "mx"}, arch=100)
+    assert (mx.fp8, mx.block_m) == ("mx", 128)
+    assert scenario_config(_scenario("fp8"), {"fp8": "rowwise"}).fp8 == "rowwise"
+    assert scenario_config(_scenario("bf16")).fp8 == "none"
+    assert "fp8" in get_backend("mok").capabilities.precisions
+
+
+def test_fp8_knob_must_match_the_precision(monkeypatch):
+    from mokbench.mok_backend import scenario_config
+
+    monkeypatch.delenv(CONFIG_ENV, raising=False)
+    with pytest.raises(MoKConfigError, match=r"^fp8='blockwise' is invalid for precision "
+                                             r"'bf16': allowed none for bf16"):
+        scenario_config(_scenario("bf16"), {"fp8": "blockwise", "gate_up_interleaved": True,
+                                            "block_k": 128, "tma": False})
+    with pytest.raises(MoKConfigError, match=r"^fp8='e5m2' is invalid: allowed none \| "):
+        scenario_config(_scenario("fp8"), {"fp8": "e5m2"})
