@@ -21,7 +21,7 @@ from mok_kernels._details.schedule import (
     compiled_schedule_builder,
     flag_capacity_errors,
 )
-from mok_kernels._details.tl_gemm_fp8 import fp8_scale_sizes
+from mok_kernels._details.tl_gemm_fp8 import fp8_row_elements, fp8_scale_sizes
 from mok_kernels._details.workspace import Workspace
 
 # Test-only switch: withhold one signal so a bounded wait must expire (0 = off).
@@ -115,7 +115,8 @@ def kernel_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots: i
     H, I = hidden, intermediate
     ch = _row_chunk(H)
     return dict(
-        H=H, I=I, S=slots, PROGS=programs, COMM=comm, HAS_SHARED=shared,
+        H=H, I=I, XW=fp8_row_elements(H, cfg.quant), S=slots, PROGS=programs, COMM=comm,
+        HAS_SHARED=shared,
         MB=cfg.minibatch, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
         DT=cfg.down_tiles if (H // cfg.block_n) % cfg.down_tiles == 0 else 1,
         GJ=cfg.gate_up_tiles if (2 * I // cfg.block_n) % cfg.gate_up_tiles == 0 else 1,

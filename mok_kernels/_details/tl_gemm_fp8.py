@@ -209,3 +209,13 @@ def fp8_scale_sizes(hidden: int, intermediate: int, recipe: int) -> tuple[int, i
     if recipe == BLOCKWISE:
         return (H // 128) * (2 * I // 128), (I // 128) * (H // 128)
     return 0, 0
+
+
+def fp8_row_elements(width: int, recipe: int) -> int:
+    """bf16 elements an FP8 row of ``width`` values occupies at the front of its bf16 row:
+    the e4m3 values and the row's scales (width/32 bytes for blockwise and MX, 4 for rowwise),
+    rounded up; ``width`` for bf16 (recipe 0). What dispatch moves per row."""
+    if recipe == 0:
+        return width
+    scale_bytes = 4 if recipe == ROWWISE else width // 32
+    return -(-(width + scale_bytes) // 2)

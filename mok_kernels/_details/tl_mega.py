@@ -83,9 +83,11 @@ def _copy_rows(src_rows, smask, dst_rows, dmask, H: tl.constexpr, CR: tl.constex
 
 @triton.jit
 def _dispatch(m, c, src, total, ring, ctr, err, x_base, x_tab, T, Q, MMAX, budget, withhold,
-              H: tl.constexpr, S: tl.constexpr, C: tl.constexpr, MB: tl.constexpr,
-              CR: tl.constexpr, CH: tl.constexpr):
-    """Pull the token rows of minibatch m into its ring slot (this program's share)."""
+              H: tl.constexpr, XW: tl.constexpr, S: tl.constexpr, C: tl.constexpr,
+              MB: tl.constexpr, CR: tl.constexpr, CH: tl.constexpr):
+    """Pull the token rows of minibatch m into its ring slot (this program's share): the
+    first XW bf16 elements of each H-element row (H for bf16; an FP8 row's e4m3 values and
+    scales, about half of it)."""
     ok = 1
     slots = Q // MB
     if m >= slots:
@@ -98,7 +100,7 @@ def _dispatch(m, c, src, total, ring, ctr, err, x_base, x_tab, T, Q, MMAX, budge
             rmask = rr < nrows
             rows = row0 + rr
             x_rows, valid = _token_rows(src, rows, rmask, T, S, x_tab, x_base, H)
-            _copy_rows(x_rows, valid, ring + (rows % Q).to(tl.int64) * H, rmask, H, CR, CH)
+            _copy_rows(x_rows, valid, ring + (rows % Q).to(tl.int64) * H, rmask, XW, CR, CH)
         if (withhold != 1) | (m != 0):
             signal(ctr + 1 + m)
     return ok
@@ -126,16 +128,16 @@ def _combine(m, c, src, total, outb, ctr, err, comb_base, comb_tab, T, Q, MMAX, 
 
 @triton.jit
 def _comm_loop(c, src, total, ring, outb, ctr, err, x_base, x_tab, comb_base, comb_tab,
-               T, Q, MMAX, budget, withhold, H: tl.constexpr, S: tl.constexpr,
-               C: tl.constexpr, MB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-               CR: tl.constexpr, CH: tl.constexpr):
+               T, Q, MMAX, budget, withhold, H: tl.constexpr, XW: tl.constexpr,
+               S: tl.constexpr, C: tl.constexpr, MB: tl.constexpr, BM: tl.constexpr,
+               BN: tl.constexpr, CR: tl.constexpr, CH: tl.constexpr):
     lag = Q // MB - 1
     num_mb = (total + MB - 1) // MB
     ok = 1
     for step in range(0, num_mb + lag):
         if (ok != 0) & (step < num_mb):
             ok = _dispatch(step, c, src, total, ring, ctr, err, x_base, x_tab, T, Q, MMAX,
-                           budget, withhold, H, S, C, MB, CR, CH)
+                           budget, withhold, H, XW, S, C, MB, CR, CH)
         if (ok != 0) & (step >= lag):
             ok = _combine(step - lag, c, src, total, outb, ctr, err, comb_base, comb_tab, T, Q,
                           MMAX, budget, H, S, C, MB, BM, BN, CR, CH)
@@ -356,9 +358,10 @@ def mok_forward_kernel(
         sw1_ptr, sw2_ptr, sws1_ptr, sws2_ptr,  # QUANT > 0: their scales (w*_ptr are e4m3)
         w1_desc, w2_desc, ws1_desc, ws2_desc, h_desc,  # TMA descriptors (None unless TMA)
         T, E, P, Q, NCTR, MMAX, budget, withhold,
-        H: tl.constexpr, I: tl.constexpr, S: tl.constexpr, PROGS: tl.constexpr,
-        COMM: tl.constexpr, HAS_SHARED: tl.constexpr, MB: tl.constexpr, BM: tl.constexpr,
-        BN: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, GJ: tl.constexpr, CR: tl.constexpr,
+        H: tl.constexpr, I: tl.constexpr, XW: tl.constexpr, S: tl.constexpr,
+        PROGS: tl.constexpr, COMM: tl.constexpr, HAS_SHARED: tl.constexpr, MB: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr,
+        GJ: tl.constexpr, CR: tl.constexpr,
         CH: tl.constexpr, QUANT: tl.constexpr, POW2: tl.constexpr, SW1: tl.constexpr,
         SW2: tl.constexpr, F32_DOT: tl.constexpr, TMA: tl.constexpr,
         INTERLEAVED: tl.constexpr, PREFETCH: tl.constexpr, K: tl.constexpr,
@@ -380,7 +383,7 @@ def mok_forward_kernel(
     if COMM > 0:
         if lp < COMM:
             _comm_loop(lp, src, total, ring, outb, ctr, err, x_base, x_tab, comb_base, comb_tab,
-                       T, Q, MMAX, budget, withhold, H, S, COMM, MB, BM, BN, CR, CH)
+                       T, Q, MMAX, budget, withhold, H, XW, S, COMM, MB, BM, BN, CR, CH)
         else:
             _compute_loop(lr, src, grp, total, ring, hbuf, pre, outb, ctr, err, x_base, x_tab,
                           comb_base, comb_tab, w1_ptr, w2_ptr, ws1_ptr, ws2_ptr, sw1_ptr,

@@ -119,13 +119,15 @@ def test_fp8_forward_in_interpreter_matches_references():
         assert finite == "True", (recipe, L, train)
 
 
-@pytest.mark.parametrize("recipe, arch, block_m", [("blockwise", 90, 64), ("rowwise", 90, 64),
-                                                   ("mx", 100, 128)])
-def test_fp8_megakernel_builds_without_spills(recipe, arch, block_m):
+@pytest.mark.parametrize("recipe, arch, block_m, comm", [
+    ("blockwise", 90, 64, 0), ("rowwise", 90, 64, 0), ("blockwise", 90, 64, 16),
+    ("mx", 100, 128, 0)])
+def test_fp8_megakernel_builds_without_spills(recipe, arch, block_m, comm):
+    """Kimi shape; comm: with communication programs (dispatch moves the FP8 rows)."""
     cfg = mk.MoKConfig.for_shape(7168, 2048, fp8=recipe, gate_up_interleaved=True,
                                  block_k=128, block_m=block_m, minibatch=4096,
-                                 macrobatch=12288)
-    lw = mk.compile_megakernel(cfg, 7168, 2048, arch=arch)
+                                 macrobatch=12288, fwd_comm_sms=comm)
+    lw = mk.compile_megakernel(cfg, 7168, 2048, arch=arch, comm_programs=comm)
     assert not lw.spills, lw.ptxas_log
     if arch == 90:
         assert lw.mma_instructions == ["wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3"]
@@ -142,3 +144,14 @@ def test_fp8_config_errors_name_the_field():
         mk.MoKConfig(fp8="blockwise", gate_up_interleaved=True, block_k=64)
     with pytest.raises(mk.MoKConfigError, match=r"^tma=True is invalid: allowed false with"):
         mk.MoKConfig(fp8="mx", gate_up_interleaved=True, block_k=128, tma=True)
+
+
+def test_dispatch_moves_half_the_bytes_of_bf16_rows():
+    """An FP8 row's values and scales fill just over half of its bf16 row's bytes; dispatch
+    copies only those (bf16 elements per row, Kimi H 7168)."""
+    from mok_kernels._details.tl_gemm_fp8 import BLOCKWISE, MX, ROWWISE, fp8_row_elements
+
+    assert fp8_row_elements(7168, 0) == 7168
+    assert fp8_row_elements(7168, BLOCKWISE) == (7168 + 7168 // 32) // 2 == 3696
+    assert fp8_row_elements(7168, MX) == 3696
+    assert fp8_row_elements(7168, ROWWISE) == 3586
