@@ -1,13 +1,14 @@
-"""The megakernel's FP8 forward (``MoKConfig(fp8=...)``) on CPU: in Triton's interpreter
-(no communication programs, one and two loopback ranks, shared expert on and off, inference
-and training forward) against (a) a torch reference with the same quantisation (tokens at the
+"""The megakernel's FP8 forward (``MoKConfig(fp8=...)``) on CPU, in Triton's interpreter (no
+communication programs; one and two loopback ranks, shared expert on and off, inference and
+training forward), against (a) a torch reference with the same quantisation (tokens at the
 source, weights 128x128 / per column / MX, h 1x128 or MX) within 2e-2 norm relative (the
-interpreter truncates the bf16 combine slots; the bf16 test uses the same bound), and (b) the
-exact fp32 layer within the FP8 bound 0.1 (measured about 0.065). Inputs and weights carry
-block magnitudes from 2^-3 to 2^3 so that a scale read from the wrong block shows. Then the
-builds: sm_90 e4m3 wgmma without spills at block_m 64, sm_100 MXFP8 block-scaled tcgen05 MMAs
-without spills at block_m 128. Not yet run on a GPU (tests/gpu/test_mok_forward.py's FP8 case
-checks it there)."""
+interpreter truncates the bf16 combine slots; the bf16 test uses the same bound) and (b) the
+exact fp32 layer within the FP8 bound 0.1 (measured about 0.065). After the training forward,
+the bf16 backward on its context gives every gradient within 0.1 of the fp32 reference.
+Inputs and weights carry block magnitudes from 2^-3 to 2^3, so that a scale read from the
+wrong block shows. Then the builds: sm_90 e4m3 wgmma without spills at block_m 64, sm_100
+MXFP8 block-scaled tcgen05 MMAs without spills at block_m 128. Not yet run on a GPU
+(tests/gpu/test_mok_forward.py's FP8 cases check it there)."""
 
 from __future__ import annotations
 
@@ -85,6 +86,17 @@ for recipe in ("blockwise", "rowwise", "mx"):
         sched = mk.build_schedule(ws, idx)
         if train:
             y, ctx = mk.forward_train(cfg, ws, sched, x, p, *fw)
+            # the bf16 backward on the FP8 forward's context (what the backend runs)
+            dy = torch.randn(L * T, H).bfloat16()
+            g = mk.backward(cfg, ws, ctx, dy, il(w1), w2, il(ws1) if shared else None, ws2)
+            gr = reference_all_experts(x, idx, p, w1, w2, ws1, ws2, dy_NH=dy)
+            got = {"dx_TH": g.dx_TH, "dprobs_TK": g.d_router_weights_TK,
+                   "w1_EHF": g.w_gate_up, "w2_EIH": g.w_down}
+            want = {"dx_TH": gr.dx_TH, "dprobs_TK": gr.dprobs_TK,
+                    "w1_EHF": gr.dweights["w1_EHF"], "w2_EIH": gr.dweights["w2_EIH"]}
+            worst = max(((got[k].float() - v).norm() / v.norm()).item()
+                        for k, v in want.items())
+            print("bwd", recipe, worst)
         else:
             y = mk.forward(cfg, ws, sched, x, p, *fw)
         mk.check_errors(ws)
@@ -113,6 +125,10 @@ def test_fp8_forward_in_interpreter_matches_references():
     assert out.returncode == 0, out.stderr[-3000:]
     cases = [line.split()[1:] for line in out.stdout.splitlines() if line.startswith("case ")]
     assert len(cases) == 6, out.stdout
+    bwd = [line.split()[1:] for line in out.stdout.splitlines() if line.startswith("bwd ")]
+    assert len(bwd) == 3, out.stdout
+    for recipe, worst in bwd:  # every gradient within the FP8 bound of the fp32 reference
+        assert float(worst) < 0.1, (recipe, worst)
     for recipe, L, train, e_ref, e_exact, finite in cases:
         assert float(e_ref) < 2e-2, (recipe, L, train, e_ref)
         assert float(e_exact) < 0.1, (recipe, L, train, e_exact)
