@@ -1,4 +1,5 @@
-"""MoK-style MoE megakernels, forward and backward, in Triton (BF16): one GPU, loopback or EP.
+"""MoK-style MoE megakernels, forward and backward, in Triton (BF16; an FP8 forward): one GPU,
+loopback or EP.
 
 Legend: L logical ranks of one launch (1 in real EP, R in loopback), T tokens per rank,
 H hidden, I expert intermediate, E local experts, K top-k.
