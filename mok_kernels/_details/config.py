@@ -91,8 +91,9 @@ class MoKConfig:
         buffer's rows (e4m3 values, then their scales, in the bytes of the bf16 row), the
         gate+up epilogue quantises h, both GEMMs run in FP8 with fp32 accumulation; combine
         and the weighted sum stay bf16/fp32. Weights come quantised (``quantize_weights``).
-        Needs gate_up_interleaved, block_n 256, block_k 128 and tma off (the FP8 tiles load
-        through pointers). Not yet run on a GPU.
+        Needs gate_up_interleaved, block_n 256 and block_k 128; with ``tma`` the FP8 weight
+        tiles come through TMA descriptors (the token and h rows stay pointer loads). Not yet
+        run on a GPU.
     fp8_pow2_scales: FP8 scales rounded to powers of two (TransformerEngine's default).
     """
 
@@ -164,8 +165,6 @@ class MoKConfig:
                    f"256 with fp8={self.fp8!r} (128 h columns: one 1x128 scale block)")
             _check(self.block_k == 128, "block_k", self.block_k,
                    f"128 with fp8={self.fp8!r} (one scale step per K step)")
-            _check(not self.tma, "tma", self.tma,
-                   f"false with fp8={self.fp8!r} (the FP8 tiles load through pointers)")
 
     @property
     def quant(self) -> int:

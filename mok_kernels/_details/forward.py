@@ -85,6 +85,7 @@ def _descriptors(ws: Workspace, w1: torch.Tensor, w2: torch.Tensor, ws1: torch.T
         return TensorDescriptor.from_tensor(t.view(-1, cols), box)
 
     F = 2 * ws.I
+    w1, w2, ws1, ws2 = (w.q if isinstance(w, Fp8Weight) else w for w in (w1, w2, ws1, ws2))
     return (desc(w1, F, boxes["w1_desc"]), desc(w2, ws.H, boxes["w2_desc"]),
             desc(ws1, F, boxes["ws1_desc"]) if ws1 is not None else None,
             desc(ws2, ws.H, boxes["ws2_desc"]) if ws2 is not None else None,

@@ -50,7 +50,7 @@ def _dot8(a, b, acc, F32_DOT: tl.constexpr):
 @triton.jit
 def fp8_tile(a_rows, a_mask, sa_rows, w_ptr, sw_ptr, n0, K: tl.constexpr, N: tl.constexpr,
              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, RECIPE: tl.constexpr,
-             F32_DOT: tl.constexpr):
+             F32_DOT: tl.constexpr, w_desc=None, w_row0=0, TMA: tl.constexpr = False):
     """The [BM, BN] fp32 tile dequant(A)[rows, :] @ dequant(W)[:, n0:n0+BN] of one expert.
 
     a_rows: [BM] pointers to e4m3 A rows (K elements); a_mask: [BM] rows to read (the others
@@ -58,13 +58,18 @@ def fp8_tile(a_rows, a_mask, sa_rows, w_ptr, sw_ptr, n0, K: tl.constexpr, N: tl.
     one fp32 (ROWWISE), K/32 uint8 e8m0 codes (MX).
     w_ptr: this expert's e4m3 W [K, N]; sw_ptr: its scales: [K/128, N/128] fp32 (BLOCKWISE),
     [N] fp32 (ROWWISE), [N, K/32] uint8 (MX, the layout ``tl.dot_scaled`` takes).
+    TMA: the [BK, BN] weight tiles come through ``w_desc`` (the e4m3 weights of all experts
+    as [experts*K, N], this expert's rows from ``w_row0``) instead of pointer loads.
     """
     offs_k = tl.arange(0, BK)
     cols = n0 + tl.arange(0, BN)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k in range(0, K, BK):
         a = tl.load(a_rows[:, None] + (k + offs_k)[None, :], mask=a_mask[:, None], other=0.0)
-        w = tl.load(w_ptr + (k + offs_k).to(tl.int64)[:, None] * N + cols[None, :])
+        if TMA:
+            w = w_desc.load([w_row0 + k, n0])
+        else:
+            w = tl.load(w_ptr + (k + offs_k).to(tl.int64)[:, None] * N + cols[None, :])
         if RECIPE == 3:
             g = k // 32 + tl.arange(0, BK // 32)
             sa = tl.load(sa_rows[:, None] + g[None, :], mask=a_mask[:, None], other=0)
@@ -158,10 +163,11 @@ def fp8_row_views(rows16, WIDTH: tl.constexpr, RECIPE: tl.constexpr):
 
 
 @triton.jit
-def gate_up_fp8_tiles(a_rows16, a_mask, w1, sw1, j0, h_rows16, pre_row_ptrs, H: tl.constexpr,
-                      I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                      GJ: tl.constexpr, RECIPE: tl.constexpr, POW2: tl.constexpr,
-                      F32_DOT: tl.constexpr, SAVE_PRE: tl.constexpr):
+def gate_up_fp8_tiles(a_rows16, a_mask, w1, sw1, j0, h_rows16, pre_row_ptrs, w1_desc, w_row0,
+                      H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                      BK: tl.constexpr, GJ: tl.constexpr, RECIPE: tl.constexpr,
+                      POW2: tl.constexpr, F32_DOT: tl.constexpr, SAVE_PRE: tl.constexpr,
+                      TMA: tl.constexpr):
     """The megakernel's FP8 gate+up work: GJ interleaved column tiles j0.. of one row block.
     A rows and h rows are FP8 rows in bf16-row storage (:func:`fp8_row_views`); w1 / sw1 this
     group's e4m3 weights [H, 2I] and scales (``fp8_tile``). h is quantised in the epilogue
@@ -173,7 +179,7 @@ def gate_up_fp8_tiles(a_rows16, a_mask, w1, sw1, j0, h_rows16, pre_row_ptrs, H: 
     for jj in tl.range(0, GJ):
         j = j0 + jj
         acc = fp8_tile(a_rows, a_mask, sa_rows, w1, sw1, j * BN, H, 2 * I, BM, BN, BK, RECIPE,
-                       F32_DOT)
+                       F32_DOT, w1_desc, w_row0, TMA)
         if SAVE_PRE:
             wcols = j * BN + tl.arange(0, BN)
             tl.store(pre_row_ptrs[:, None] + wcols[None, :], acc.to(tl.bfloat16))
@@ -181,9 +187,10 @@ def gate_up_fp8_tiles(a_rows16, a_mask, w1, sw1, j0, h_rows16, pre_row_ptrs, H: 
 
 
 @triton.jit
-def down_fp8_tiles(h_rows16, w2, sw2, j0, dst_row_ptrs, dst_mask, I: tl.constexpr,
-                   H: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                   DT: tl.constexpr, RECIPE: tl.constexpr, F32_DOT: tl.constexpr):
+def down_fp8_tiles(h_rows16, w2, sw2, j0, dst_row_ptrs, dst_mask, w2_desc, w_row0,
+                   I: tl.constexpr, H: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                   BK: tl.constexpr, DT: tl.constexpr, RECIPE: tl.constexpr,
+                   F32_DOT: tl.constexpr, TMA: tl.constexpr):
     """The megakernel's FP8 down work: DT column tiles j0.. of one row block from its FP8 h
     rows (1x128 blocks, MX with the mx recipe) and this group's e4m3 w2 [I, H] + scales;
     bf16 out to dst rows (masked)."""
@@ -192,7 +199,7 @@ def down_fp8_tiles(h_rows16, w2, sw2, j0, dst_row_ptrs, dst_mask, I: tl.constexp
     for jj in tl.range(0, DT):
         cols = (j0 + jj) * BN + tl.arange(0, BN)
         acc = fp8_tile(h_rows, tl.full((BM,), 1, tl.int1), sh_rows, w2, sw2, (j0 + jj) * BN, I, H,
-                       BM, BN, BK, H_RECIPE, F32_DOT)
+                       BM, BN, BK, H_RECIPE, F32_DOT, w2_desc, w_row0, TMA)
         tl.store(dst_row_ptrs[:, None] + cols[None, :], acc.to(tl.bfloat16),
                  mask=dst_mask[:, None])
 

@@ -207,8 +207,8 @@ def _gate_up_item(m, b, j, lr, src, grp, total, ring, hbuf, pre, ctr, err, x_bas
         pre_rows = pre + rows.to(tl.int64) * (2 * I)
         if QUANT > 0:
             sw1 = _weights(lr, g, E, sw1_ptr, sws1_ptr, SW1, HAS_SHARED)
-            gate_up_fp8_tiles(a_rows, a_valid, w1, sw1, j * GJ, h_rows, pre_rows, H, I, BM,
-                              BN, BK, GJ, QUANT, POW2, F32_DOT, SAVE_PRE)
+            gate_up_fp8_tiles(a_rows, a_valid, w1, sw1, j * GJ, h_rows, pre_rows, d1, w_row0,
+                              H, I, BM, BN, BK, GJ, QUANT, POW2, F32_DOT, SAVE_PRE, TMA)
         else:
             gate_up_swiglu_tiles(a_rows, a_valid, w1, j * GJ, h_rows, d1, w_row0, pre_rows, H,
                                  I, BM, BN, BK, GJ, QUANT, GATHER, F32_DOT, TMA, INTERLEAVED,
@@ -281,8 +281,8 @@ def _down_item(m, b, jd, lr, src, grp, hbuf, outb, ctr, err, comb_base, comb_tab
             valid = rows >= 0
         if QUANT > 0:
             sw2 = _weights(lr, g, E, sw2_ptr, sws2_ptr, SW2, HAS_SHARED)
-            down_fp8_tiles(h_rows, w2, sw2, jd * DT, dst, valid, I, H, BM, BN, BK, DT, QUANT,
-                           F32_DOT)
+            down_fp8_tiles(h_rows, w2, sw2, jd * DT, dst, valid, d2, w_row0, I, H, BM, BN, BK,
+                           DT, QUANT, F32_DOT, TMA)
         else:
             down_tiles(h_rows, w2, jd * DT, h_desc, h_row0, d2, w_row0, dst, valid, I, H, BM,
                        BN, BK, DT, F32_DOT, TMA)

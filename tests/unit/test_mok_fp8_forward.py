@@ -64,12 +64,13 @@ def ffn(recipe, xd, w1d, w2d):
     return h @ w2d
 
 for recipe in ("blockwise", "rowwise", "mx"):
-    for (L, T, E, K, shared, train) in [(1, 24, 3, 2, True, False), (2, 13, 2, 2, False, True)]:
+    for (L, T, E, K, shared, train, tma) in [(1, 24, 3, 2, True, False, True),
+                                             (2, 13, 2, 2, False, True, False)]:
         torch.manual_seed(L)
         H, I = 256, 128
         cfg = mk.MoKConfig(minibatch=32, macrobatch=64, block_m=16, block_n=256, block_k=128,
                            num_warps=4, num_stages=1, spin_budget=1000,
-                           gate_up_interleaved=True, fp8=recipe)
+                           gate_up_interleaved=True, fp8=recipe, tma=tma)
         ws = mk.get_workspace(cfg, tokens=T, hidden=H, intermediate=I, local_experts=E,
                               topk=K, shared=shared, device="cpu", loopback_ranks=L)
         x = (torch.randn(L * T, H) * blocks((L * T, H), 1, 128, -3, 3)).bfloat16()
@@ -135,14 +136,16 @@ def test_fp8_forward_in_interpreter_matches_references():
         assert finite == "True", (recipe, L, train)
 
 
-@pytest.mark.parametrize("recipe, arch, block_m, comm", [
-    ("blockwise", 90, 64, 0), ("rowwise", 90, 64, 0), ("blockwise", 90, 64, 16),
-    ("mx", 100, 128, 0)])
-def test_fp8_megakernel_builds_without_spills(recipe, arch, block_m, comm):
-    """Kimi shape; comm: with communication programs (dispatch moves the FP8 rows)."""
+@pytest.mark.parametrize("recipe, arch, block_m, comm, tma", [
+    ("blockwise", 90, 64, 0, False), ("rowwise", 90, 64, 0, False),
+    ("blockwise", 90, 64, 16, False), ("blockwise", 90, 64, 0, True), ("mx", 100, 128, 0, False),
+    ("mx", 100, 128, 0, True)])
+def test_fp8_megakernel_builds_without_spills(recipe, arch, block_m, comm, tma):
+    """Kimi shape; comm: with communication programs (dispatch moves the FP8 rows); tma: the
+    FP8 weight tiles through TMA descriptors."""
     cfg = mk.MoKConfig.for_shape(7168, 2048, fp8=recipe, gate_up_interleaved=True,
                                  block_k=128, block_m=block_m, minibatch=4096,
-                                 macrobatch=12288, fwd_comm_sms=comm)
+                                 macrobatch=12288, fwd_comm_sms=comm, tma=tma)
     lw = mk.compile_megakernel(cfg, 7168, 2048, arch=arch, comm_programs=comm)
     assert not lw.spills, lw.ptxas_log
     if arch == 90:
@@ -158,8 +161,8 @@ def test_fp8_config_errors_name_the_field():
         mk.MoKConfig(fp8="e5m2")
     with pytest.raises(mk.MoKConfigError, match=r"^block_k=64 is invalid: allowed 128 with"):
         mk.MoKConfig(fp8="blockwise", gate_up_interleaved=True, block_k=64)
-    with pytest.raises(mk.MoKConfigError, match=r"^tma=True is invalid: allowed false with"):
-        mk.MoKConfig(fp8="mx", gate_up_interleaved=True, block_k=128, tma=True)
+    with pytest.raises(mk.MoKConfigError, match=r"^block_n=128 is invalid: allowed 256 with"):
+        mk.MoKConfig(fp8="mx", gate_up_interleaved=True, block_k=128, block_n=128)
 
 
 def test_dispatch_moves_half_the_bytes_of_bf16_rows():
