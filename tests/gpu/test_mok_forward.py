@@ -247,17 +247,19 @@ def test_withheld_signal_times_out(comm, withhold):
     assert ((y.float() - ref).norm() / y.float().norm()).item() < 1e-2
 
 
-@pytest.mark.parametrize("recipe, comm, ranks", [("blockwise", 0, 1), ("blockwise", 8, 2),
-                                                 ("rowwise", 0, 2), ("mx", 0, 1)])
-def test_fp8_forward_within_fp8_bound_and_reruns_bitwise(recipe, comm, ranks):
+@pytest.mark.parametrize("recipe, comm, ranks, tma", [
+    ("blockwise", 0, 1, False), ("blockwise", 8, 2, False), ("blockwise", 0, 2, True),
+    ("rowwise", 0, 2, False), ("mx", 0, 1, False)])
+def test_fp8_forward_within_fp8_bound_and_reruns_bitwise(recipe, comm, ranks, tma):
     """The FP8 forward (tokens quantised at the source, FP8 GEMMs, h quantised in the
     epilogue) against the float32 layer within the FP8 bound 0.1 (about 0.065 on CPU), NaN
     free, bitwise equal on a rerun; with and without communication programs (which move the
-    FP8 rows through the ring). MXFP8 is an emulation before Blackwell."""
+    FP8 rows through the ring), with weight tiles by pointer loads and through TMA. MXFP8 is an
+    emulation before Blackwell."""
     bm = 128 if recipe == "mx" and torch.cuda.get_device_capability()[0] >= 10 else 64
     cfg = mk.MoKConfig.for_shape(2048, 512, minibatch=256, macrobatch=768, fp8=recipe,
                                  gate_up_interleaved=True, block_k=128, block_m=bm,
-                                 fwd_comm_sms=comm)
+                                 fwd_comm_sms=comm, tma=tma)
     x, idx, p, w = make_layer(ranks, 200, 2048, 512, 4, 4, True)
     il = mk.interleave_gate_up
     fw = mk.quantize_weights(cfg, il(w[0]), w[1], il(w[2]), w[3])
