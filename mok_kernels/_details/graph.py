@@ -25,13 +25,16 @@ class GraphedForward:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.p_TK: torch.Tensor | None = None
         self.y_TH: torch.Tensor | None = None
+        # With FP8 the forward quantises x into the token buffer, so x needs a static buffer
+        # of its own (quantising the token buffer in place would read its own FP8 rows).
+        self.x_TH = (torch.empty(ws.L * ws.T, ws.H, dtype=torch.bfloat16, device=ws.device)
+                     if config.fp8 != "none" else ws.x_LTH.view(ws.L * ws.T, ws.H))
 
     def _body(self) -> torch.Tensor:
         ws = self.ws
         idx_TK = ws.idx_LTK.view(ws.L * ws.T, ws.K)  # copy onto itself: a no-op
         sched = build_schedule(ws, idx_TK)
-        return forward(self.config, ws, sched, ws.x_LTH.view(ws.L * ws.T, ws.H), self.p_TK,
-                       *self.weights)
+        return forward(self.config, ws, sched, self.x_TH, self.p_TK, *self.weights)
 
     def _capture(self, topk_weights_TK: torch.Tensor) -> None:
         self.p_TK = torch.empty_like(topk_weights_TK, dtype=torch.float32)
@@ -48,7 +51,7 @@ class GraphedForward:
     def __call__(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor,
                  topk_weights_TK: torch.Tensor) -> torch.Tensor:
         ws = self.ws
-        ws.x_LTH.view(ws.L * ws.T, ws.H).copy_(x_TH)
+        self.x_TH.copy_(x_TH)
         ws.idx_LTK.view(ws.L * ws.T, ws.K).copy_(topk_idx_TK)
         if self.graph is None:
             self._capture(topk_weights_TK)
