@@ -269,3 +269,24 @@ def test_fp8_forward_within_fp8_bound_and_reruns_bitwise(recipe, comm, ranks, tm
     assert torch.isfinite(y).all()
     assert torch.equal(y.view(torch.int16), again.view(torch.int16))
     assert rel_err(y, reference_all_experts(x, idx, p, *w).y_TH) < 0.1
+
+
+def test_fp8_graphed_forward_equals_eager_from_the_first_call():
+    """GraphedForward with FP8 (x quantised into the token buffer inside the graph): the first
+    call (which captures) and a replay on new inputs both equal the eager FP8 forward."""
+    cfg = mk.MoKConfig.for_shape(2048, 512, minibatch=256, macrobatch=768, fp8="blockwise",
+                                 gate_up_interleaved=True, block_k=128, block_m=64)
+    L, T, E, K = 1, 256, 4, 4
+    x, idx, p, w = make_layer(L, T, 2048, 512, E, K, seed=6)
+    il = mk.interleave_gate_up
+    fw = mk.quantize_weights(cfg, il(w[0]), w[1], il(w[2]), w[3])
+    eager, ws = run_mok(cfg, L, x, idx, p, fw, E)
+    gf = mk.GraphedForward(cfg, ws, fw)
+    first = gf(x, idx, p)
+    x2, idx2, p2, _ = make_layer(L, T, 2048, 512, E, K, seed=7)
+    replayed = gf(x2, idx2, p2)
+    fresh, _ = run_mok(cfg, L, x2, idx2, p2, fw, E)
+    torch.cuda.synchronize()
+    mk.check_errors(ws)
+    assert torch.equal(first, eager)
+    assert torch.equal(replayed, fresh)
