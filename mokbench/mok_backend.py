@@ -208,6 +208,7 @@ class MoKBackend(BackendBase):
                         f"prefetch={int(c.prefetch_ticket)},"
                         f"compiled_schedule={int(c.compile_schedule)},"
                         f"fused_sum={int(c.fused_sum)},wide_da={int(c.bwd_wide_da)}"
+                        + (",fused_pull=1" if c.bwd_fused_pull else "")
                         + (f",fp8={c.fp8},block_m={c.block_m},bwd=bf16" if fp8 else ""))
 
     def validate_options(self, scenario, options: dict) -> None:

@@ -131,12 +131,22 @@ def _buffers(ws: Workspace) -> BackwardBuffers:
         drp_LTKJ=view(2, T * K * NJ * 4, torch.float32, (T, K, NJ)),
         tab16_R=torch.tensor([b // 2 for b in tab], dtype=torch.int64, device=dev),
         tab32_R=torch.tensor([b // 4 for b in tab], dtype=torch.int64, device=dev),
-        counters_LC=torch.zeros(L, -(-(1 + ws.P // cfg.block_m + ws.E + 1) // 32) * 32,
-                                dtype=torch.int32, device=dev),
+        counters_LC=torch.zeros(L, counters_per_rank(cfg, ws.P, ws.E), dtype=torch.int32,
+                                device=dev),
         ones_NK=torch.ones(L * T, K, dtype=torch.float32, device=dev),
         handle=handle)
     ws.extra["bwd"] = bb
     return bb
+
+
+def counters_per_rank(cfg: MoKConfig, P: int, E: int) -> int:
+    """int32 counters of one logical rank (rounded up to 32): the ticket, one per row block,
+    one per group (E + 1 with the shared expert slot); with ``bwd_fused_pull`` also one
+    pulled flag per row block and the pull ticket."""
+    n = 1 + P // cfg.block_m + E + 1
+    if cfg.bwd_fused_pull:
+        n += P // cfg.block_m + 1
+    return -(-n // 32) * 32
 
 
 def group_starts(counts_LG: torch.Tensor, block_m: int) -> torch.Tensor:
@@ -161,6 +171,9 @@ def _descriptors(ws: Workspace, weights: tuple) -> tuple:
 
     b1, b2 = [cfg.block_n, cfg.block_k], [da_cols(cfg, ws.I), cfg.block_k]
     return desc(w1, F, b1), desc(w2, ws.H, b2), desc(ws1, F, b1), desc(ws2, ws.H, b2)
+
+
+PULL_ROWS = 16  # rows per step of an in-kernel pull item (x and dY chunks of CH columns)
 
 
 def wgrad_rows(cfg: MoKConfig) -> int:
@@ -204,18 +217,27 @@ def backward_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots:
     return dict(H=hidden, I=intermediate, S=slots, K=slots - int(shared), PROGS=programs,
                 HAS_SHARED=shared, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
                 BKW=wgrad_rows(cfg), DAC=da_cols(cfg, intermediate), F32_DOT=interpreting,
-                INTERLEAVED=cfg.gate_up_interleaved, PHASES=phases)
+                INTERLEAVED=cfg.gate_up_interleaved, PHASES=phases, PULL=cfg.bwd_fused_pull,
+                BR=PULL_ROWS, CH=_row_chunk(hidden))
 
 
 def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tensor,
                          weights: tuple, sc: BackwardScratch, *,
                          withhold: int, programs: int, phases: int,
-                         interpreting: bool) -> dict[str, object]:
+                         interpreting: bool, x_src: torch.Tensor | None = None
+                         ) -> dict[str, object]:
     """Every argument of ``mok_backward_kernel`` by name: buffers, TMA descriptors, scalars
     and compile-time constants. The one list of them, for the launch and for
     ``lowering.compile_megakernel`` (which derives the types from it). ``pre_LPF``: the
-    training forward's pre-activations; ``programs``: programs per logical rank."""
+    training forward's pre-activations; ``programs``: programs per logical rank;
+    ``x_src``: where the x rows are pulled from (``bwd_fused_pull``; default the workspace's
+    token buffer)."""
     cfg, bb = ws.config, _buffers(ws)
+    if cfg.bwd_fused_pull:
+        pull = dict(x_base=ws.x_LTH if x_src is None else x_src, x_tab=ws.x_tab_R,
+                    dy_base=bb.dy_LTH, tab16=bb.tab16_R, xg_ptr=sc.xg_LPH, dyg_ptr=sc.dyg_LPH)
+    else:  # the pull kernel runs before the launch: constexpr None here
+        pull = dict.fromkeys(("x_base", "x_tab", "dy_base", "tab16", "xg_ptr", "dyg_ptr"))
     descs = _descriptors(ws, weights) + _activation_descriptors(cfg, pre_LPF, sc.hs_LPI,
                                                                 sc.xg_LPH, sc.dyg_LPH)
     names = ("w1_desc", "w2_desc", "ws1_desc", "ws2_desc", "pre_a_desc", "hs_c_desc",
@@ -227,7 +249,7 @@ def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tens
         gstart_ptr=group_starts(st.counts_LG, cfg.block_m),
         pre_ptr=pre_LPF, hs_ptr=sc.hs_LPI, ctr_ptr=bb.counters_LC, err_ptr=ws.errors_L4,
         dw1_ptr=sc.dw1_EHF, dw2_ptr=sc.dw2_EIH, dws1_ptr=sc.dws1_LHF, dws2_ptr=sc.dws2_LIH,
-        **dict(zip(names, descs, strict=True)),
+        **dict(zip(names, descs, strict=True)), **pull,
         T=ws.T, E=ws.E, NG=ws.E + int(ws.shared), P=ws.P, NCTR=bb.counters_LC.shape[1],
         budget=cfg.spin_budget, withhold=withhold,
         **backward_constants(cfg, hidden=ws.H, intermediate=ws.I, slots=ws.S,
@@ -260,15 +282,17 @@ def backward(config: MoKConfig, ws: Workspace, context: ForwardContext, dy_TH: t
     sc = backward_scratch(ws)
     bb.counters_LC.zero_()
     ws.barrier()
-    br = 16
-    pull_rows_kernel[(L, ws.P // br)](st.src_LP, st.total_L, x_src, ws.x_tab_R, bb.dy_LTH,
-                                      bb.tab16_R, sc.xg_LPH, sc.dyg_LPH, T, ws.P, H=H, S=ws.S,
-                                      BR=br, CH=_row_chunk(H), num_warps=4)
+    if not config.bwd_fused_pull:  # else the megakernel pulls the rows itself
+        br = PULL_ROWS
+        pull_rows_kernel[(L, ws.P // br)](st.src_LP, st.total_L, x_src, ws.x_tab_R,
+                                          bb.dy_LTH, bb.tab16_R, sc.xg_LPH, sc.dyg_LPH, T,
+                                          ws.P, H=H, S=ws.S, BR=br, CH=_row_chunk(H),
+                                          num_warps=4)
     progs, _ = _programs(ws)
     extra = {} if _interpreting() else {"launch_cooperative_grid": True}
     args = backward_kernel_args(ws, st, context.pre_LPF, weights, sc,
                                 withhold=_withhold, programs=progs, phases=_phases,
-                                interpreting=_interpreting())
+                                interpreting=_interpreting(), x_src=x_src)
     mok_backward_kernel[(L * progs,)](**args, num_warps=config.num_warps,
                                       num_stages=backward_stages(config), **extra)
     ws.barrier()

@@ -84,6 +84,12 @@ class MoKConfig:
         halves); falls back to block_n / 2 where block_n does not divide the intermediate
         size. Off by default: not measured yet (notes/mok-kernel.md, "Why the mok backend's
         defaults are what they are").
+    bwd_fused_pull: the backward's reverse-combine pull (dY and x rows of every schedule row
+        into contiguous buffers) runs inside the backward megakernel, one item per row block
+        claimed before any GEMM item, instead of as a kernel of its own before it: the dA items
+        of a row block start as soon as its rows are in, overlapping the rest of the pull
+        (about 3.4 ms outside the work items at Kimi 48 x 16384 on H200). Off by default: not
+        yet run on a GPU.
     fp8: the forward's FP8 recipe (``tl_gemm_fp8``): "none" (bf16), "blockwise" (1x128
         activation and 128x128 weight scales, as TransformerEngine's Float8BlockScaling),
         "rowwise" (per row / per weight column, applied after the K loop; h still 1x128) or
@@ -115,6 +121,7 @@ class MoKConfig:
     compile_schedule: bool = False
     fused_sum: bool = False
     bwd_wide_da: bool = False
+    bwd_fused_pull: bool = False
     fp8: str = "none"
     fp8_pow2_scales: bool = False
 
@@ -155,6 +162,8 @@ class MoKConfig:
                "true | false")
         _check(not (self.fused_sum and self.fwd_comm_sms), "fused_sum", self.fused_sum,
                "false when fwd_comm_sms > 0 (the summing items are the GEMM programs')")
+        _check(isinstance(self.bwd_fused_pull, bool), "bwd_fused_pull", self.bwd_fused_pull,
+               "true | false")
         _check(self.fp8 in FP8_MODES, "fp8", self.fp8, " | ".join(FP8_MODES))
         _check(isinstance(self.fp8_pow2_scales, bool), "fp8_pow2_scales", self.fp8_pow2_scales,
                "true | false")

@@ -9,7 +9,10 @@ weight-gradient reduction step.
 
 Before the megakernel, ``pull_rows_kernel`` pulls the dY rows (reverse-combine) and the x
 rows of every schedule row from the tokens' home ranks into contiguous [L, P, H] buffers, so
-every GEMM operand below is a TMA tile.
+every GEMM operand below is a TMA tile. With ``PULL`` (``bwd_fused_pull``) the megakernel does
+that itself: every program first claims pull items (one row block each) from a ticket counter
+of their own, and an A item waits for its row block's flag; the rows are written with plain
+stores and read through TMA, so writers and readers fence the async proxy.
 
 Work items, claimed from one ticket counter per logical rank in the global order A, B, C, D
 (``PHASES``, a bit mask, skips kinds for profiling; 15 runs all):
@@ -36,6 +39,8 @@ Counters of one logical rank (int32, zeroed before the launch):
     [0]            ticket
     [1 + b]        rowblock_ready[b]  (+1 per A item of block b; complete at I / DAC)
     [1 + NBMAX + g] group_ready[g]    (+1 per A item of group g)
+    PULL only: [1 + NBMAX + NG + b] pulled[b] (row block b's rows are in), then the pull
+    ticket [1 + 2*NBMAX + NG]
 """
 
 from __future__ import annotations
@@ -51,6 +56,47 @@ from mok_kernels._details.tl_sync import no_error, wait_geq
 # The error codes of errors.py, as constexprs for the kernel.
 _E_DGRAD_ROWBLOCK: tl.constexpr = tl.constexpr(errors.ERR_WAIT_DGRAD_ROWBLOCK)
 _E_DGRAD_GROUP: tl.constexpr = tl.constexpr(errors.ERR_WAIT_DGRAD_GROUP)
+_E_BWD_PULLED: tl.constexpr = tl.constexpr(errors.ERR_WAIT_BWD_PULLED)
+
+
+@triton.jit
+def _async_proxy_fence(v, SKIP: tl.constexpr):
+    """``fence.proxy.async.global``: orders this thread's generic-proxy global accesses with
+    async-proxy (TMA) ones, so rows written with plain stores by one program and read with
+    TMA by another (after a release/acquire pair) are seen. SKIP under the interpreter (no
+    PTX there, and no TMA proxy). Returns v (an int32 the asm threads through)."""
+    if SKIP:
+        return v
+    return tl.inline_asm_elementwise("fence.proxy.async.global;\n mov.u32 $0, $1;", "=r,r",
+                                     [v], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _pull_block(b, lr, src, x_base, x_tab, dy_base, tab16, xg_ptr, dyg_ptr, T, P, total,
+                H: tl.constexpr, S: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr,
+                CH: tl.constexpr):
+    """In-kernel reverse-combine pull (``bwd_fused_pull``): the x and dY rows of row block b
+    (BR rows at a time) into the contiguous [L, P, H] buffers, as ``pull_rows_kernel`` does:
+    zeros for padding rows, rows past the rank's total left alone."""
+    for r0 in range(0, BM, BR):
+        rows = b * BM + r0 + tl.arange(0, BR)
+        rmask = rows < total
+        s = tl.load(src + rows, mask=rmask, other=-1)
+        valid = s >= 0
+        tok = (tl.maximum(s, 0) // S).to(tl.int64)
+        rank, t = tok // T, tok % T
+        x_rows = x_base + tl.load(x_tab + rank, mask=valid, other=0) + t * H
+        dy_rows = dy_base + tl.load(tab16 + rank, mask=valid, other=0) + t * H
+        out = (lr.to(tl.int64) * P + rows) * H
+        for h0 in range(0, H, CH):
+            cols = h0 + tl.arange(0, CH)
+            cm = cols < H
+            m = valid[:, None] & cm[None, :]
+            w = rmask[:, None] & cm[None, :]
+            v = tl.load(x_rows[:, None] + cols[None, :], mask=m, other=0.0)
+            tl.store(xg_ptr + out[:, None] + cols[None, :], v, mask=w)
+            v = tl.load(dy_rows[:, None] + cols[None, :], mask=m, other=0.0)
+            tl.store(dyg_ptr + out[:, None] + cols[None, :], v, mask=w)
 
 
 @triton.jit
@@ -199,7 +245,7 @@ def _wgrad_down_item(g, it, jn, lr, gst, total, P, hs_c_desc, dyg_c_desc, ctr, e
                      dw2, dws2, T, E, NBMAX, budget, H: tl.constexpr, I: tl.constexpr,
                      S: tl.constexpr, K: tl.constexpr, HAS_SHARED: tl.constexpr, BM: tl.constexpr,
                      BN: tl.constexpr, BKW: tl.constexpr, DAC: tl.constexpr,
-                     F32_DOT: tl.constexpr):
+                     F32_DOT: tl.constexpr, PULL: tl.constexpr = False):
     """C item: dW_down[g][I tile it, H tile jn] = sum over g's rows of (r h)^T dY; waits for
     every A item of g (they write r h)."""
     HALF: tl.constexpr = BN // 2
@@ -207,6 +253,8 @@ def _wgrad_down_item(g, it, jn, lr, gst, total, P, hs_c_desc, dyg_c_desc, ctr, e
     ok = wait_geq(ctr + 1 + NBMAX + g, (end - start) // BM * (I // DAC), err, budget,
                   _E_DGRAD_GROUP, g)
     if ok != 0:
+        if PULL:  # dY rows pulled in this launch (plain stores), read here through TMA
+            _async_proxy_fence(ok, F32_DOT)
         icols = it * HALF + tl.arange(0, HALF)
         hcols = jn * BN + tl.arange(0, BN)
         acc = tl.zeros((HALF, BN), dtype=tl.float32)
@@ -227,13 +275,16 @@ def _wgrad_gate_up_item(g, it, jn, lr, gst, total, P, pre_d_desc, xg_d_desc, ctr
                         dw1, dws1, T, E, NBMAX, budget, H: tl.constexpr, I: tl.constexpr,
                         S: tl.constexpr, K: tl.constexpr, HAS_SHARED: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr,
-                        DAC: tl.constexpr, F32_DOT: tl.constexpr, INTERLEAVED: tl.constexpr):
+                        DAC: tl.constexpr, F32_DOT: tl.constexpr, INTERLEAVED: tl.constexpr,
+                        PULL: tl.constexpr = False):
     """D item: dW_gate_up[g][H tile it, 2I tile jn] = sum over g's rows of x^T [dG dU]."""
     HALF: tl.constexpr = BN // 2
     start, end = _group_rows(gst, g, total)
     want = (end - start) // BM * (I // DAC)
     ok = wait_geq(ctr + 1 + NBMAX + g, want, err, budget, _E_DGRAD_GROUP, g)
     if ok != 0:
+        if PULL:  # x rows pulled in this launch (plain stores), read here through TMA
+            _async_proxy_fence(ok, F32_DOT)
         hcols = it * HALF + tl.arange(0, HALF)
         fcols = jn * BN + tl.arange(0, BN)
         acc = tl.zeros((HALF, BN), dtype=tl.float32)
@@ -267,11 +318,13 @@ def mok_backward_kernel(
         w1_desc, w2_desc, ws1_desc, ws2_desc,  # weight descriptors ([BN, BK] / [BN/2, BK])
         pre_a_desc, hs_c_desc, pre_d_desc,  # activation descriptors (see host)
         dyg_a_desc, dyg_c_desc, xg_d_desc,  # pulled dY and x rows [L*P, H] (see host)
+        x_base, x_tab, dy_base, tab16, xg_ptr, dyg_ptr,  # PULL: the rows' sources and buffers
         T, E, NG, P, NCTR, budget, withhold,
         H: tl.constexpr, I: tl.constexpr, S: tl.constexpr, K: tl.constexpr,
         PROGS: tl.constexpr, HAS_SHARED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
         BK: tl.constexpr, BKW: tl.constexpr, DAC: tl.constexpr, F32_DOT: tl.constexpr,
-        INTERLEAVED: tl.constexpr, PHASES: tl.constexpr):
+        INTERLEAVED: tl.constexpr, PHASES: tl.constexpr, PULL: tl.constexpr,
+        BR: tl.constexpr, CH: tl.constexpr):
     """One persistent program per SM; see the module docstring for the work order."""
     HALF: tl.constexpr = BN // 2
     NA: tl.constexpr = I // DAC  # A items per row block
@@ -295,14 +348,34 @@ def mok_backward_kernel(
     end_c = end_b + NG * NC
     n_items = end_c + NG * ND
     ok = no_error(err)
+    if PULL:  # pull items first, from their own ticket counter; they wait on nothing
+        pulled = ctr + 1 + NBMAX + NG  # [NBMAX] flags, then the pull ticket
+        pt = tl.atomic_add(pulled + NBMAX, 1, sem="relaxed", scope="gpu")
+        while pt < nb:
+            _pull_block(pt, lr, src, x_base, x_tab, dy_base, tab16, xg_ptr, dyg_ptr, T, P,
+                        total, H, S, BM, BR, CH)
+            pt = _async_proxy_fence(pt, F32_DOT)  # before the release: TMA readers follow
+            tl.debug_barrier()
+            tl.atomic_add(pulled + pt, 1, sem="release", scope="gpu")
+            pt = tl.atomic_add(pulled + NBMAX, 1, sem="relaxed", scope="gpu")
     tk = tl.atomic_add(ctr, 1, sem="relaxed", scope="gpu")
     while (tk < n_items) & (ok != 0):
         if tk < end_a:
             if PHASES & 1:
-                _dgrad_down_item(tk // NA, tk % NA, lr, src, grp, P, pre, hs, ctr, dyg_a_desc,
-                                 p_base, drp_base, tab32, w2_desc, ws2_desc, pre_a_desc, T,
-                                 E, NBMAX, withhold, H, I, S, K, HAS_SHARED, BM, BN, BK,
-                                 DAC, F32_DOT, INTERLEAVED)
+                if PULL:
+                    b = tk // NA
+                    ok = wait_geq(ctr + 1 + NBMAX + NG + b, 1, err, budget, _E_BWD_PULLED, b)
+                    if ok != 0:
+                        _async_proxy_fence(ok, F32_DOT)
+                        _dgrad_down_item(b, tk % NA, lr, src, grp, P, pre, hs, ctr,
+                                         dyg_a_desc, p_base, drp_base, tab32, w2_desc,
+                                         ws2_desc, pre_a_desc, T, E, NBMAX, withhold, H, I, S,
+                                         K, HAS_SHARED, BM, BN, BK, DAC, F32_DOT, INTERLEAVED)
+                else:
+                    _dgrad_down_item(tk // NA, tk % NA, lr, src, grp, P, pre, hs, ctr,
+                                     dyg_a_desc, p_base, drp_base, tab32, w2_desc, ws2_desc,
+                                     pre_a_desc, T, E, NBMAX, withhold, H, I, S, K, HAS_SHARED,
+                                     BM, BN, BK, DAC, F32_DOT, INTERLEAVED)
         elif tk < end_b:
             if PHASES & 2:
                 i = tk - end_a
@@ -317,7 +390,7 @@ def mok_backward_kernel(
                 ok = _wgrad_down_item(g, c // (H // BN), c % (H // BN), lr, gst, total, P,
                                       hs_c_desc, dyg_c_desc, ctr, err, dw2_ptr, dws2_ptr, T,
                                       E, NBMAX, budget, H, I, S, K, HAS_SHARED, BM, BN, BKW,
-                                      DAC, F32_DOT)
+                                      DAC, F32_DOT, PULL)
         else:
             if PHASES & 8:
                 i = tk - end_c
@@ -326,7 +399,7 @@ def mok_backward_kernel(
                 ok = _wgrad_gate_up_item(g, d // (2 * I // BN), d % (2 * I // BN), lr, gst,
                                          total, P, pre_d_desc, xg_d_desc, ctr, err, dw1_ptr,
                                          dws1_ptr, T, E, NBMAX, budget, H, I, S, K, HAS_SHARED,
-                                         BM, BN, BKW, DAC, F32_DOT, INTERLEAVED)
+                                         BM, BN, BKW, DAC, F32_DOT, INTERLEAVED, PULL)
         tk = tl.atomic_add(ctr, 1, sem="relaxed", scope="gpu")
 
 

@@ -89,6 +89,24 @@ def test_wide_da_items_match_reference(wide):
           6, 8)
 
 
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_fused_pull_matches_reference_and_the_separate_pull_bitwise(ranks):
+    """bwd_fused_pull: the pull items inside the backward megakernel (rows written with plain
+    stores, read through TMA after a proxy fence) give the separate pull's gradients, bitwise,
+    on a rerun as well."""
+    base = dict(gate_up_interleaved=True, minibatch=256, macrobatch=768, tma=True,
+                num_stages=4)
+    fused, _ = check(mk.MoKConfig.for_shape(7168, 1024, bwd_fused_pull=True, **base), ranks,
+                     256, 7168, 1024, 6, 8)
+    again, _ = check(mk.MoKConfig.for_shape(7168, 1024, bwd_fused_pull=True, **base), ranks,
+                     256, 7168, 1024, 6, 8)
+    separate, _ = check(mk.MoKConfig.for_shape(7168, 1024, **base), ranks, 256, 7168, 1024, 6,
+                        8)
+    for name, v in fused.items():
+        if v is not None:
+            assert torch.equal(v, again[name]) and torch.equal(v, separate[name]), name
+
+
 @pytest.mark.parametrize("topk, shared", [(1, True), (4, False), (10, True)])
 def test_topk(topk, shared):
     check(cfg_for(2048, 256, gate_up_interleaved=True), 1, 256, 2048, 256, 16, topk, shared)

@@ -70,6 +70,35 @@ SCRIPT = textwrap.dedent("""
         for a, b in zip(vars(grads[0]).values(), vars(grads[1]).values()):
             assert (a is None and b is None) or torch.equal(a, b)
         print("ok", L, T, E, K, shared, il, wide)
+
+    # bwd_fused_pull: the pull inside the megakernel gives bitwise the same gradients
+    for L, T, E, K, shared in [(1, 24, 4, 2, True), (2, 13, 3, 2, False)]:
+        torch.manual_seed(7 + L)
+        H, I = 64, 32
+        out = []
+        for pull in (False, True):
+            cfg = mk.MoKConfig(minibatch=32, macrobatch=64, block_m=16, block_n=32,
+                               block_k=16, num_warps=4, num_stages=1, spin_budget=1000,
+                               tma=True, gate_up_interleaved=True, bwd_fused_pull=pull)
+            ws = mk.get_workspace(cfg, tokens=T, hidden=H, intermediate=I, local_experts=E,
+                                  topk=K, shared=shared, device="cpu", loopback_ranks=L)
+            torch.manual_seed(11 + L)
+            x = torch.randn(L * T, H).bfloat16()
+            idx = torch.stack([torch.randperm(L * E)[:K] for _ in range(L * T)])
+            p = torch.softmax(torch.randn(L * T, K), 1)
+            w1 = (torch.randn(L * E, H, 2 * I) * H ** -0.5).bfloat16()
+            w2 = (torch.randn(L * E, I, H) * I ** -0.5).bfloat16()
+            ws1 = (torch.randn(H, 2 * I) * H ** -0.5).bfloat16() if shared else None
+            ws2 = (torch.randn(I, H) * I ** -0.5).bfloat16() if shared else None
+            dy = torch.randn(L * T, H).bfloat16()
+            il = mk.interleave_gate_up
+            W = (il(w1), w2, il(ws1) if shared else None, ws2)
+            y, saved = mk.forward_train(cfg, ws, mk.build_schedule(ws, idx), x, p, *W)
+            out.append(mk.backward(cfg, ws, saved, dy, *W))
+            mk.check_errors(ws)
+        for a, b in zip(vars(out[0]).values(), vars(out[1]).values()):
+            assert (a is None and b is None) or torch.equal(a, b)
+        print("pull ok", L, T, E, K, shared)
 """)
 
 
@@ -79,4 +108,4 @@ def test_backward_in_interpreter_matches_autograd():
     out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("ok") == 5
+    assert out.stdout.count("ok") == 7 and out.stdout.count("pull ok") == 2, out.stdout
