@@ -72,31 +72,39 @@ def _async_proxy_fence(v, SKIP: tl.constexpr):
 
 
 @triton.jit
-def _pull_block(b, lr, src, x_base, x_tab, dy_base, tab16, xg_ptr, dyg_ptr, T, P, total,
+def _pull_rows(rows, lr, src, x_base, x_tab, dy_base, tab16, xg_ptr, dyg_ptr, T, P,
+               H: tl.constexpr, S: tl.constexpr, CH: tl.constexpr):
+    """Reverse-combine pull of the schedule rows ``rows`` of logical rank lr (all below the
+    rank's total; ``src`` is its row of the schedule): their x and dY rows, from the tokens'
+    home ranks (peer memory), into the contiguous [L, P, H] buffers; zeros for padding
+    rows."""
+    s = tl.load(src + rows)
+    valid = s >= 0
+    tok = (tl.maximum(s, 0) // S).to(tl.int64)
+    rank, t = tok // T, tok % T
+    x_rows = x_base + tl.load(x_tab + rank, mask=valid, other=0) + t * H
+    dy_rows = dy_base + tl.load(tab16 + rank, mask=valid, other=0) + t * H
+    out = (lr.to(tl.int64) * P + rows) * H
+    for h0 in range(0, H, CH):
+        cols = h0 + tl.arange(0, CH)
+        cm = cols < H
+        m = valid[:, None] & cm[None, :]
+        v = tl.load(x_rows[:, None] + cols[None, :], mask=m, other=0.0)
+        tl.store(xg_ptr + out[:, None] + cols[None, :], v, mask=cm[None, :])
+        v = tl.load(dy_rows[:, None] + cols[None, :], mask=m, other=0.0)
+        tl.store(dyg_ptr + out[:, None] + cols[None, :], v, mask=cm[None, :])
+
+
+@triton.jit
+def _pull_block(b, lr, src, x_base, x_tab, dy_base, tab16, xg_ptr, dyg_ptr, T, P,
                 H: tl.constexpr, S: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr,
                 CH: tl.constexpr):
-    """In-kernel reverse-combine pull (``bwd_fused_pull``): the x and dY rows of row block b
-    (BR rows at a time) into the contiguous [L, P, H] buffers, as ``pull_rows_kernel`` does:
-    zeros for padding rows, rows past the rank's total left alone."""
+    """In-kernel reverse-combine pull (``bwd_fused_pull``): row block b (in use, so every
+    row is below the rank's total, which is a multiple of BM), BR rows at a time, as
+    ``pull_rows_kernel`` does."""
     for r0 in range(0, BM, BR):
-        rows = b * BM + r0 + tl.arange(0, BR)
-        rmask = rows < total
-        s = tl.load(src + rows, mask=rmask, other=-1)
-        valid = s >= 0
-        tok = (tl.maximum(s, 0) // S).to(tl.int64)
-        rank, t = tok // T, tok % T
-        x_rows = x_base + tl.load(x_tab + rank, mask=valid, other=0) + t * H
-        dy_rows = dy_base + tl.load(tab16 + rank, mask=valid, other=0) + t * H
-        out = (lr.to(tl.int64) * P + rows) * H
-        for h0 in range(0, H, CH):
-            cols = h0 + tl.arange(0, CH)
-            cm = cols < H
-            m = valid[:, None] & cm[None, :]
-            w = rmask[:, None] & cm[None, :]
-            v = tl.load(x_rows[:, None] + cols[None, :], mask=m, other=0.0)
-            tl.store(xg_ptr + out[:, None] + cols[None, :], v, mask=w)
-            v = tl.load(dy_rows[:, None] + cols[None, :], mask=m, other=0.0)
-            tl.store(dyg_ptr + out[:, None] + cols[None, :], v, mask=w)
+        _pull_rows(b * BM + r0 + tl.arange(0, BR), lr, src, x_base, x_tab, dy_base, tab16,
+                   xg_ptr, dyg_ptr, T, P, H, S, CH)
 
 
 @triton.jit
@@ -352,8 +360,8 @@ def mok_backward_kernel(
         pulled = ctr + 1 + NBMAX + NG  # [NBMAX] flags, then the pull ticket
         pt = tl.atomic_add(pulled + NBMAX, 1, sem="relaxed", scope="gpu")
         while pt < nb:
-            _pull_block(pt, lr, src, x_base, x_tab, dy_base, tab16, xg_ptr, dyg_ptr, T, P,
-                        total, H, S, BM, BR, CH)
+            _pull_block(pt, lr, src, x_base, x_tab, dy_base, tab16, xg_ptr, dyg_ptr, T, P, H,
+                        S, BM, BR, CH)
             pt = _async_proxy_fence(pt, F32_DOT)  # before the release: TMA readers follow
             tl.debug_barrier()
             tl.atomic_add(pulled + pt, 1, sem="release", scope="gpu")
@@ -414,18 +422,5 @@ def pull_rows_kernel(src_ptr, total_ptr, x_base, x_tab, dy_base, tab16, xg_ptr, 
     rows = tl.program_id(1) * BR + tl.arange(0, BR)
     total = tl.load(total_ptr + lr)
     if tl.program_id(1) * BR < total:
-        s = tl.load(src_ptr + lr.to(tl.int64) * P + rows)
-        valid = s >= 0
-        tok = (tl.maximum(s, 0) // S).to(tl.int64)
-        rank, t = tok // T, tok % T
-        x_rows = x_base + tl.load(x_tab + rank, mask=valid, other=0) + t * H
-        dy_rows = dy_base + tl.load(tab16 + rank, mask=valid, other=0) + t * H
-        out = (lr.to(tl.int64) * P + rows) * H
-        for h0 in range(0, H, CH):
-            cols = h0 + tl.arange(0, CH)
-            cm = cols < H
-            m = valid[:, None] & cm[None, :]
-            v = tl.load(x_rows[:, None] + cols[None, :], mask=m, other=0.0)
-            tl.store(xg_ptr + out[:, None] + cols[None, :], v, mask=cm[None, :])
-            v = tl.load(dy_rows[:, None] + cols[None, :], mask=m, other=0.0)
-            tl.store(dyg_ptr + out[:, None] + cols[None, :], v, mask=cm[None, :])
+        _pull_rows(rows, lr, src_ptr + lr.to(tl.int64) * P, x_base, x_tab, dy_base, tab16,
+                   xg_ptr, dyg_ptr, T, P, H, S, CH)
