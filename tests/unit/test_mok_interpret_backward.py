@@ -28,27 +28,35 @@ SCRIPT = textwrap.dedent("""
     def rel(a, b):
         return ((a.float() - b).norm() / b.norm().clamp_min(1e-30)).item()
 
+    def config(il, **kw):
+        return mk.MoKConfig(minibatch=32, macrobatch=64, block_m=16, block_n=32, block_k=16,
+                            num_warps=4, num_stages=1, spin_budget=1000, tma=True,
+                            gate_up_interleaved=il, **kw)
+
+    def layer(L, T, E, K, shared, H, I, experts=None):
+        # x, routing, router weights, weights (canonical layout) and dY; experts: route to
+        # the first ones only
+        x = torch.randn(L * T, H).bfloat16()
+        idx = torch.stack([torch.randperm(experts or L * E)[:K] for _ in range(L * T)])
+        p = torch.softmax(torch.randn(L * T, K), 1)
+        w1 = (torch.randn(L * E, H, 2 * I) * H ** -0.5).bfloat16()
+        w2 = (torch.randn(L * E, I, H) * I ** -0.5).bfloat16()
+        ws1 = (torch.randn(H, 2 * I) * H ** -0.5).bfloat16() if shared else None
+        ws2 = (torch.randn(I, H) * I ** -0.5).bfloat16() if shared else None
+        return x, idx, p, w1, w2, ws1, ws2, torch.randn(L * T, H).bfloat16()
+
     cases = [(1, 24, 4, 2, True, False, False), (2, 13, 3, 2, True, True, False),
              (3, 8, 2, 1, False, True, True), (1, 40, 6, 3, True, True, False),
              (2, 11, 3, 2, True, False, True)]
     for L, T, E, K, shared, il, wide in cases:
         torch.manual_seed(L + T)
         H, I = 64, 32
-        cfg = mk.MoKConfig(minibatch=32, macrobatch=64, block_m=16, block_n=32, block_k=16,
-                           num_warps=4, num_stages=1, spin_budget=1000, tma=True,
-                           gate_up_interleaved=il, bwd_wide_da=wide)
+        cfg = config(il, bwd_wide_da=wide)
         ws = mk.get_workspace(cfg, tokens=T, hidden=H, intermediate=I, local_experts=E,
                               topk=K, shared=shared, device="cpu", loopback_ranks=L)
-        x = torch.randn(L * T, H).bfloat16()
-        idx = torch.stack([torch.randperm(L * E)[:K] for _ in range(L * T)])
-        if T == 40:  # expert 5 gets no token
-            idx = torch.stack([torch.randperm(5)[:K] for _ in range(L * T)])
-        p = torch.softmax(torch.randn(L * T, K), 1)
-        w1 = (torch.randn(L * E, H, 2 * I) * H ** -0.5).bfloat16()
-        w2 = (torch.randn(L * E, I, H) * I ** -0.5).bfloat16()
-        ws1 = (torch.randn(H, 2 * I) * H ** -0.5).bfloat16() if shared else None
-        ws2 = (torch.randn(I, H) * I ** -0.5).bfloat16() if shared else None
-        dy = torch.randn(L * T, H).bfloat16()
+        # T == 40: experts 0..4 only, so expert 5 gets no token
+        x, idx, p, w1, w2, ws1, ws2, dy = layer(L, T, E, K, shared, H, I,
+                                                5 if T == 40 else None)
         lay = mk.interleave_gate_up if il else (lambda w: w)
         W = (lay(w1), w2, lay(ws1) if shared else None, ws2)
         grads = []
@@ -77,20 +85,11 @@ SCRIPT = textwrap.dedent("""
         H, I = 64, 32
         out = []
         for pull in (False, True):
-            cfg = mk.MoKConfig(minibatch=32, macrobatch=64, block_m=16, block_n=32,
-                               block_k=16, num_warps=4, num_stages=1, spin_budget=1000,
-                               tma=True, gate_up_interleaved=True, bwd_fused_pull=pull)
+            cfg = config(True, bwd_fused_pull=pull)
             ws = mk.get_workspace(cfg, tokens=T, hidden=H, intermediate=I, local_experts=E,
                                   topk=K, shared=shared, device="cpu", loopback_ranks=L)
             torch.manual_seed(11 + L)
-            x = torch.randn(L * T, H).bfloat16()
-            idx = torch.stack([torch.randperm(L * E)[:K] for _ in range(L * T)])
-            p = torch.softmax(torch.randn(L * T, K), 1)
-            w1 = (torch.randn(L * E, H, 2 * I) * H ** -0.5).bfloat16()
-            w2 = (torch.randn(L * E, I, H) * I ** -0.5).bfloat16()
-            ws1 = (torch.randn(H, 2 * I) * H ** -0.5).bfloat16() if shared else None
-            ws2 = (torch.randn(I, H) * I ** -0.5).bfloat16() if shared else None
-            dy = torch.randn(L * T, H).bfloat16()
+            x, idx, p, w1, w2, ws1, ws2, dy = layer(L, T, E, K, shared, H, I)
             il = mk.interleave_gate_up
             W = (il(w1), w2, il(ws1) if shared else None, ws2)
             y, saved = mk.forward_train(cfg, ws, mk.build_schedule(ws, idx), x, p, *W)
