@@ -171,12 +171,6 @@ def summarize(df: pd.DataFrame, env: dict[str, Any] | None) -> pd.DataFrame:
     return _order(out)
 
 
-def ordered_passes(summary: pd.DataFrame) -> list[str]:
-    """The passes present, forward (training), backward, inference (no_grad) first."""
-    present = list(pd.unique(summary["pass"])) if not summary.empty else []
-    return [p for p in PASS_ORDER if p in present] + [p for p in present if p not in PASS_ORDER]
-
-
 def render_rich(summary: pd.DataFrame, console: Console) -> None:
     """Print one table per pass to ``console``, then the legend and what the numbers mean
     (see :mod:`mokbench.tables`)."""
@@ -247,7 +241,7 @@ def to_markdown(summary: pd.DataFrame, env: dict[str, Any], run_id: str,
         parts.append("No rows.")
         return "\n".join(parts).rstrip() + "\n"
     legend, show = tables.build_legend(summary), tables.optional_columns(summary)
-    for p in ordered_passes(summary):
+    for p in tables.ordered_passes(summary):
         part = summary[summary["pass"] == p]
         parts += [f"## {pass_label(p, summary)}", "", _md_table(part, legend, show), ""]
     parts += _md_legend(summary, legend)

@@ -23,7 +23,7 @@ from rich.table import Table
 from rich.text import Text
 
 from mokbench.labels import backend_display, short_scenario_labels
-from mokbench.scenario import pass_label
+from mokbench.scenario import PASSES, pass_label
 
 NOISE_MARK = "~"
 REASON_WIDTH = 160
@@ -31,6 +31,13 @@ GIB = 2**30
 NOISE_NOTE = (f"{NOISE_MARK} within noise: this row's p10–p90 range overlaps the fastest "
               "baseline's.")
 
+
+
+
+def ordered_passes(summary: pd.DataFrame) -> list[str]:
+    """The passes present, forward (training), backward, inference (no_grad) first."""
+    present = list(pd.unique(summary["pass"])) if not summary.empty else []
+    return [p for p in PASSES if p in present] + [p for p in present if p not in PASSES]
 
 @dataclass
 class Legend:
@@ -242,8 +249,6 @@ def legend_lines(legend: Legend, markup_name=lambda s: s) -> list[str]:
 def render(summary: pd.DataFrame, console: Console, notes: tuple[str, ...] = ()) -> None:
     """Print one table per pass (forward (training), backward, inference (no_grad)), then the
     legend and ``notes``."""
-    from mokbench.report import ordered_passes
-
     if summary.empty:
         console.print("no rows")
         return
