@@ -32,12 +32,11 @@ NOISE_NOTE = (f"{NOISE_MARK} within noise: this row's p10–p90 range overlaps t
               "baseline's.")
 
 
-
-
 def ordered_passes(summary: pd.DataFrame) -> list[str]:
     """The passes present, forward (training), backward, inference (no_grad) first."""
     present = list(pd.unique(summary["pass"])) if not summary.empty else []
     return [p for p in PASSES if p in present] + [p for p in present if p not in PASSES]
+
 
 @dataclass
 class Legend:
