@@ -249,6 +249,21 @@ def _group_rows(gst, g, total):
 
 
 @triton.jit
+def _group_ready(g, gst, total, ctr, err, NBMAX, budget, I: tl.constexpr, BM: tl.constexpr,
+                 DAC: tl.constexpr, F32_DOT: tl.constexpr, PULL: tl.constexpr):
+    """Rows of group g (first, end) and whether every A item of g is done (the C and D items
+    read what they wrote). With PULL the rows were pulled in this launch with plain stores
+    and are read through TMA: fence the async proxy after the acquire."""
+    start, end = _group_rows(gst, g, total)
+    ok = wait_geq(ctr + 1 + NBMAX + g, (end - start) // BM * (I // DAC), err, budget,
+                  _E_DGRAD_GROUP, g)
+    if PULL:
+        if ok != 0:
+            _async_proxy_fence(ok, F32_DOT)
+    return start, end, ok
+
+
+@triton.jit
 def _wgrad_down_item(g, it, jn, lr, gst, total, P, hs_c_desc, dyg_c_desc, ctr, err,
                      dw2, dws2, T, E, NBMAX, budget, H: tl.constexpr, I: tl.constexpr,
                      S: tl.constexpr, K: tl.constexpr, HAS_SHARED: tl.constexpr, BM: tl.constexpr,
@@ -257,12 +272,9 @@ def _wgrad_down_item(g, it, jn, lr, gst, total, P, hs_c_desc, dyg_c_desc, ctr, e
     """C item: dW_down[g][I tile it, H tile jn] = sum over g's rows of (r h)^T dY; waits for
     every A item of g (they write r h)."""
     HALF: tl.constexpr = BN // 2
-    start, end = _group_rows(gst, g, total)
-    ok = wait_geq(ctr + 1 + NBMAX + g, (end - start) // BM * (I // DAC), err, budget,
-                  _E_DGRAD_GROUP, g)
+    start, end, ok = _group_ready(g, gst, total, ctr, err, NBMAX, budget, I, BM, DAC, F32_DOT,
+                                  PULL)
     if ok != 0:
-        if PULL:  # dY rows pulled in this launch (plain stores), read here through TMA
-            _async_proxy_fence(ok, F32_DOT)
         icols = it * HALF + tl.arange(0, HALF)
         hcols = jn * BN + tl.arange(0, BN)
         acc = tl.zeros((HALF, BN), dtype=tl.float32)
@@ -287,12 +299,9 @@ def _wgrad_gate_up_item(g, it, jn, lr, gst, total, P, pre_d_desc, xg_d_desc, ctr
                         PULL: tl.constexpr = False):
     """D item: dW_gate_up[g][H tile it, 2I tile jn] = sum over g's rows of x^T [dG dU]."""
     HALF: tl.constexpr = BN // 2
-    start, end = _group_rows(gst, g, total)
-    want = (end - start) // BM * (I // DAC)
-    ok = wait_geq(ctr + 1 + NBMAX + g, want, err, budget, _E_DGRAD_GROUP, g)
+    start, end, ok = _group_ready(g, gst, total, ctr, err, NBMAX, budget, I, BM, DAC, F32_DOT,
+                                  PULL)
     if ok != 0:
-        if PULL:  # x rows pulled in this launch (plain stores), read here through TMA
-            _async_proxy_fence(ok, F32_DOT)
         hcols = it * HALF + tl.arange(0, HALF)
         fcols = jn * BN + tl.arange(0, BN)
         acc = tl.zeros((HALF, BN), dtype=tl.float32)
@@ -370,20 +379,16 @@ def mok_backward_kernel(
     while (tk < n_items) & (ok != 0):
         if tk < end_a:
             if PHASES & 1:
-                if PULL:
-                    b = tk // NA
+                b = tk // NA
+                if PULL:  # its rows pulled by an item of this launch (plain stores; TMA here)
                     ok = wait_geq(ctr + 1 + NBMAX + NG + b, 1, err, budget, _E_BWD_PULLED, b)
                     if ok != 0:
                         _async_proxy_fence(ok, F32_DOT)
-                        _dgrad_down_item(b, tk % NA, lr, src, grp, P, pre, hs, ctr,
-                                         dyg_a_desc, p_base, drp_base, tab32, w2_desc,
-                                         ws2_desc, pre_a_desc, T, E, NBMAX, withhold, H, I, S,
-                                         K, HAS_SHARED, BM, BN, BK, DAC, F32_DOT, INTERLEAVED)
-                else:
-                    _dgrad_down_item(tk // NA, tk % NA, lr, src, grp, P, pre, hs, ctr,
-                                     dyg_a_desc, p_base, drp_base, tab32, w2_desc, ws2_desc,
-                                     pre_a_desc, T, E, NBMAX, withhold, H, I, S, K, HAS_SHARED,
-                                     BM, BN, BK, DAC, F32_DOT, INTERLEAVED)
+                if ok != 0:
+                    _dgrad_down_item(b, tk % NA, lr, src, grp, P, pre, hs, ctr, dyg_a_desc,
+                                     p_base, drp_base, tab32, w2_desc, ws2_desc, pre_a_desc, T,
+                                     E, NBMAX, withhold, H, I, S, K, HAS_SHARED, BM, BN, BK,
+                                     DAC, F32_DOT, INTERLEAVED)
         elif tk < end_b:
             if PHASES & 2:
                 i = tk - end_a
