@@ -1,9 +1,10 @@
 """Time the FP8 expert-FFN tiles (``mok_kernels.ffn_fp8``) per recipe against the same grouped
 FFN in bf16 through ``torch._grouped_mm``, at one shape, on one GPU: the measurement that
 picks the recipe of mok's FP8 path (blockwise scales inside the K loop against rowwise scales
-after it; MXFP8 on Blackwell). CUDA events, median of ``--iters`` after ``--warmup``; the
-FP8 times cover both kernels (gate+up with SwiGLU and the h quantisation, down), not the
-activation quantisation, which is timed apart (once per forward, at the source rank).
+after it; MXFP8 on Blackwell). Timed as the harness times (``mokbench.timing``: CUDA
+events, median of ``--iters`` after ``--warmup``). The FP8 times cover both kernels (gate+up
+with SwiGLU and the h quantisation, down), not the activation quantisation, which is timed
+apart (once per forward, at the source rank).
 
     python benchmarks/fp8_ffn_recipes.py --experts 48 --tokens 16384 --topk 8
 """
@@ -11,9 +12,9 @@ activation quantisation, which is timed apart (once per forward, at the source r
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
+from bench_common import add_shape_args, cuda_ms
 
 import mok_kernels as mk
 
@@ -22,29 +23,10 @@ QUANT_X = {"blockwise": lambda x: mk.quantize_blockwise(x, 128),
            "rowwise": mk.quantize_rowwise, "mx": mk.quantize_mx}
 
 
-def timed(fn, warmup: int, iters: int) -> list[float]:
-    out = []
-    for i in range(warmup + iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        if i >= warmup:
-            out.append((s, e))
-    torch.cuda.synchronize()
-    return [s.elapsed_time(e) for s, e in out]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--hidden", type=int, default=7168)
-    ap.add_argument("--intermediate", type=int, default=2048)
-    ap.add_argument("--experts", type=int, default=48)
-    ap.add_argument("--tokens", type=int, default=16384)
-    ap.add_argument("--topk", type=int, default=8)
+    add_shape_args(ap)
     ap.add_argument("--recipes", default=",".join(mk.FP8_RECIPES))
-    ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=5)
     a = ap.parse_args()
     H, I, E = a.hidden, a.intermediate, a.experts
     dev = torch.device("cuda")
@@ -75,7 +57,7 @@ def main() -> None:
         for name, fn in ((f"{recipe} fp8 FFN", lambda ops=ops, grp=grp: mk.ffn_fp8(ops, grp)),
                          ("bf16 grouped_mm FFN", bf16),
                          (f"{recipe} x quantisation", lambda q=QUANT_X[recipe], x=x: q(x))):
-            t = statistics.median(timed(fn, a.warmup, a.iters))
+            t = cuda_ms(fn, warmup=a.warmup, iters=a.iters).median_ms
             tf = f"{flops / t / 1e9:7.1f} TFLOP/s" if "FFN" in name else ""
             print(f"{name:28s} rows {T:7d}  median {t:8.3f} ms  {tf}")
         print(f"{recipe}: fp8 output vs bf16 output, norm relative {err:.3e}")

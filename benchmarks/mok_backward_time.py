@@ -1,7 +1,7 @@
 """Quick timing of the mok kernels on one GPU, outside the harness: inference forward,
-training forward and backward at one shape (CUDA events, median of ``--iters`` after
-``--warmup``; each backward after an untimed training forward). For tuning; the numbers
-that go into tables come from ``mokbench sweep``.
+training forward and backward at one shape (``mokbench.timing``: CUDA events, median of
+``--iters`` after ``--warmup``; each backward after an untimed training forward). For
+tuning; the numbers that go into tables come from ``mokbench sweep``.
 
     python benchmarks/mok_backward_time.py --experts 48 --tokens 16384 [--shared]
 """
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
+from bench_common import add_shape_args, cuda_ms
 
 import mok_kernels as mk
 from mokbench.mok_backend import config_from_env, default_config_fields
@@ -20,14 +20,8 @@ from mokbench.mok_backend import config_from_env, default_config_fields
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--hidden", type=int, default=7168)
-    ap.add_argument("--intermediate", type=int, default=2048)
-    ap.add_argument("--experts", type=int, default=48)
-    ap.add_argument("--tokens", type=int, default=16384)
-    ap.add_argument("--topk", type=int, default=8)
+    add_shape_args(ap)
     ap.add_argument("--shared", action="store_true")
-    ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--options", default="{}", help="JSON MoKConfig overrides")
     ap.add_argument("--phases", default="", help="comma-separated backward item masks to time "
                     "(1 dA, 2 dX, 4 dW_down, 8 dW_gate_up; 0 everything outside the items; "
@@ -58,34 +52,28 @@ def main() -> None:
     def train():
         return mk.forward_train(cfg, ws, mk.build_schedule(ws, idx), x, p, *w)
 
-    def timed(fn, prep=None):
-        out = []
-        for i in range(a.warmup + a.iters):
-            arg = prep() if prep else None
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn(arg)
-            e.record()
-            if i >= a.warmup:
-                out.append((s, e))
-        torch.cuda.synchronize()
-        return [s.elapsed_time(e) for s, e in out]
+    held = {}
+
+    def pre_train():  # the untimed training forward before each backward
+        held["ctx"] = train()[1]
+
+    def timed(body, prepare=None):
+        return cuda_ms(body, prepare, warmup=a.warmup, iters=a.iters)
 
     fwd_flops = 6.0 * (T * K + (T if a.shared else 0)) * H * I
-    res = {"inference": timed(lambda _: infer()), "forward_train": timed(lambda _: train()),
-           "backward": timed(lambda c: mk.backward(cfg, ws, c[1], dy, *w), train)}
+    res = {"inference": timed(infer), "forward_train": timed(train),
+           "backward": timed(lambda: mk.backward(cfg, ws, held["ctx"], dy, *w), pre_train)}
     mk.check_errors(ws)
     for ph in filter(None, a.phases.split(",")):
         res[f"backward[{ph}]"] = timed(
-            lambda c, m=int(ph): mk.backward(cfg, ws, c[1], dy, *w, _phases=m), train)
+            lambda m=int(ph): mk.backward(cfg, ws, held["ctx"], dy, *w, _phases=m), pre_train)
     ctx = train()[1]
     print(f"shape H{H} I{I} E{E} T{T} k{K} shared={a.shared}; config {cfg}")
     print(f"context memory {ctx.nbytes / 2**30:.2f} GiB")
     for name, t in res.items():
-        med = statistics.median(t)
         fl = fwd_flops * (2 if name.startswith("backward") else 1)
-        print(f"{name:14s} median {med:8.3f} ms  min {min(t):8.3f}  max {max(t):8.3f}  "
-              f"{fl / med / 1e9:7.1f} TFLOP/s")
+        print(f"{name:14s} median {t.median_ms:8.3f} ms  min {t.min_ms:8.3f}  "
+              f"max {t.max_ms:8.3f}  {fl / t.median_ms / 1e9:7.1f} TFLOP/s")
 
 
 if __name__ == "__main__":

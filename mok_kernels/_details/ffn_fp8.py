@@ -71,25 +71,27 @@ def _mx_weight(w_EKN: torch.Tensor, soft_cast: bool | None) -> tuple[torch.Tenso
     return q.view(E, N, K).transpose(1, 2).contiguous(), code.view(E, N, K // 32)
 
 
+def _quantize_act(recipe: str, x_NH: torch.Tensor, pow2_scales: bool,
+                  soft_cast: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations of a recipe: (e4m3 [N, H], scales: [N, H/128] fp32 blockwise, [N] fp32
+    rowwise, [N, H/32] e8m0 mx)."""
+    if recipe == "mx":
+        return tq.quantize_mx(x_NH, soft_cast=soft_cast)
+    kw = {"pow2_scales": pow2_scales, "soft_cast": soft_cast}
+    if recipe == "rowwise":
+        return tq.quantize_rowwise(x_NH, **kw)
+    return tq.quantize_blockwise(x_NH, 128, **kw)
+
+
 def quantize_ffn(recipe: str, x_TH: torch.Tensor, w1_EHF: torch.Tensor, w2_EIH: torch.Tensor,
                  *, pow2_scales: bool = False, soft_cast: bool | None = None) -> Fp8Ffn:
     """Quantise activations (at the source, once per forward) and weights (once, at setup)
     with the Triton quantisers (bitwise equal to ``quant_ref``)."""
     _check_recipe(recipe)
-    kw = {"pow2_scales": pow2_scales, "soft_cast": soft_cast}
-    if recipe == "mx":
-        x_q, sx = tq.quantize_mx(x_TH, soft_cast=soft_cast)
-        w1, sw1 = _mx_weight(w1_EHF, soft_cast)
-        w2, sw2 = _mx_weight(w2_EIH, soft_cast)
-        return Fp8Ffn(recipe, x_q, sx, w1, sw1, w2, sw2)
-    if recipe == "rowwise":
-        x_q, sx = tq.quantize_rowwise(x_TH, **kw)
-        w1, sw1 = tq.quantize_weight_colwise(w1_EHF, **kw)
-    else:
-        x_q, sx = tq.quantize_blockwise(x_TH, 128, **kw)
-        w1, sw1 = tq.quantize_weight_128x128(w1_EHF, **kw)
-    w2, sw2 = tq.quantize_weight_128x128(w2_EIH, **kw)
-    return Fp8Ffn(recipe, x_q, sx, w1, sw1, w2, sw2)
+    x_q, sx = _quantize_act(recipe, x_TH, pow2_scales, soft_cast)
+    w1 = _quantize_weight(recipe, w1_EHF, True, pow2_scales, soft_cast)
+    w2 = _quantize_weight(recipe, w2_EIH, False, pow2_scales, soft_cast)
+    return Fp8Ffn(recipe, x_q, sx, w1.q, w1.scale, w2.q, w2.scale)
 
 
 def _interpreting() -> bool:
@@ -187,11 +189,14 @@ class Fp8Weight:
         return tuple(self.q.shape)
 
 
-def _quantize_weight(recipe: str, w: torch.Tensor, gate_up: bool, pow2: bool) -> Fp8Weight:
+def _quantize_weight(recipe: str, w: torch.Tensor, gate_up: bool, pow2: bool,
+                     soft_cast: bool | None = None) -> Fp8Weight:
+    """One weight ([E, K, N] or [K, N]) of a recipe: 128x128 blocks, per output column for
+    the rowwise recipe's gate+up weight, MX along K (``Fp8Weight``)."""
     w3 = w if w.dim() == 3 else w[None]
-    kw = {"pow2_scales": pow2}
+    kw = {"pow2_scales": pow2, "soft_cast": soft_cast}
     if recipe == "mx":
-        q, s = _mx_weight(w3.contiguous(), None)
+        q, s = _mx_weight(w3.contiguous(), soft_cast)
     elif recipe == "rowwise" and gate_up:
         q, s = tq.quantize_weight_colwise(w3.contiguous(), **kw)
     else:
@@ -224,12 +229,7 @@ def quantize_tokens_into(recipe: str, x_NH: torch.Tensor, rows_NH: torch.Tensor,
     reads: in the bytes of each bf16 row of ``rows_NH`` ([N, H] bf16, e.g. the token buffer),
     H e4m3 values, then the row's scales from byte H (fp32; e8m0 codes for mx)."""
     N, H = x_NH.shape
-    if recipe == "mx":
-        q, s = tq.quantize_mx(x_NH)
-    elif recipe == "rowwise":
-        q, s = tq.quantize_rowwise(x_NH, pow2_scales=pow2_scales)
-    else:
-        q, s = tq.quantize_blockwise(x_NH, 128, pow2_scales=pow2_scales)
+    q, s = _quantize_act(recipe, x_NH, pow2_scales)
     raw = rows_NH.view(N, H).view(torch.uint8)  # [N, 2H] bytes
     sb = s.reshape(N, -1).contiguous().view(torch.uint8)
     raw[:, :H].copy_(q.view(torch.uint8))

@@ -115,6 +115,7 @@ def kernel_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots: i
     do not divide the row block's column tiles."""
     H, I = hidden, intermediate
     ch = _row_chunk(H)
+    sw1, sw2 = fp8_scale_sizes(H, I, cfg.quant)
     return dict(
         H=H, I=I, XW=fp8_row_elements(H, cfg.quant), S=slots, PROGS=programs, COMM=comm,
         HAS_SHARED=shared,
@@ -122,7 +123,7 @@ def kernel_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots: i
         DT=cfg.down_tiles if (H // cfg.block_n) % cfg.down_tiles == 0 else 1,
         GJ=cfg.gate_up_tiles if (2 * I // cfg.block_n) % cfg.gate_up_tiles == 0 else 1,
         CR=max(1, 4096 // ch), CH=ch, QUANT=cfg.quant, POW2=cfg.fp8_pow2_scales,
-        SW1=fp8_scale_sizes(H, I, cfg.quant)[0], SW2=fp8_scale_sizes(H, I, cfg.quant)[1],
+        SW1=sw1, SW2=sw2,
         F32_DOT=interpreting, TMA=cfg.tma,
         INTERLEAVED=cfg.gate_up_interleaved, PREFETCH=cfg.prefetch_ticket,
         K=slots - int(shared), FUSED_SUM=cfg.fused_sum, SAVE_PRE=save_pre)

@@ -79,18 +79,16 @@ def compile_fp8_ffn_kernel(kernel: str, recipe: str, *, arch: int = 90, hidden: 
     hrec = tg.MX if mx else tg.BLOCKWISE
     scale = "*u8/16" if mx else "*fp32/16"
     sh = I // 32 if mx else I // 128
+    sw1, sw2 = tg.fp8_scale_sizes(H, I, rec)
     opts = {"num_warps": t.pop("num_warps"), "num_stages": t.pop("num_stages")}
     if kernel == "gate_up":
         sx = {tg.BLOCKWISE: H // 128, tg.ROWWISE: 1, tg.MX: H // 32}[rec]
-        sw1 = {tg.BLOCKWISE: H // 128 * (2 * I // 128), tg.ROWWISE: 2 * I,
-               tg.MX: 2 * I * (H // 32)}[rec]
         types = {"x_ptr": "*fp8e4nv/16", "sx_ptr": scale if rec != tg.ROWWISE else "*fp32/16",
                  "grp_ptr": "*i32/16", "w1_ptr": "*fp8e4nv/16", "sw1_ptr": scale,
                  "h_ptr": "*fp8e4nv/16", "sh_ptr": scale}
         consts = {"H": H, "I": I, "SX": sx, "SW1": sw1, "SH": sh, **t, "RECIPE": rec,
                   "H_RECIPE": hrec, "POW2": False, "SOFT_CAST": False, "F32_DOT": False}
         return _compile(tg.fp8_gate_up_kernel, types, consts, opts, arch)
-    sw2 = H * (I // 32) if mx else I // 128 * (H // 128)
     types = {"h_ptr": "*fp8e4nv/16", "sh_ptr": scale, "grp_ptr": "*i32/16",
              "w2_ptr": "*fp8e4nv/16", "sw2_ptr": scale, "y_ptr": "*bf16/16"}
     consts = {"H": H, "I": I, "SH": sh, "SW2": sw2, **t, "RECIPE": hrec, "F32_DOT": False}

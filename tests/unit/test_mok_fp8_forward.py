@@ -12,17 +12,14 @@ MXFP8 block-scaled tcgen05 MMAs without spills at block_m 128. Not yet run on a 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("triton")
 
 import mok_kernels as mk  # noqa: E402
+from tests.unit.interpreted import run_interpreted  # noqa: E402
 
 SCRIPT = textwrap.dedent('''
 import torch
@@ -119,10 +116,7 @@ for recipe in ("blockwise", "rowwise", "mx"):
 
 
 def test_fp8_forward_in_interpreter_matches_references():
-    repo = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(repo))
-    out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
-                         text=True, timeout=900, cwd=repo)
+    out = run_interpreted(SCRIPT, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     cases = [line.split()[1:] for line in out.stdout.splitlines() if line.startswith("case ")]
     assert len(cases) == 6, out.stdout

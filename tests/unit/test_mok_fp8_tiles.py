@@ -9,17 +9,14 @@ fp32 layer 0.1, the FP8 bound the harness applies (measured here about 0.065).""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("triton")
 
 import mok_kernels as mk  # noqa: E402
+from tests.unit.interpreted import run_interpreted  # noqa: E402
 
 SCRIPT = textwrap.dedent("""
     import torch
@@ -55,10 +52,7 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_fp8_ffn_in_interpreter_matches_reference():
-    repo = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(repo))
-    out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
-                         text=True, timeout=600, cwd=repo)
+    out = run_interpreted(SCRIPT, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     cases = [line.split()[1:] for line in out.stdout.splitlines() if line.startswith("case ")]
     assert [c[0] for c in cases] == list(mk.FP8_RECIPES), out.stdout
