@@ -87,9 +87,8 @@ class MoKConfig:
     bwd_fused_pull: the backward's reverse-combine pull (dY and x rows of every schedule row
         into contiguous buffers) runs inside the backward megakernel, one item per row block
         claimed before any GEMM item, instead of as a kernel of its own before it: the dA items
-        of a row block start as soon as its rows are in, overlapping the rest of the pull
-        (about 3.4 ms outside the work items at Kimi 48 x 16384 on H200). Off by default: not
-        yet run on a GPU.
+        of a row block start as soon as its rows are in, overlapping the rest of the pull.
+        Off by default: not yet run on a GPU.
     fp8: the forward's FP8 recipe (``tl_gemm_fp8``): "none" (bf16), "blockwise" (1x128
         activation and 128x128 weight scales, as TransformerEngine's Float8BlockScaling),
         "rowwise" (per row / per weight column, applied after the K loop; h still 1x128) or
