@@ -37,12 +37,13 @@ CONFIG_ENV = "MOKBENCH_MOK_CONFIG"
 
 def fp8_config_fields(arch: int = 90, recipe: str = "blockwise") -> dict:
     """What the FP8 path needs on top of the defaults: the recipe, interleaved gate/up,
-    block_n 256, block_k 128 (one scale step per K step), pointer loads (no TMA); 64-row tiles
-    on Hopper (the blockwise tiles spill at 128 rows), 128 on Blackwell for MXFP8 (the M of a
-    block-scaled tcgen05 MMA); one tile per work item (not measured yet)."""
+    block_n 256, block_k 128 (one scale step per K step), K-major e4m3 weight tiles through
+    TMA (pipelined; the pointer-load build of the blockwise tiles spills on sm_90); 64-row
+    tiles on Hopper (the blockwise tiles spill at 128 rows), 128 on Blackwell for MXFP8 (the M
+    of a block-scaled tcgen05 MMA); one tile per work item (not measured yet)."""
     bm = 128 if recipe == "mx" and arch >= 100 else 64
     return {"fp8": recipe, "gate_up_interleaved": True, "block_n": 256, "block_k": 128,
-            "tma": False, "block_m": bm, "gate_up_tiles": 1, "down_tiles": 1}
+            "tma": True, "block_m": bm, "gate_up_tiles": 1, "down_tiles": 1}
 
 
 def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int,
@@ -209,6 +210,8 @@ class MoKBackend(BackendBase):
                         f"compiled_schedule={int(c.compile_schedule)},"
                         f"fused_sum={int(c.fused_sum)},wide_da={int(c.bwd_wide_da)}"
                         + (",fused_pull=1" if c.bwd_fused_pull else "")
+                        + (f",pull_programs={c.bwd_pull_programs}"
+                           if c.bwd_pull_programs else "")
                         + (f",fp8={c.fp8},block_m={c.block_m},bwd=bf16" if fp8 else ""))
 
     def validate_options(self, scenario, options: dict) -> None:

@@ -218,6 +218,7 @@ def backward_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots:
                 HAS_SHARED=shared, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
                 BKW=wgrad_rows(cfg), DAC=da_cols(cfg, intermediate), F32_DOT=interpreting,
                 INTERLEAVED=cfg.gate_up_interleaved, PHASES=phases, PULL=cfg.bwd_fused_pull,
+                PULLERS=min(cfg.bwd_pull_programs or programs, programs),
                 BR=PULL_ROWS, CH=_row_chunk(hidden))
 
 

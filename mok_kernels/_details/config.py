@@ -88,7 +88,12 @@ class MoKConfig:
         into contiguous buffers) runs inside the backward megakernel, one item per row block
         claimed before any GEMM item, instead of as a kernel of its own before it: the dA items
         of a row block start as soon as its rows are in, overlapping the rest of the pull.
-        Off by default: not yet run on a GPU.
+        Off by default: measured no faster on one H200 with every program pulling first
+        (notes/mok-kernel.md).
+    bwd_pull_programs: with ``bwd_fused_pull``, how many programs per logical rank run the
+        pull items (the others start on dA items at once and wait for their row blocks, so
+        the memory-bound pull overlaps the compute-bound GEMMs on other SMs); 0 = every
+        program pulls before its first GEMM item.
     fp8: the forward's FP8 recipe (``tl_gemm_fp8``): "none" (bf16), "blockwise" (1x128
         activation and 128x128 weight scales, as TransformerEngine's Float8BlockScaling),
         "rowwise" (per row / per weight column, applied after the K loop; h still 1x128) or
@@ -121,6 +126,7 @@ class MoKConfig:
     fused_sum: bool = False
     bwd_wide_da: bool = False
     bwd_fused_pull: bool = False
+    bwd_pull_programs: int = 0
     fp8: str = "none"
     fp8_pow2_scales: bool = False
 
@@ -163,6 +169,12 @@ class MoKConfig:
                "false when fwd_comm_sms > 0 (the summing items are the GEMM programs')")
         _check(isinstance(self.bwd_fused_pull, bool), "bwd_fused_pull", self.bwd_fused_pull,
                "true | false")
+        _check(isinstance(self.bwd_pull_programs, int)
+               and not isinstance(self.bwd_pull_programs, bool)
+               and 0 <= self.bwd_pull_programs <= 1024, "bwd_pull_programs",
+               self.bwd_pull_programs, "an integer in 0..1024 (0 = every program)")
+        _check(self.bwd_fused_pull or self.bwd_pull_programs == 0, "bwd_pull_programs",
+               self.bwd_pull_programs, "0 unless bwd_fused_pull is true")
         _check(self.fp8 in FP8_MODES, "fp8", self.fp8, " | ".join(FP8_MODES))
         _check(isinstance(self.fp8_pow2_scales, bool), "fp8_pow2_scales", self.fp8_pow2_scales,
                "true | false")

@@ -4,7 +4,8 @@ the torch reference with the same quantisation.
 
 Legend: T rows grouped by expert in row blocks of BM (``grp_B[b]`` is block b's expert), H
 hidden, I intermediate, F = 2*I, E experts. w1_EHF is gate/up interleaved
-(``interleave_gate_up``), as the megakernel keeps it.
+(``interleave_gate_up``), as the megakernel keeps it. Quantised weights are kept K-major
+(w1_EFH, w2_EHI: the transposes), the layout Hopper's FP8 MMAs read (``tl_gemm_fp8``).
 
 These run alone (tests, ``benchmarks/fp8_ffn_recipes.py``); the megakernel's FP8 path is built
 from the same tiles.
@@ -39,16 +40,17 @@ def tiles_for(recipe: str) -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Ffn:
-    """Quantised operands of one recipe. x_TH, w1_EHF, w2_EIH e4m3 (weights [K, N] per expert);
-    scales: sx per x row (K/128 fp32 blockwise, 1 fp32 rowwise, H/32 e8m0 mx), sw1 / sw2 per
-    expert (K/128 x N/128 fp32 blockwise, N fp32 rowwise for w1, N x K/32 e8m0 mx)."""
+    """Quantised operands of one recipe. x_TH, w1_EFH, w2_EHI e4m3 (weights K-major, [N, K]
+    per expert); scales: sx per x row (K/128 fp32 blockwise, 1 fp32 rowwise, H/32 e8m0 mx),
+    sw1 / sw2 per expert (K/128 x N/128 fp32 blockwise, N fp32 rowwise for w1, N x K/32 e8m0
+    mx)."""
 
     recipe: str
     x_TH: torch.Tensor
     sx: torch.Tensor
-    w1_EHF: torch.Tensor
+    w1_EFH: torch.Tensor
     sw1: torch.Tensor
-    w2_EIH: torch.Tensor
+    w2_EHI: torch.Tensor
     sw2: torch.Tensor
 
     @property
@@ -64,11 +66,11 @@ def _check_recipe(recipe: str) -> int:
 
 
 def _mx_weight(w_EKN: torch.Tensor, soft_cast: bool | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """MXFP8 weights: 1x32 blocks along K of every output column; returns (w_q [E, K, N],
-    codes [E, N, K/32]), the scale layout ``tl.dot_scaled`` takes."""
+    """MXFP8 weights: 1x32 blocks along K of every output column; returns (w_q [E, N, K]
+    K-major, codes [E, N, K/32]), the scale layout ``tl.dot_scaled`` takes."""
     E, K, N = w_EKN.shape
     q, code = tq.quantize_mx(w_EKN.transpose(1, 2).reshape(E * N, K), soft_cast=soft_cast)
-    return q.view(E, N, K).transpose(1, 2).contiguous(), code.view(E, N, K // 32)
+    return q.view(E, N, K), code.view(E, N, K // 32)
 
 
 def _quantize_act(recipe: str, x_NH: torch.Tensor, pow2_scales: bool,
@@ -105,7 +107,7 @@ def ffn_fp8(ops: Fp8Ffn, grp_B: torch.Tensor, *, pow2_scales: bool = False,
     from mok_kernels._details.tl_gemm_fp8 import fp8_down_kernel, fp8_gate_up_kernel
 
     T, H = ops.x_TH.shape
-    E, _, F = ops.w1_EHF.shape
+    E, F, _ = ops.w1_EFH.shape
     I = F // 2  # noqa: E741 (the model's name for the intermediate size)
     t = {k: dict(v) for k, v in (tiles or tiles_for(ops.recipe)).items()}
     bm = t["gate_up"]["BM"]
@@ -121,20 +123,22 @@ def ffn_fp8(ops: Fp8Ffn, grp_B: torch.Tensor, *, pow2_scales: bool = False,
     gu, dn = t["gate_up"], t["down"]
     run = {} if interp else {"num_warps": gu["num_warps"], "num_stages": gu["num_stages"]}
     fp8_gate_up_kernel[(grp_B.numel(), I // (gu["BN"] // 2))](
-        ops.x_TH, ops.sx, grp_B, ops.w1_EHF, ops.sw1, h, sh, H=H, I=I,
+        ops.x_TH, ops.sx, grp_B, ops.w1_EFH, ops.sw1, h, sh, H=H, I=I,
         SX=ops.sx[0].numel(), SW1=ops.sw1[0].numel(), SH=sh_cols, BM=bm, BN=gu["BN"],
         BK=gu["BK"], RECIPE=rec, H_RECIPE=hrec, POW2=pow2_scales, SOFT_CAST=interp,
         F32_DOT=interp, **run)
     run = {} if interp else {"num_warps": dn["num_warps"], "num_stages": dn["num_stages"]}
     fp8_down_kernel[(grp_B.numel(), H // dn["BN"])](
-        h, sh, grp_B, ops.w2_EIH, ops.sw2, y, H=H, I=I, SH=sh_cols, SW2=ops.sw2[0].numel(),
+        h, sh, grp_B, ops.w2_EHI, ops.sw2, y, H=H, I=I, SH=sh_cols, SW2=ops.sw2[0].numel(),
         BM=bm, BN=dn["BN"], BK=dn["BK"], RECIPE=hrec, F32_DOT=interp, **run)
     return y
 
 
-def _dequant_weight(recipe: str, w_q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+def dequantize_weight(recipe: str, w_q_ENK: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """A K-major e4m3 weight [E, N, K] and its scales -> fp32 [E, K, N] (math layout)."""
     if recipe == "mx":
-        return qr.dequantize_mx(w_q.transpose(1, 2), s).transpose(1, 2)
+        return qr.dequantize_mx(w_q_ENK, s).transpose(1, 2)
+    w_q = w_q_ENK.transpose(1, 2)
     if recipe == "rowwise":
         return qr.dequantize_colwise(w_q, s)
     return qr.dequantize_weight_128x128(w_q, s)
@@ -153,8 +157,8 @@ def ref_ffn_fp8(ops: Fp8Ffn, grp_B: torch.Tensor, block_m: int, *,
     """The same FP8 computation in fp32 torch: dequantised operands, SwiGLU, h quantised with
     the reference quantiser of the down recipe, dequantised, down GEMM. y [T, H] fp32."""
     x = _dequant_act(ops.recipe, ops.x_TH, ops.sx)
-    w1 = _dequant_weight(ops.recipe, ops.w1_EHF, ops.sw1)
-    w2 = _dequant_weight(ops.down_recipe, ops.w2_EIH, ops.sw2)
+    w1 = dequantize_weight(ops.recipe, ops.w1_EFH, ops.sw1)
+    w2 = dequantize_weight(ops.down_recipe, ops.w2_EHI, ops.sw2)
     y = torch.empty(x.shape[0], w2.shape[2], dtype=torch.float32, device=x.device)
     for b, e in enumerate(grp_B.tolist()):  # one row block at a time: no [T, H, F] gather
         rows = slice(b * block_m, (b + 1) * block_m)
@@ -177,16 +181,20 @@ def ref_ffn_fp8(ops: Fp8Ffn, grp_B: torch.Tensor, block_m: int, *,
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Weight:
-    """One quantised weight for the megakernel's FP8 path: q e4m3 in the bf16 weight's shape
-    ([E, K, N] or [K, N], the gate+up one interleaved) and its scales (``fp8_scale_sizes``
-    per expert: 128x128 blocks, one per column for rowwise gate+up, MX [N, K/32] codes)."""
+    """One quantised weight for the megakernel's FP8 path: q e4m3, K-major: the transpose
+    ([E, N, K] or [N, K]) of the bf16 weight's math layout ([E, K, N] or [K, N], the gate+up
+    one interleaved), since Hopper's FP8 MMAs read B K-major only; and its scales
+    (``fp8_scale_sizes`` per expert: 128x128 blocks, one per column for rowwise gate+up, MX
+    [N, K/32] codes)."""
 
     q: torch.Tensor
     scale: torch.Tensor
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self.q.shape)
+        """The math-layout shape (that of the bf16 weight it was quantised from)."""
+        *lead, n, k = self.q.shape
+        return (*lead, k, n)
 
 
 def _quantize_weight(recipe: str, w: torch.Tensor, gate_up: bool, pow2: bool,
@@ -197,10 +205,12 @@ def _quantize_weight(recipe: str, w: torch.Tensor, gate_up: bool, pow2: bool,
     kw = {"pow2_scales": pow2, "soft_cast": soft_cast}
     if recipe == "mx":
         q, s = _mx_weight(w3.contiguous(), soft_cast)
-    elif recipe == "rowwise" and gate_up:
-        q, s = tq.quantize_weight_colwise(w3.contiguous(), **kw)
     else:
-        q, s = tq.quantize_weight_128x128(w3.contiguous(), **kw)
+        if recipe == "rowwise" and gate_up:
+            q, s = tq.quantize_weight_colwise(w3.contiguous(), **kw)
+        else:
+            q, s = tq.quantize_weight_128x128(w3.contiguous(), **kw)
+        q = q.transpose(1, 2)  # K-major
     if w.dim() == 2:
         q, s = q[0], s[0]
     return Fp8Weight(q.contiguous(), s.contiguous())
@@ -236,6 +246,6 @@ def quantize_tokens_into(recipe: str, x_NH: torch.Tensor, rows_NH: torch.Tensor,
     raw[:, H:H + sb.shape[1]].copy_(sb)
 
 
-__all__ = ["BLOCKWISE", "MX", "TILES", "TILES_MX", "Fp8Ffn", "Fp8Weight", "ffn_fp8",
-           "quantize_ffn", "quantize_tokens_into", "quantize_weights", "ref_ffn_fp8",
+__all__ = ["BLOCKWISE", "MX", "TILES", "TILES_MX", "Fp8Ffn", "Fp8Weight", "dequantize_weight",
+           "ffn_fp8", "quantize_ffn", "quantize_tokens_into", "quantize_weights", "ref_ffn_fp8",
            "tiles_for"]

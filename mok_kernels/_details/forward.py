@@ -74,9 +74,11 @@ def _interpreting() -> bool:
 
 def _descriptors(ws: Workspace, w1: torch.Tensor, w2: torch.Tensor, ws1: torch.Tensor | None,
                  ws2: torch.Tensor | None, h: torch.Tensor) -> tuple:
-    """Host TMA descriptors (w1, w2, shared w1, shared w2, h ring) over 2-D views: weights
-    [experts*H, F] / [experts*I, H] with [BK, BN/2] / [BK, BN] boxes, h [L*Q, I] with [BM, BK]
-    boxes. Built per launch (host only, no GPU work); a CUDA graph keeps them as parameters."""
+    """Host TMA descriptors (w1, w2, shared w1, shared w2, h ring) over 2-D views: bf16
+    weights [experts*H, F] / [experts*I, H] with [BK, BN/2] / [BK, BN] boxes, FP8 weights
+    (K-major, :class:`Fp8Weight`) [experts*F, H] / [experts*H, I] with [BN, BK] boxes, h
+    [L*Q, I] with [BM, BK] boxes. Built per launch (host only, no GPU work); a CUDA graph
+    keeps them as parameters."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     boxes = descriptor_boxes(ws.config)
@@ -84,19 +86,26 @@ def _descriptors(ws: Workspace, w1: torch.Tensor, w2: torch.Tensor, ws1: torch.T
     def desc(t: torch.Tensor, cols: int, box: list[int]) -> TensorDescriptor:
         return TensorDescriptor.from_tensor(t.view(-1, cols), box)
 
-    F = 2 * ws.I
+    if isinstance(w1, Fp8Weight):  # K-major: rows of K = H (gate+up) and I (down) values
+        cols1, cols2 = ws.H, ws.I
+    else:
+        cols1, cols2 = 2 * ws.I, ws.H
     w1, w2, ws1, ws2 = (w.q if isinstance(w, Fp8Weight) else w for w in (w1, w2, ws1, ws2))
-    return (desc(w1, F, boxes["w1_desc"]), desc(w2, ws.H, boxes["w2_desc"]),
-            desc(ws1, F, boxes["ws1_desc"]) if ws1 is not None else None,
-            desc(ws2, ws.H, boxes["ws2_desc"]) if ws2 is not None else None,
+    return (desc(w1, cols1, boxes["w1_desc"]), desc(w2, cols2, boxes["w2_desc"]),
+            desc(ws1, cols1, boxes["ws1_desc"]) if ws1 is not None else None,
+            desc(ws2, cols2, boxes["ws2_desc"]) if ws2 is not None else None,
             desc(h, ws.I, boxes["h_desc"]))
 
 
 def descriptor_boxes(cfg: MoKConfig) -> dict[str, list[int]]:
-    """TMA box (rows, columns) of each descriptor argument of the kernel: weight tiles
-    [BK, BN] ([BK, BN/2] per half when gate/up are split), SwiGLU rows [BM, BK]."""
-    w1 = [cfg.block_k, cfg.block_n if cfg.gate_up_interleaved else cfg.block_n // 2]
-    w2 = [cfg.block_k, cfg.block_n]
+    """TMA box (rows, columns) of each descriptor argument of the kernel: bf16 weight tiles
+    [BK, BN] ([BK, BN/2] per half when gate/up are split), FP8 (K-major) weight tiles
+    [BN, BK], SwiGLU rows [BM, BK]."""
+    if cfg.fp8 != "none":
+        w1 = w2 = [cfg.block_n, cfg.block_k]
+    else:
+        w1 = [cfg.block_k, cfg.block_n if cfg.gate_up_interleaved else cfg.block_n // 2]
+        w2 = [cfg.block_k, cfg.block_n]
     return {"w1_desc": w1, "w2_desc": w2, "ws1_desc": w1, "ws2_desc": w2,
             "h_desc": [cfg.block_m, cfg.block_k]}
 

@@ -102,8 +102,8 @@ def kernel_args(config: MoKConfig, hidden: int, intermediate: int, *, topk: int 
         def fp8(t: torch.Tensor | None, scales: int) -> Fp8Weight | None:
             if t is None:
                 return None
-            lead = t.shape[:-2]
-            return Fp8Weight(torch.empty(t.shape, dtype=torch.float8_e4m3fn, device="meta"),
+            *lead, k, n = t.shape  # the e4m3 weight is K-major ([..., N, K])
+            return Fp8Weight(torch.empty(*lead, n, k, dtype=torch.float8_e4m3fn, device="meta"),
                              torch.empty(*lead, scales, dtype=sdt, device="meta"))
 
         w = (fp8(w[0], sw1), fp8(w[1], sw2), fp8(w[2], sw1), fp8(w[3], sw2))

@@ -10,9 +10,10 @@ weight-gradient reduction step.
 Before the megakernel, ``pull_rows_kernel`` pulls the dY rows (reverse-combine) and the x
 rows of every schedule row from the tokens' home ranks into contiguous [L, P, H] buffers, so
 every GEMM operand below is a TMA tile. With ``PULL`` (``bwd_fused_pull``) the megakernel does
-that itself: every program first claims pull items (one row block each) from a ticket counter
-of their own, and an A item waits for its row block's flag; the rows are written with plain
-stores and read through TMA, so writers and readers fence the async proxy.
+that itself: the first PULLERS programs of each logical rank (all of them by default) first
+claim pull items (one row block each) from a ticket counter of their own, and an A item waits
+for its row block's flag; the rows are written with plain stores and read through TMA, so
+writers and readers fence the async proxy.
 
 Work items, claimed from one ticket counter per logical rank in the global order A, B, C, D
 (``PHASES``, a bit mask, skips kinds for profiling; 15 runs all):
@@ -341,7 +342,7 @@ def mok_backward_kernel(
         PROGS: tl.constexpr, HAS_SHARED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
         BK: tl.constexpr, BKW: tl.constexpr, DAC: tl.constexpr, F32_DOT: tl.constexpr,
         INTERLEAVED: tl.constexpr, PHASES: tl.constexpr, PULL: tl.constexpr,
-        BR: tl.constexpr, CH: tl.constexpr):
+        BR: tl.constexpr, CH: tl.constexpr, PULLERS: tl.constexpr = 0):
     """One persistent program per SM; see the module docstring for the work order."""
     HALF: tl.constexpr = BN // 2
     NA: tl.constexpr = I // DAC  # A items per row block
@@ -365,16 +366,19 @@ def mok_backward_kernel(
     end_c = end_b + NG * NC
     n_items = end_c + NG * ND
     ok = no_error(err)
-    if PULL:  # pull items first, from their own ticket counter; they wait on nothing
-        pulled = ctr + 1 + NBMAX + NG  # [NBMAX] flags, then the pull ticket
-        pt = tl.atomic_add(pulled + NBMAX, 1, sem="relaxed", scope="gpu")
-        while pt < nb:
-            _pull_block(pt, lr, src, x_base, x_tab, dy_base, tab16, xg_ptr, dyg_ptr, T, P, H,
-                        S, BM, BR, CH)
-            pt = _async_proxy_fence(pt, F32_DOT)  # before the release: TMA readers follow
-            tl.debug_barrier()
-            tl.atomic_add(pulled + pt, 1, sem="release", scope="gpu")
+    if PULL:  # pull items first (the first PULLERS programs), from their own ticket counter
+        # they wait on nothing, so the programs that skip them to wait on row blocks
+        # cannot deadlock
+        if (pid - lr * PROGS) < PULLERS:
+            pulled = ctr + 1 + NBMAX + NG  # [NBMAX] flags, then the pull ticket
             pt = tl.atomic_add(pulled + NBMAX, 1, sem="relaxed", scope="gpu")
+            while pt < nb:
+                _pull_block(pt, lr, src, x_base, x_tab, dy_base, tab16, xg_ptr, dyg_ptr, T, P,
+                            H, S, BM, BR, CH)
+                pt = _async_proxy_fence(pt, F32_DOT)  # before the release: TMA readers follow
+                tl.debug_barrier()
+                tl.atomic_add(pulled + pt, 1, sem="release", scope="gpu")
+                pt = tl.atomic_add(pulled + NBMAX, 1, sem="relaxed", scope="gpu")
     tk = tl.atomic_add(ctr, 1, sem="relaxed", scope="gpu")
     while (tk < n_items) & (ok != 0):
         if tk < end_a:

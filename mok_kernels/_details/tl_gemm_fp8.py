@@ -3,9 +3,10 @@ and two standalone grouped kernels over them (gate+up with the SwiGLU epilogue q
 for the down GEMM; down) that tests and benchmarks run alone.
 
 Legend: BM rows of one row block (one expert), H hidden, I intermediate, F = 2*I, BN output
-columns of a tile, BK reduction step, E experts. Weights are in the math layout (y = x @ w):
-w1 [E, H, F] gate/up interleaved (column 2c gate c, 2c+1 up c: ``interleave_gate_up``), w2
-[E, I, H]. Every value is e4m3 (``torch.float8_e4m3fn``) with fp32 accumulation.
+columns of a tile, BK reduction step, E experts. Weights are the transposes of the math
+layout (y = x @ w), K-major: w1^T [E, F, H] gate/up interleaved (row 2c gate c, 2c+1 up c:
+``interleave_gate_up`` before the transpose), w2^T [E, H, I]. Every value is e4m3
+(``torch.float8_e4m3fn``) with fp32 accumulation.
 
 Recipes (``RECIPE``), each a pair of activation and weight scalings (``tl_quant``):
     1 BLOCKWISE  activations one fp32 scale per 1x128 block along K, weights one per 128x128
@@ -56,10 +57,13 @@ def fp8_tile(a_rows, a_mask, sa_rows, w_ptr, sw_ptr, n0, K: tl.constexpr, N: tl.
     a_rows: [BM] pointers to e4m3 A rows (K elements); a_mask: [BM] rows to read (the others
     read 0 and give 0); sa_rows: [BM] pointers to each row's scales: K/128 fp32 (BLOCKWISE),
     one fp32 (ROWWISE), K/32 uint8 e8m0 codes (MX).
-    w_ptr: this expert's e4m3 W [K, N]; sw_ptr: its scales: [K/128, N/128] fp32 (BLOCKWISE),
-    [N] fp32 (ROWWISE), [N, K/32] uint8 (MX, the layout ``tl.dot_scaled`` takes).
-    TMA: the [BK, BN] weight tiles come through ``w_desc`` (the e4m3 weights of all experts
-    as [experts*K, N], this expert's rows from ``w_row0``) instead of pointer loads.
+    w_ptr: this expert's e4m3 W K-major, as W^T [N, K] (``Fp8Weight``: Hopper's FP8 MMAs
+    read B K-major from shared memory only, so an N-major tile would pass through registers
+    every step instead of the pipelined asynchronous copies); sw_ptr: its scales:
+    [K/128, N/128] fp32 (BLOCKWISE), [N] fp32 (ROWWISE), [N, K/32] uint8 (MX, the layout
+    ``tl.dot_scaled`` takes).
+    TMA: the [BN, BK] weight tiles come through ``w_desc`` (the e4m3 W^T of all experts as
+    [experts*N, K], this expert's rows from ``w_row0``) instead of pointer loads.
     """
     offs_k = tl.arange(0, BK)
     cols = n0 + tl.arange(0, BN)
@@ -67,9 +71,10 @@ def fp8_tile(a_rows, a_mask, sa_rows, w_ptr, sw_ptr, n0, K: tl.constexpr, N: tl.
     for k in range(0, K, BK):
         a = tl.load(a_rows[:, None] + (k + offs_k)[None, :], mask=a_mask[:, None], other=0.0)
         if TMA:
-            w = w_desc.load([w_row0 + k, n0])
+            w_t = w_desc.load([w_row0 + n0, k])
         else:
-            w = tl.load(w_ptr + (k + offs_k).to(tl.int64)[:, None] * N + cols[None, :])
+            w_t = tl.load(w_ptr + cols.to(tl.int64)[:, None] * K + (k + offs_k)[None, :])
+        w = tl.trans(w_t)  # [BK, BN], K-major in shared memory
         if RECIPE == 3:
             g = k // 32 + tl.arange(0, BK // 32)
             sa = tl.load(sa_rows[:, None] + g[None, :], mask=a_mask[:, None], other=0)
@@ -170,7 +175,7 @@ def gate_up_fp8_tiles(a_rows16, a_mask, w1, sw1, j0, h_rows16, pre_row_ptrs, w1_
                       TMA: tl.constexpr):
     """The megakernel's FP8 gate+up work: GJ interleaved column tiles j0.. of one row block.
     A rows and h rows are FP8 rows in bf16-row storage (:func:`fp8_row_views`); w1 / sw1 this
-    group's e4m3 weights [H, 2I] and scales (``fp8_tile``). h is quantised in the epilogue
+    group's e4m3 weights (K-major [2I, H]) and scales (``fp8_tile``). h is quantised in the epilogue
     (1x128, or MX 1x32 with the mx recipe); SAVE_PRE also stores the pre-activations in bf16
     (the backward's input, in w1's interleaved column layout)."""
     H_RECIPE: tl.constexpr = 3 if RECIPE == 3 else 1
@@ -192,7 +197,7 @@ def down_fp8_tiles(h_rows16, w2, sw2, j0, dst_row_ptrs, dst_mask, w2_desc, w_row
                    BK: tl.constexpr, DT: tl.constexpr, RECIPE: tl.constexpr,
                    F32_DOT: tl.constexpr, TMA: tl.constexpr):
     """The megakernel's FP8 down work: DT column tiles j0.. of one row block from its FP8 h
-    rows (1x128 blocks, MX with the mx recipe) and this group's e4m3 w2 [I, H] + scales;
+    rows (1x128 blocks, MX with the mx recipe) and this group's e4m3 w2 (K-major [H, I]) + scales;
     bf16 out to dst rows (masked)."""
     H_RECIPE: tl.constexpr = 3 if RECIPE == 3 else 1
     h_rows, sh_rows = fp8_row_views(h_rows16, I, H_RECIPE)

@@ -202,7 +202,9 @@ def _gate_up_item(m, b, j, lr, src, grp, total, ring, hbuf, pre, ctr, err, x_bas
             a_valid = rows >= 0
         else:  # gather straight from the (peer) token buffers
             a_rows, a_valid = _token_rows(src, rows, rows >= 0, T, S, x_tab, x_base, H)
-        d1, w_row0 = _weight_desc(lr, g, E, w1_desc, ws1_desc, H, TMA, HAS_SHARED)
+        # rows per expert of the descriptor's 2-D view: H of [H, 2I], 2I of FP8's K-major [2I, H]
+        W1_ROWS: tl.constexpr = 2 * I if QUANT > 0 else H
+        d1, w_row0 = _weight_desc(lr, g, E, w1_desc, ws1_desc, W1_ROWS, TMA, HAS_SHARED)
         h_rows = hbuf + qrows * I
         pre_rows = pre + rows.to(tl.int64) * (2 * I)
         if QUANT > 0:
@@ -273,7 +275,8 @@ def _down_item(m, b, jd, lr, src, grp, hbuf, outb, ctr, err, comb_base, comb_tab
         w2 = _weights(lr, g, E, w2_ptr, ws2_ptr, I * H, HAS_SHARED)
         h_rows = hbuf + qrows * I
         h_row0 = lr * Q + (b * BM) % Q  # row block b's h rows are contiguous
-        d2, w_row0 = _weight_desc(lr, g, E, w2_desc, ws2_desc, I, TMA, HAS_SHARED)
+        W2_ROWS: tl.constexpr = H if QUANT > 0 else I  # FP8 w2 is K-major [H, I]
+        d2, w_row0 = _weight_desc(lr, g, E, w2_desc, ws2_desc, W2_ROWS, TMA, HAS_SHARED)
         if COMM == 0:  # scatter straight into the (peer) combine slots
             dst, valid = _slot_rows(src, rows, rows >= 0, T, S, comb_tab, comb_base, H)
         else:  # the output ring; the communication programs push it

@@ -96,12 +96,12 @@ def test_fused_pull_matches_reference_and_the_separate_pull_bitwise(ranks):
     on a rerun as well."""
     base = dict(gate_up_interleaved=True, minibatch=256, macrobatch=768, tma=True,
                 num_stages=4)
+    shape = (256, 7168, 1024, 8, 8)  # T, H, I, E per rank, K (K <= E even with one rank)
     fused, _ = check(mk.MoKConfig.for_shape(7168, 1024, bwd_fused_pull=True, **base), ranks,
-                     256, 7168, 1024, 6, 8)
+                     *shape)
     again, _ = check(mk.MoKConfig.for_shape(7168, 1024, bwd_fused_pull=True, **base), ranks,
-                     256, 7168, 1024, 6, 8)
-    separate, _ = check(mk.MoKConfig.for_shape(7168, 1024, **base), ranks, 256, 7168, 1024, 6,
-                        8)
+                     *shape)
+    separate, _ = check(mk.MoKConfig.for_shape(7168, 1024, **base), ranks, *shape)
     for name, v in fused.items():
         if v is not None:
             assert torch.equal(v, again[name]) and torch.equal(v, separate[name]), name

@@ -68,14 +68,15 @@ def _scenario(precision: str):
 
 
 def test_fp8_cells_get_the_fp8_path(monkeypatch):
-    """precision fp8: the FP8 forward with TE's recipe by default, its tile constraints, and
-    64-row tiles on Hopper (128 for MXFP8 on Blackwell); a bf16 cell stays bf16."""
+    """precision fp8: the FP8 forward with TE's recipe by default, its tile constraints, TMA
+    weight tiles, and 64-row tiles on Hopper (128 for MXFP8 on Blackwell); a bf16 cell stays
+    bf16."""
     from mokbench.mok_backend import scenario_config
 
     monkeypatch.delenv(CONFIG_ENV, raising=False)
     cfg = scenario_config(_scenario("fp8"))
     assert (cfg.fp8, cfg.block_k, cfg.block_n, cfg.block_m, cfg.tma,
-            cfg.gate_up_interleaved) == ("blockwise", 128, 256, 64, False, True)
+            cfg.gate_up_interleaved) == ("blockwise", 128, 256, 64, True, True)
     mx = scenario_config(_scenario("fp8"), {"fp8": "mx"}, arch=100)
     assert (mx.fp8, mx.block_m) == ("mx", 128)
     assert scenario_config(_scenario("fp8"), {"fp8": "rowwise"}).fp8 == "rowwise"

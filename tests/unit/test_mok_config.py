@@ -21,6 +21,8 @@ from mok_kernels import MoKConfig, MoKConfigError, plan
     ({"spin_budget": 0}, "spin_budget"),
     ({"fused_sum": 1}, "fused_sum"),
     ({"fused_sum": True, "fwd_comm_sms": 8}, "fused_sum"),
+    ({"bwd_pull_programs": -1, "bwd_fused_pull": True}, "bwd_pull_programs"),
+    ({"bwd_pull_programs": 16}, "bwd_pull_programs"),
 ])
 def test_bad_field_names_field_and_allowed(fields, name):
     with pytest.raises(MoKConfigError) as info:

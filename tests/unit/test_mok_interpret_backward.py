@@ -79,13 +79,15 @@ SCRIPT = textwrap.dedent("""
             assert (a is None and b is None) or torch.equal(a, b)
         print("ok", L, T, E, K, shared, il, wide)
 
-    # bwd_fused_pull: the pull inside the megakernel gives bitwise the same gradients
+    # bwd_fused_pull: the pull inside the megakernel gives bitwise the same gradients, with
+    # every program pulling first or only the first one (bwd_pull_programs)
     for L, T, E, K, shared in [(1, 24, 4, 2, True), (2, 13, 3, 2, False)]:
         torch.manual_seed(7 + L)
         H, I = 64, 32
         out = []
-        for pull in (False, True):
-            cfg = config(True, bwd_fused_pull=pull)
+        for pull in ({}, {"bwd_fused_pull": True},
+                     {"bwd_fused_pull": True, "bwd_pull_programs": 1}):
+            cfg = config(True, **pull)
             ws = mk.get_workspace(cfg, tokens=T, hidden=H, intermediate=I, local_experts=E,
                                   topk=K, shared=shared, device="cpu", loopback_ranks=L)
             torch.manual_seed(11 + L)
@@ -95,8 +97,9 @@ SCRIPT = textwrap.dedent("""
             y, saved = mk.forward_train(cfg, ws, mk.build_schedule(ws, idx), x, p, *W)
             out.append(mk.backward(cfg, ws, saved, dy, *W))
             mk.check_errors(ws)
-        for a, b in zip(vars(out[0]).values(), vars(out[1]).values()):
-            assert (a is None and b is None) or torch.equal(a, b)
+        for other in out[1:]:
+            for a, b in zip(vars(out[0]).values(), vars(other).values()):
+                assert (a is None and b is None) or torch.equal(a, b)
         print("pull ok", L, T, E, K, shared)
 """)
 

@@ -96,11 +96,14 @@ def test_each_backward_item_kind_builds_without_spills(phases, wide):
         assert lw.mma_instructions == ["wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16"]
 
 
-def test_fused_pull_backward_builds_with_async_proxy_fences():
-    """``bwd_fused_pull``: the pull items inside the backward kernel; it still fits, spills
-    nothing, and fences the async proxy where plain-store rows meet TMA reads (after each pull
-    item, before the dA, dW_down and dW_gate_up items read the rows)."""
-    cfg = mk.MoKConfig.for_shape(H, I, **{**_defaults().__dict__, "bwd_fused_pull": True})
+@pytest.mark.parametrize("pullers", [0, 24])
+def test_fused_pull_backward_builds_with_async_proxy_fences(pullers):
+    """``bwd_fused_pull``: the pull items inside the backward kernel (by every program, or by
+    ``bwd_pull_programs`` of them); it still fits, spills nothing, and fences the async proxy
+    where plain-store rows meet TMA reads (after each pull item, before the dA, dW_down and
+    dW_gate_up items read the rows)."""
+    cfg = mk.MoKConfig.for_shape(H, I, **{**_defaults().__dict__, "bwd_fused_pull": True,
+                                          "bwd_pull_programs": pullers})
     lw = mk.compile_megakernel(cfg, H, I, shared=True, kernel="backward")
     assert lw.shared_bytes <= SMEM_LIMIT
     assert not lw.spills, lw.ptxas_log
