@@ -169,8 +169,17 @@ def _descriptors(ws: Workspace, weights: tuple) -> tuple:
     def desc(t: torch.Tensor | None, cols: int, box: list[int]):
         return None if t is None else TensorDescriptor.from_tensor(t.view(-1, cols), box)
 
-    b1, b2 = [cfg.block_n, cfg.block_k], [da_cols(cfg, ws.I), cfg.block_k]
+    bk = backward_block_k(cfg)
+    b1, b2 = [cfg.block_n, bk], [da_cols(cfg, ws.I), bk]
     return desc(w1, F, b1), desc(w2, ws.H, b2), desc(ws1, F, b1), desc(ws2, ws.H, b2)
+
+
+def backward_block_k(cfg: MoKConfig) -> int:
+    """Reduction step of the backward's dgrad items (BK): the forward's block_k, at most 64.
+    The backward's GEMMs are bf16 whatever the forward's precision, and the FP8 forward's
+    block_k 128 (one scale per step) would need 320 KB of shared memory for the dX tiles at
+    four stages (sm_90 has 227 KB)."""
+    return min(cfg.block_k, 64)
 
 
 PULL_ROWS = 16  # rows per step of an in-kernel pull item (x and dY chunks of CH columns)
@@ -198,7 +207,7 @@ def _activation_descriptors(cfg: MoKConfig, pre_LPF: torch.Tensor, hs_LPI: torch
     return (TensorDescriptor.from_tensor(pre, [bm, 2 * q if cfg.gate_up_interleaved else q]),
             TensorDescriptor.from_tensor(hs, [bkw, bn // 2]),
             TensorDescriptor.from_tensor(pre, [bkw, bn]),
-            TensorDescriptor.from_tensor(dyg, [bm, cfg.block_k]),
+            TensorDescriptor.from_tensor(dyg, [bm, backward_block_k(cfg)]),
             TensorDescriptor.from_tensor(dyg, [bkw, bn]),
             TensorDescriptor.from_tensor(xg, [bkw, bn // 2]))
 
@@ -215,11 +224,11 @@ def backward_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots:
                        phases: int = 15) -> dict:
     """The backward kernel's compile-time arguments (part of :func:`backward_kernel_args`)."""
     return dict(H=hidden, I=intermediate, S=slots, K=slots - int(shared), PROGS=programs,
-                HAS_SHARED=shared, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
+                HAS_SHARED=shared, BM=cfg.block_m, BN=cfg.block_n, BK=backward_block_k(cfg),
                 BKW=wgrad_rows(cfg), DAC=da_cols(cfg, intermediate), F32_DOT=interpreting,
                 INTERLEAVED=cfg.gate_up_interleaved, PHASES=phases, PULL=cfg.bwd_fused_pull,
-                PULLERS=min(cfg.bwd_pull_programs or programs, programs),
-                BR=PULL_ROWS, CH=_row_chunk(hidden))
+                BR=PULL_ROWS, CH=_row_chunk(hidden),
+                PULLERS=min(cfg.bwd_pull_programs or programs, programs))
 
 
 def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tensor,
