@@ -212,6 +212,7 @@ class MoKBackend(BackendBase):
                         + (",fused_pull=1" if c.bwd_fused_pull else "")
                         + (f",pull_programs={c.bwd_pull_programs}"
                            if c.bwd_pull_programs else "")
+                        + (",direct_rows=1" if c.bwd_direct_rows else "")
                         + (f",fp8={c.fp8},block_m={c.block_m},bwd=bf16" if fp8 else ""))
 
     def validate_options(self, scenario, options: dict) -> None:

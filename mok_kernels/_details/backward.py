@@ -72,22 +72,23 @@ class BackwardScratch:
     dws1_LHF: torch.Tensor  # [L, H, 2I] bf16: each logical rank's share
     dws2_LIH: torch.Tensor  # [L, I, H] bf16
     hs_LPI: torch.Tensor  # r * h of every schedule row
-    xg_LPH: torch.Tensor  # pulled x rows
-    dyg_LPH: torch.Tensor  # pulled dY rows
+    xg_LPH: torch.Tensor | None  # pulled x rows (None with bwd_direct_rows)
+    dyg_LPH: torch.Tensor | None  # pulled dY rows (None with bwd_direct_rows)
 
 
 def backward_scratch(ws: Workspace) -> BackwardScratch:
     """Fresh outputs and scratch for one backward on ``ws``."""
     L, H, I, P, dev = ws.L, ws.H, ws.I, ws.P, ws.device
     bf = torch.bfloat16
+    pulled = not ws.config.bwd_direct_rows
     return BackwardScratch(
         dw1_EHF=torch.empty(L * ws.E, H, 2 * I, dtype=bf, device=dev),
         dw2_EIH=torch.empty(L * ws.E, I, H, dtype=bf, device=dev),
         dws1_LHF=torch.empty((L, H, 2 * I) if ws.shared else (1,), dtype=bf, device=dev),
         dws2_LIH=torch.empty((L, I, H) if ws.shared else (1,), dtype=bf, device=dev),
         hs_LPI=torch.empty(L, P, I, dtype=bf, device=dev),
-        xg_LPH=torch.empty(L, P, H, dtype=bf, device=dev),
-        dyg_LPH=torch.empty(L, P, H, dtype=bf, device=dev))
+        xg_LPH=torch.empty(L, P, H, dtype=bf, device=dev) if pulled else None,
+        dyg_LPH=torch.empty(L, P, H, dtype=bf, device=dev) if pulled else None)
 
 
 def da_cols(cfg: MoKConfig, intermediate: int) -> int:
@@ -192,24 +193,27 @@ def wgrad_rows(cfg: MoKConfig) -> int:
 
 
 def _activation_descriptors(cfg: MoKConfig, pre_LPF: torch.Tensor, hs_LPI: torch.Tensor,
-                            xg_LPH: torch.Tensor, dyg_LPH: torch.Tensor) -> tuple:
+                            xg_LPH: torch.Tensor | None, dyg_LPH: torch.Tensor | None) -> tuple:
     """(pre for the dA epilogue, r*h for dW_down, dGU for dW_gate_up), then the pulled rows
-    (dY for dA, dY for dW_down, x for dW_gate_up), over [L*P, cols] views: the epilogue box
-    covers a quarter tile of I columns (interleaved gate/up: both of its halves), the
-    weight-gradient boxes BKW rows."""
+    (dY for dA, dY for dW_down, x for dW_gate_up; None with ``bwd_direct_rows``, whose items
+    gather the rows themselves), over [L*P, cols] views: the epilogue box covers a quarter tile
+    of I columns (interleaved gate/up: both of its halves), the weight-gradient boxes BKW
+    rows."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     bm, bn, bkw = cfg.block_m, cfg.block_n, wgrad_rows(cfg)
     q = bn // 4
     pre = pre_LPF.view(-1, pre_LPF.shape[-1])
     hs = hs_LPI.view(-1, hs_LPI.shape[-1])
-    xg, dyg = xg_LPH.view(-1, xg_LPH.shape[-1]), dyg_LPH.view(-1, dyg_LPH.shape[-1])
-    return (TensorDescriptor.from_tensor(pre, [bm, 2 * q if cfg.gate_up_interleaved else q]),
+    acts = (TensorDescriptor.from_tensor(pre, [bm, 2 * q if cfg.gate_up_interleaved else q]),
             TensorDescriptor.from_tensor(hs, [bkw, bn // 2]),
-            TensorDescriptor.from_tensor(pre, [bkw, bn]),
-            TensorDescriptor.from_tensor(dyg, [bm, backward_block_k(cfg)]),
-            TensorDescriptor.from_tensor(dyg, [bkw, bn]),
-            TensorDescriptor.from_tensor(xg, [bkw, bn // 2]))
+            TensorDescriptor.from_tensor(pre, [bkw, bn]))
+    if xg_LPH is None or dyg_LPH is None:
+        return acts + (None, None, None)
+    xg, dyg = xg_LPH.view(-1, xg_LPH.shape[-1]), dyg_LPH.view(-1, dyg_LPH.shape[-1])
+    return acts + (TensorDescriptor.from_tensor(dyg, [bm, backward_block_k(cfg)]),
+                   TensorDescriptor.from_tensor(dyg, [bkw, bn]),
+                   TensorDescriptor.from_tensor(xg, [bkw, bn // 2]))
 
 
 def backward_stages(cfg: MoKConfig) -> int:
@@ -228,7 +232,8 @@ def backward_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots:
                 BKW=wgrad_rows(cfg), DAC=da_cols(cfg, intermediate), F32_DOT=interpreting,
                 INTERLEAVED=cfg.gate_up_interleaved, PHASES=phases, PULL=cfg.bwd_fused_pull,
                 BR=PULL_ROWS, CH=_row_chunk(hidden),
-                PULLERS=min(cfg.bwd_pull_programs or programs, programs))
+                PULLERS=min(cfg.bwd_pull_programs or programs, programs),
+                DIRECT=cfg.bwd_direct_rows)
 
 
 def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tensor,
@@ -243,7 +248,7 @@ def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tens
     ``x_src``: where the x rows are pulled from (``bwd_fused_pull``; default the workspace's
     token buffer)."""
     cfg, bb = ws.config, _buffers(ws)
-    if cfg.bwd_fused_pull:
+    if cfg.bwd_fused_pull or cfg.bwd_direct_rows:
         pull = dict(x_base=ws.x_LTH if x_src is None else x_src, x_tab=ws.x_tab_R,
                     dy_base=bb.dy_LTH, tab16=bb.tab16_R, xg_ptr=sc.xg_LPH, dyg_ptr=sc.dyg_LPH)
     else:  # the pull kernel runs before the launch: constexpr None here
@@ -292,7 +297,7 @@ def backward(config: MoKConfig, ws: Workspace, context: ForwardContext, dy_TH: t
     sc = backward_scratch(ws)
     bb.counters_LC.zero_()
     ws.barrier()
-    if not config.bwd_fused_pull:  # else the megakernel pulls the rows itself
+    if not (config.bwd_fused_pull or config.bwd_direct_rows):  # else the megakernel reads them
         br = PULL_ROWS
         pull_rows_kernel[(L, ws.P // br)](st.src_LP, st.total_L, x_src, ws.x_tab_R,
                                           bb.dy_LTH, bb.tab16_R, sc.xg_LPH, sc.dyg_LPH, T,

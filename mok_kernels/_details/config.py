@@ -94,6 +94,11 @@ class MoKConfig:
         pull items (the others start on dA items at once and wait for their row blocks, so
         the memory-bound pull overlaps the compute-bound GEMMs on other SMs); 0 = every
         program pulls before its first GEMM item.
+    bwd_direct_rows: the backward reads the dY and x rows of its GEMMs straight from the
+        tokens' home ranks (peer memory) by row gathers inside the work items, as the forward's
+        GEMM programs do without communication programs, instead of pulling them first into
+        contiguous buffers (read through TMA): no pull pass, and 2 * rows * H * 2 bytes less
+        scratch. Off by default: not yet run on a GPU.
     fp8: the forward's FP8 recipe (``tl_gemm_fp8``): "none" (bf16), "blockwise" (1x128
         activation and 128x128 weight scales, as TransformerEngine's Float8BlockScaling),
         "rowwise" (per row / per weight column, applied after the K loop; h still 1x128) or
@@ -127,6 +132,7 @@ class MoKConfig:
     bwd_wide_da: bool = False
     bwd_fused_pull: bool = False
     bwd_pull_programs: int = 0
+    bwd_direct_rows: bool = False
     fp8: str = "none"
     fp8_pow2_scales: bool = False
 
@@ -175,6 +181,10 @@ class MoKConfig:
                self.bwd_pull_programs, "an integer in 0..1024 (0 = every program)")
         _check(self.bwd_fused_pull or self.bwd_pull_programs == 0, "bwd_pull_programs",
                self.bwd_pull_programs, "0 unless bwd_fused_pull is true")
+        _check(isinstance(self.bwd_direct_rows, bool), "bwd_direct_rows", self.bwd_direct_rows,
+               "true | false")
+        _check(not (self.bwd_direct_rows and self.bwd_fused_pull), "bwd_direct_rows",
+               self.bwd_direct_rows, "false when bwd_fused_pull is true (no pull to fuse)")
         _check(self.fp8 in FP8_MODES, "fp8", self.fp8, " | ".join(FP8_MODES))
         _check(isinstance(self.fp8_pow2_scales, bool), "fp8_pow2_scales", self.fp8_pow2_scales,
                "true | false")

@@ -13,7 +13,9 @@ every GEMM operand below is a TMA tile. With ``PULL`` (``bwd_fused_pull``) the m
 that itself: the first PULLERS programs of each logical rank (all of them by default) first
 claim pull items (one row block each) from a ticket counter of their own, and an A item waits
 for its row block's flag; the rows are written with plain stores and read through TMA, so
-writers and readers fence the async proxy.
+writers and readers fence the async proxy. With ``DIRECT`` (``bwd_direct_rows``) nothing is
+pulled: the A, C and D items gather the dY and x rows they need from the tokens' home ranks
+(peer memory) with plain loads, as the forward's GEMM programs do.
 
 Work items, claimed from one ticket counter per logical rank in the global order A, B, C, D
 (``PHASES``, a bit mask, skips kinds for profiling; 15 runs all):
@@ -128,6 +130,15 @@ def _router_weight(p_base, tab32, rank, t, k, routed, K: tl.constexpr):
 
 
 @triton.jit
+def _home_rows(base, tab, rank, t, valid, H: tl.constexpr):
+    """Pointers to the [H]-wide rows of tokens t at their home ranks (``tab``: each rank's
+    element offset from ``base``, peer memory in EP; a multiple of 8 elements, since buffers
+    are carved at 1 KiB, which lets the gathers become 16-byte asynchronous copies); padding
+    rows point at row 0 of this rank and are masked by the caller (``bwd_direct_rows``)."""
+    return base + tl.multiple_of(tl.load(tab + rank, mask=valid, other=0), 8) + t * H
+
+
+@triton.jit
 def _swiglu_bwd_half(da_raw, c0, prow, pre_desc, pre_rows, hs_rows, r, I: tl.constexpr,
                      BM: tl.constexpr, Q: tl.constexpr, INTERLEAVED: tl.constexpr):
     """SwiGLU backward for Q columns c0.. of a row block (rows from ``prow`` in the [L*P, ...]
@@ -167,10 +178,12 @@ def _dgrad_down_item(b, jt, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, d
                      H: tl.constexpr, I: tl.constexpr, S: tl.constexpr, K: tl.constexpr,
                      HAS_SHARED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                      BK: tl.constexpr, DAC: tl.constexpr, F32_DOT: tl.constexpr,
-                     INTERLEAVED: tl.constexpr):
+                     INTERLEAVED: tl.constexpr, dy_base=None, tab16=None,
+                     DIRECT: tl.constexpr = False):
     """A item: dA[rows of block b, I tile jt of DAC columns] and its epilogue (see the module
     docstring), the epilogue in column quarters of a [BM, BN] tile (two for DAC = BN/2, four
-    for DAC = BN) so its fp32 temporaries fit in registers."""
+    for DAC = BN) so its fp32 temporaries fit in registers. DIRECT: the dY rows are gathered
+    from their home ranks (``dy_base`` + ``tab16``) instead of read from the pulled rows."""
     Q: tl.constexpr = BN // 4
     NJ: tl.constexpr = I // DAC
     g = tl.load(grp + b)
@@ -179,8 +192,15 @@ def _dgrad_down_item(b, jt, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, d
     d2, w_row0 = _weight_desc(lr, g, E, w2_desc, ws2_desc, I, True, HAS_SHARED)
     prow = lr * P + b * BM
     acc = tl.zeros((BM, DAC), dtype=tl.float32)
+    if DIRECT:
+        dy_rows = _home_rows(dy_base, tab16, rank, t, valid, H)
+        offs_k = tl.arange(0, BK)
     for kk in range(0, H, BK):
-        a = dyg_a_desc.load([prow, kk])  # pulled dY rows [BM, BK]
+        if DIRECT:  # dY rows [BM, BK] from the home ranks; padding rows read 0
+            a = tl.load(dy_rows[:, None] + (kk + offs_k)[None, :], mask=valid[:, None],
+                        other=0.0)
+        else:
+            a = dyg_a_desc.load([prow, kk])  # pulled dY rows [BM, BK]
         bt = d2.load([w_row0 + jt * DAC, kk])  # W_down[I tile, H step]: [DAC, BK]
         acc = mma(a, tl.trans(bt), acc, F32_DOT)
     r = _router_weight(p_base, tab32, rank, t, k, routed, K)
@@ -269,9 +289,11 @@ def _wgrad_down_item(g, it, jn, lr, gst, total, P, hs_c_desc, dyg_c_desc, ctr, e
                      dw2, dws2, T, E, NBMAX, budget, H: tl.constexpr, I: tl.constexpr,
                      S: tl.constexpr, K: tl.constexpr, HAS_SHARED: tl.constexpr, BM: tl.constexpr,
                      BN: tl.constexpr, BKW: tl.constexpr, DAC: tl.constexpr,
-                     F32_DOT: tl.constexpr, PULL: tl.constexpr = False):
+                     F32_DOT: tl.constexpr, PULL: tl.constexpr = False, src=None,
+                     dy_base=None, tab16=None, DIRECT: tl.constexpr = False):
     """C item: dW_down[g][I tile it, H tile jn] = sum over g's rows of (r h)^T dY; waits for
-    every A item of g (they write r h)."""
+    every A item of g (they write r h). DIRECT: the dY rows are gathered from their home
+    ranks instead of read from the pulled rows."""
     HALF: tl.constexpr = BN // 2
     start, end, ok = _group_ready(g, gst, total, ctr, err, NBMAX, budget, I, BM, DAC, F32_DOT,
                                   PULL)
@@ -281,7 +303,12 @@ def _wgrad_down_item(g, it, jn, lr, gst, total, P, hs_c_desc, dyg_c_desc, ctr, e
         acc = tl.zeros((HALF, BN), dtype=tl.float32)
         for r0 in range(start, end, BKW):
             h = hs_c_desc.load([lr * P + r0, it * HALF])  # [BKW, HALF]
-            dy = dyg_c_desc.load([lr * P + r0, jn * BN])  # [BKW, BN]
+            if DIRECT:
+                valid, rank, t, k, routed = _row_meta(src, r0 + tl.arange(0, BKW), T, S, K)
+                dy_rows = _home_rows(dy_base, tab16, rank, t, valid, H)
+                dy = tl.load(dy_rows[:, None] + hcols[None, :], mask=valid[:, None], other=0.0)
+            else:
+                dy = dyg_c_desc.load([lr * P + r0, jn * BN])  # [BKW, BN]
             acc = mma(tl.trans(h), dy, acc, F32_DOT)
         out = dw2 + (lr * E + g).to(tl.int64) * (I * H)
         if HAS_SHARED:
@@ -297,8 +324,10 @@ def _wgrad_gate_up_item(g, it, jn, lr, gst, total, P, pre_d_desc, xg_d_desc, ctr
                         S: tl.constexpr, K: tl.constexpr, HAS_SHARED: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr,
                         DAC: tl.constexpr, F32_DOT: tl.constexpr, INTERLEAVED: tl.constexpr,
-                        PULL: tl.constexpr = False):
-    """D item: dW_gate_up[g][H tile it, 2I tile jn] = sum over g's rows of x^T [dG dU]."""
+                        PULL: tl.constexpr = False, src=None, x_base=None, x_tab=None,
+                        DIRECT: tl.constexpr = False):
+    """D item: dW_gate_up[g][H tile it, 2I tile jn] = sum over g's rows of x^T [dG dU].
+    DIRECT: the x rows are gathered from the tokens' home ranks instead of the pulled rows."""
     HALF: tl.constexpr = BN // 2
     start, end, ok = _group_ready(g, gst, total, ctr, err, NBMAX, budget, I, BM, DAC, F32_DOT,
                                   PULL)
@@ -307,7 +336,12 @@ def _wgrad_gate_up_item(g, it, jn, lr, gst, total, P, pre_d_desc, xg_d_desc, ctr
         fcols = jn * BN + tl.arange(0, BN)
         acc = tl.zeros((HALF, BN), dtype=tl.float32)
         for r0 in range(start, end, BKW):
-            x = xg_d_desc.load([lr * P + r0, it * HALF])  # pulled x rows [BKW, HALF]
+            if DIRECT:
+                valid, rank, t, k, routed = _row_meta(src, r0 + tl.arange(0, BKW), T, S, K)
+                x_rows = _home_rows(x_base, x_tab, rank, t, valid, H)
+                x = tl.load(x_rows[:, None] + hcols[None, :], mask=valid[:, None], other=0.0)
+            else:
+                x = xg_d_desc.load([lr * P + r0, it * HALF])  # pulled x rows [BKW, HALF]
             dgu = pre_d_desc.load([lr * P + r0, jn * BN])  # [BKW, BN]
             acc = mma(tl.trans(x), dgu, acc, F32_DOT)
         out = dw1 + (lr * E + g).to(tl.int64) * (H * 2 * I)
@@ -336,13 +370,14 @@ def mok_backward_kernel(
         w1_desc, w2_desc, ws1_desc, ws2_desc,  # weight descriptors ([BN, BK] / [BN/2, BK])
         pre_a_desc, hs_c_desc, pre_d_desc,  # activation descriptors (see host)
         dyg_a_desc, dyg_c_desc, xg_d_desc,  # pulled dY and x rows [L*P, H] (see host)
-        x_base, x_tab, dy_base, tab16, xg_ptr, dyg_ptr,  # PULL: the rows' sources and buffers
+        x_base, x_tab, dy_base, tab16, xg_ptr, dyg_ptr,  # PULL / DIRECT: the rows' sources
         T, E, NG, P, NCTR, budget, withhold,
         H: tl.constexpr, I: tl.constexpr, S: tl.constexpr, K: tl.constexpr,
         PROGS: tl.constexpr, HAS_SHARED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
         BK: tl.constexpr, BKW: tl.constexpr, DAC: tl.constexpr, F32_DOT: tl.constexpr,
         INTERLEAVED: tl.constexpr, PHASES: tl.constexpr, PULL: tl.constexpr,
-        BR: tl.constexpr, CH: tl.constexpr, PULLERS: tl.constexpr = 0):
+        BR: tl.constexpr, CH: tl.constexpr, PULLERS: tl.constexpr = 0,
+        DIRECT: tl.constexpr = False):
     """One persistent program per SM; see the module docstring for the work order."""
     HALF: tl.constexpr = BN // 2
     NA: tl.constexpr = I // DAC  # A items per row block
@@ -392,7 +427,7 @@ def mok_backward_kernel(
                     _dgrad_down_item(b, tk % NA, lr, src, grp, P, pre, hs, ctr, dyg_a_desc,
                                      p_base, drp_base, tab32, w2_desc, ws2_desc, pre_a_desc, T,
                                      E, NBMAX, withhold, H, I, S, K, HAS_SHARED, BM, BN, BK,
-                                     DAC, F32_DOT, INTERLEAVED)
+                                     DAC, F32_DOT, INTERLEAVED, dy_base, tab16, DIRECT)
         elif tk < end_b:
             if PHASES & 2:
                 i = tk - end_a
@@ -407,7 +442,7 @@ def mok_backward_kernel(
                 ok = _wgrad_down_item(g, c // (H // BN), c % (H // BN), lr, gst, total, P,
                                       hs_c_desc, dyg_c_desc, ctr, err, dw2_ptr, dws2_ptr, T,
                                       E, NBMAX, budget, H, I, S, K, HAS_SHARED, BM, BN, BKW,
-                                      DAC, F32_DOT, PULL)
+                                      DAC, F32_DOT, PULL, src, dy_base, tab16, DIRECT)
         else:
             if PHASES & 8:
                 i = tk - end_c
@@ -416,7 +451,8 @@ def mok_backward_kernel(
                 ok = _wgrad_gate_up_item(g, d // (2 * I // BN), d % (2 * I // BN), lr, gst,
                                          total, P, pre_d_desc, xg_d_desc, ctr, err, dw1_ptr,
                                          dws1_ptr, T, E, NBMAX, budget, H, I, S, K, HAS_SHARED,
-                                         BM, BN, BKW, DAC, F32_DOT, INTERLEAVED, PULL)
+                                         BM, BN, BKW, DAC, F32_DOT, INTERLEAVED, PULL, src,
+                                         x_base, x_tab, DIRECT)
         tk = tl.atomic_add(ctr, 1, sem="relaxed", scope="gpu")
 
 

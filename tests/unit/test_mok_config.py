@@ -23,6 +23,8 @@ from mok_kernels import MoKConfig, MoKConfigError, plan
     ({"fused_sum": True, "fwd_comm_sms": 8}, "fused_sum"),
     ({"bwd_pull_programs": -1, "bwd_fused_pull": True}, "bwd_pull_programs"),
     ({"bwd_pull_programs": 16}, "bwd_pull_programs"),
+    ({"bwd_direct_rows": True, "bwd_fused_pull": True}, "bwd_direct_rows"),
+    ({"bwd_direct_rows": 1}, "bwd_direct_rows"),
 ])
 def test_bad_field_names_field_and_allowed(fields, name):
     with pytest.raises(MoKConfigError) as info:

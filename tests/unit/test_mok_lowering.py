@@ -5,6 +5,8 @@ the full-width MMA (m64n256) without ptxas serialising it."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 pytest.importorskip("triton")
@@ -108,6 +110,19 @@ def test_fused_pull_backward_builds_with_async_proxy_fences(pullers):
     assert lw.shared_bytes <= SMEM_LIMIT
     assert not lw.spills, lw.ptxas_log
     assert lw.ptx.count("fence.proxy.async.global") >= 4
+
+
+def test_direct_rows_backward_gathers_rows_by_asynchronous_copies():
+    """``bwd_direct_rows``: no pulled-row descriptors; the dY and x rows the A, C and D items
+    gather from their home ranks reach shared memory by 16-byte asynchronous copies (the
+    row offsets are known multiples of 8 elements), never staged through registers; the
+    build fits and spills nothing (no shared expert)."""
+    cfg = mk.MoKConfig.for_shape(H, I, **{**_defaults().__dict__, "bwd_direct_rows": True})
+    lw = mk.compile_megakernel(cfg, H, I, kernel="backward")
+    assert lw.shared_bytes <= SMEM_LIMIT
+    assert not lw.spills, lw.ptxas_log
+    assert not re.search(r"ttg\.local_alloc %\S+ : \(tensor<", lw.ttgir)
+    assert lw.ttgir.count("ttg.async_copy_global_to_local") >= 3
 
 
 def test_split_gate_up_backward_fits_with_two_stages():
