@@ -90,17 +90,19 @@ def test_wide_da_items_match_reference(wide):
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
-def test_fused_pull_matches_reference_and_the_separate_pull_bitwise(ranks):
+@pytest.mark.parametrize("rows", [{"bwd_fused_pull": True},
+                                  {"bwd_fused_pull": True, "bwd_pull_programs": 32},
+                                  {"bwd_direct_rows": True}])
+def test_fused_pull_matches_reference_and_the_separate_pull_bitwise(ranks, rows):
     """bwd_fused_pull: the pull items inside the backward megakernel (rows written with plain
-    stores, read through TMA after a proxy fence) give the separate pull's gradients, bitwise,
-    on a rerun as well."""
+    stores, read through TMA after a proxy fence; by every program or by 32 of them), and
+    bwd_direct_rows (no pull: the items gather the rows) give the separate pull's gradients,
+    bitwise, on a rerun as well."""
     base = dict(gate_up_interleaved=True, minibatch=256, macrobatch=768, tma=True,
                 num_stages=4)
     shape = (256, 7168, 1024, 8, 8)  # T, H, I, E per rank, K (K <= E even with one rank)
-    fused, _ = check(mk.MoKConfig.for_shape(7168, 1024, bwd_fused_pull=True, **base), ranks,
-                     *shape)
-    again, _ = check(mk.MoKConfig.for_shape(7168, 1024, bwd_fused_pull=True, **base), ranks,
-                     *shape)
+    fused, _ = check(mk.MoKConfig.for_shape(7168, 1024, **rows, **base), ranks, *shape)
+    again, _ = check(mk.MoKConfig.for_shape(7168, 1024, **rows, **base), ranks, *shape)
     separate, _ = check(mk.MoKConfig.for_shape(7168, 1024, **base), ranks, *shape)
     for name, v in fused.items():
         if v is not None:
@@ -203,9 +205,9 @@ gen = torch.Generator("cuda").manual_seed(1)
 dy = torch.randn(R * T, H, device="cuda", generator=gen).bfloat16()
 ref = reference_grads(x, idx, p, w, dy)
 mine = slice(rank * T, (rank + 1) * T)
-for comm in (0, 8):
+for comm, direct in ((0, False), (8, False), (0, True)):
     cfg = mk.MoKConfig.for_shape(H, I, minibatch=256, macrobatch=768, tma=True,
-                                 fwd_comm_sms=comm)
+                                 fwd_comm_sms=comm, bwd_direct_rows=direct)
     ws = mk.get_workspace(cfg, tokens=T, hidden=H, intermediate=I, local_experts=E, topk=K,
                           shared=True, device="cuda", group=dist.group.WORLD)
     mine_e = slice(rank * E, (rank + 1) * E)
@@ -225,8 +227,8 @@ for comm in (0, 8):
         else:
             r = r[mine_e]
         err = ((out[name].float() - r).norm() / r.norm()).item()
-        assert err < 1e-2, (rank, comm, name, err)
-    print("rank", rank, "comm", comm, "ok")
+        assert err < 1e-2, (rank, comm, direct, name, err)
+    print("rank", rank, "comm", comm, "direct", direct, "ok")
 dist.destroy_process_group()
 """
 
@@ -241,4 +243,4 @@ def test_real_ep_over_two_gpus():
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                           str(script)], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert out.stdout.count("ok") == 4
+    assert out.stdout.count("ok") == 6
