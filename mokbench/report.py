@@ -226,11 +226,36 @@ def _md_env(env: dict[str, Any]) -> list[str]:
     return out
 
 
+def _md_not_run(not_run: list[tuple[str, str]]) -> list[str]:
+    """The cells of the sweep with no row (the sweep stopped before them), as a section."""
+    if not not_run:
+        return []
+    lines = ["## Not run", "",
+             f"{len(not_run)} cells of this run's sweep have no rows: the sweep stopped before "
+             "them (`mokbench sweep --resume RUN_DIR` runs them).", "",
+             "| scenario | backend |", "|---|---|"]
+    lines += [f"| {_md_escape(s)} | {_md_escape(b)} |" for s, b in not_run]
+    return [*lines, ""]
+
+
+def not_run_cells(run_dir: Path) -> list[tuple[str, str]]:
+    """``runner.unfinished_cells``, or [] where the run's sweep copy no longer expands (a
+    sweep written for an older version of this tool): nothing is claimed then."""
+    from mokbench.runner import unfinished_cells
+
+    try:
+        return unfinished_cells(run_dir)
+    except ValueError:  # InputError, ScenarioError: the copy is no longer a valid sweep
+        return []
+
+
 def to_markdown(summary: pd.DataFrame, env: dict[str, Any], run_id: str,
-                charts: list[str] | None = None) -> str:
+                charts: list[str] | None = None,
+                not_run: list[tuple[str, str]] | None = None) -> str:
     """The report as Markdown: a header (what the numbers mean, the machine), a table per pass
-    (our backends in bold), the legend (full scenario ids, variants' knobs, reasons) and the
-    ``charts`` (paths relative to the report) as images."""
+    (our backends in bold), the legend (full scenario ids, variants' knobs, reasons), the
+    cells of the sweep that have no rows (``not_run``) and the ``charts`` (paths relative to
+    the report) as images."""
     parts = [f"# mokbench report: {run_id}", "", TIMING_NOTE, "", FORMULA_NOTE, ""]
     if not summary.empty and not modes_recorded(summary):
         parts += [OLD_RUN_NOTE, ""]
@@ -238,13 +263,14 @@ def to_markdown(summary: pd.DataFrame, env: dict[str, Any], run_id: str,
     if env_lines:
         parts += ["Machine: " + "; ".join(env_lines) + ".", ""]
     if summary.empty:
-        parts.append("No rows.")
+        parts += ["No rows.", "", *_md_not_run(not_run or [])]
         return "\n".join(parts).rstrip() + "\n"
     legend, show = tables.build_legend(summary), tables.optional_columns(summary)
     for p in tables.ordered_passes(summary):
         part = summary[summary["pass"] == p]
         parts += [f"## {pass_label(p, summary)}", "", _md_table(part, legend, show), ""]
     parts += _md_legend(summary, legend)
+    parts += _md_not_run(not_run or [])
     if charts:
         parts += ["## Charts", "", *(f"![{Path(c).stem}]({c})" for c in charts), ""]
     return "\n".join(parts).rstrip() + "\n"
@@ -286,7 +312,8 @@ def write_report(run_dir: Path | str, fmt: str = "md") -> Path:
         path.write_text(console.export_text(), encoding="utf-8")
     elif fmt == "md":
         charts = sorted(str(c.relative_to(run_dir)) for c in (run_dir / "plots").glob("*.png"))
-        path.write_text(to_markdown(summary, env, run_dir.name, charts), encoding="utf-8")
+        path.write_text(to_markdown(summary, env, run_dir.name, charts,
+                                    not_run_cells(run_dir)), encoding="utf-8")
     elif fmt == "csv":
         summary.to_csv(path, index=False)
     elif fmt == "parquet":

@@ -51,6 +51,21 @@ def _finished_keys(run_dir: Path) -> set[tuple[str, str]]:
     return {(r.get("scenario_id"), r.get("backend")) for r in read_rows(run_dir / "rows.jsonl")}
 
 
+def unfinished_cells(run_dir: Path | str) -> list[tuple[str, str]]:
+    """(scenario id, backend) of every cell of the run's sweep copy that has no row yet (the
+    sweep stopped before it: ``mokbench sweep --resume RUN_DIR`` runs them), in sweep order;
+    world sizes "auto" resolve to the ranks the run had (env.json). [] when the folder has no
+    sweep copy."""
+    run_dir = Path(run_dir)
+    if not any(run_dir.glob("sweep.*")):
+        return []
+    env = read_env(run_dir)
+    opts = LaunchOptions(nproc_per_node=env.get("nproc_per_node") or 1,
+                         nnodes=env.get("nnodes") or 1)
+    done = _finished_keys(run_dir)
+    return [c.key for c in _resume_sweep(run_dir, opts, None).cells if c.key not in done]
+
+
 def _load(sweep_file, data, opts: LaunchOptions, backends) -> Sweep:
     auto_world = opts.nproc_per_node * opts.nnodes
     if data is not None:

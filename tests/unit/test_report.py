@@ -225,3 +225,28 @@ def test_forward_label_follows_what_the_run_recorded(summary):
     md = report.to_markdown(new, {}, "new")
     assert "## forward (training)" in md and report.OLD_RUN_NOTE not in md
     assert pass_label("forward", new) == "forward (training)" == pass_label("forward")
+
+
+def test_cells_the_sweep_did_not_reach_are_listed(tmp_path):
+    """A run stopped part way (a lease ended, a node went away): report.md lists every cell of
+    the run's sweep copy with no row, in sweep order, and says how to run them; a complete run
+    has no such section."""
+    from mokbench.sweep import expand, parse_text
+
+    text = ('name = "t"\nbackends = ["nccl_torch", "mok"]\nworld_sizes = [1]\n'
+            '[[scenarios]]\npreset = "kimi-k2"\nnum_experts = 8\ntokens_per_rank = [64, 128]\n')
+    keys = [c.key for c in expand(parse_text(text, ".toml"), 1).cells]
+    assert len(keys) == 4
+    first = [row(keys[0][0], keys[0][1], p, 1.0) for p in ("forward", "backward")]
+    run = write_run(tmp_path, first, {"nproc_per_node": 1})
+    (run / "sweep.toml").write_text(text)
+    md = report.write_report(run, "md").read_text()
+    section = md.split("## Not run", 1)[1]
+    assert "3 cells of this run's sweep have no rows" in section
+    listed = [tuple(c.strip() for c in ln.strip("|").split("|"))
+              for ln in section.splitlines() if ln.startswith("| kimi")]
+    assert listed == keys[1:]
+    done = [row(s, b, p, 1.0) for s, b in keys for p in ("forward", "backward")]
+    (run / "rows.jsonl").unlink()
+    run = write_run(tmp_path, done, {"nproc_per_node": 1})
+    assert "## Not run" not in report.write_report(run, "md").read_text()
