@@ -233,7 +233,7 @@ def backward_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots:
                 INTERLEAVED=cfg.gate_up_interleaved, PHASES=phases, PULL=cfg.bwd_fused_pull,
                 BR=PULL_ROWS, CH=_row_chunk(hidden),
                 PULLERS=min(cfg.bwd_pull_programs or programs, programs),
-                DIRECT=cfg.bwd_direct_rows)
+                DIRECT=cfg.bwd_direct_rows, DXT=cfg.bwd_dx_tiles)
 
 
 def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tensor,

@@ -99,6 +99,10 @@ class MoKConfig:
         GEMM programs do without communication programs, instead of pulling them first into
         contiguous buffers (read through TMA): no pull pass, and 2 * rows * H * 2 bytes less
         scratch. Off by default: not yet run on a GPU.
+    bwd_dx_tiles: H tiles of block_n columns per dX (B) work item of the backward, in one
+        flattened loop (the next tile's loads overlap a tile's store, as gate_up_tiles and
+        down_tiles do in the forward); must divide hidden / block_n. 1 by default: not yet
+        run on a GPU.
     fp8: the forward's FP8 recipe (``tl_gemm_fp8``): "none" (bf16), "blockwise" (1x128
         activation and 128x128 weight scales, as TransformerEngine's Float8BlockScaling),
         "rowwise" (per row / per weight column, applied after the K loop; h still 1x128) or
@@ -133,6 +137,7 @@ class MoKConfig:
     bwd_fused_pull: bool = False
     bwd_pull_programs: int = 0
     bwd_direct_rows: bool = False
+    bwd_dx_tiles: int = 1
     fp8: str = "none"
     fp8_pow2_scales: bool = False
 
@@ -185,6 +190,9 @@ class MoKConfig:
                "true | false")
         _check(not (self.bwd_direct_rows and self.bwd_fused_pull), "bwd_direct_rows",
                self.bwd_direct_rows, "false when bwd_fused_pull is true (no pull to fuse)")
+        _check(isinstance(self.bwd_dx_tiles, int) and not isinstance(self.bwd_dx_tiles, bool)
+               and 1 <= self.bwd_dx_tiles <= 64, "bwd_dx_tiles", self.bwd_dx_tiles,
+               "an integer in 1..64 dividing hidden / block_n")
         _check(self.fp8 in FP8_MODES, "fp8", self.fp8, " | ".join(FP8_MODES))
         _check(isinstance(self.fp8_pow2_scales, bool), "fp8_pow2_scales", self.fp8_pow2_scales,
                "true | false")
@@ -214,6 +222,8 @@ class MoKConfig:
                f"a divisor of hidden ({hidden}) (down GEMM column tiles)")
         _check(hidden % self.block_k == 0 and intermediate % self.block_k == 0, "block_k",
                self.block_k, f"a divisor of hidden ({hidden}) and intermediate ({intermediate})")
+        _check(hidden // self.block_n % self.bwd_dx_tiles == 0, "bwd_dx_tiles",
+               self.bwd_dx_tiles, f"a divisor of hidden / block_n ({hidden // self.block_n})")
 
     @staticmethod
     def for_shape(hidden: int, intermediate: int, **overrides) -> MoKConfig:

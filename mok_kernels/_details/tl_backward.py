@@ -25,7 +25,7 @@ Work items, claimed from one ticket counter per logical rank in the global order
        the router-weight partial sum_cols(dA * h) pushed to the home rank (routed rows), r * h
        stored for C, and dG, dU (scaled by the router weight) written over the
        pre-activations in place; signals the row block and the group.
-    B  dgrad gate+up, one per (row block b, H tile of BN); waits for b's A items:
+    B  dgrad gate+up, one per (row block b, DXT H tiles of BN); waits for b's A items:
        dX = [dG dU] @ W_gate_up^T (one GEMM over 2I), pushed to the home rank's (token, k)
        slot (reverse-dispatch).
     C  weight gradient of down, one per (group g, I tile of HALF, H tile of BN); waits for
@@ -235,29 +235,32 @@ def _dgrad_down_item(b, jt, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, d
 
 
 @triton.jit
-def _dgrad_gate_up_item(b, jn, lr, src, grp, pre, ctr, err, comb_base, comb_tab, w1_desc,
+def _dgrad_gate_up_item(b, jn0, lr, src, grp, pre, ctr, err, comb_base, comb_tab, w1_desc,
                         ws1_desc, T, E, budget, H: tl.constexpr, I: tl.constexpr,
                         S: tl.constexpr, HAS_SHARED: tl.constexpr, BM: tl.constexpr,
                         BN: tl.constexpr, BK: tl.constexpr, DAC: tl.constexpr,
-                        F32_DOT: tl.constexpr):
-    """B item: dX[rows of block b, H tile jn] = dGU @ W_gate_up^T, pushed to the home slots.
-    dGU and W_gate_up share one column layout, so the contraction over 2I needs no
-    reordering."""
+                        F32_DOT: tl.constexpr, DXT: tl.constexpr = 1):
+    """B item: dX[rows of block b, H tiles jn0*DXT ..] = dGU @ W_gate_up^T, pushed to the
+    home slots. dGU and W_gate_up share one column layout, so the contraction over 2I needs
+    no reordering. DXT H tiles per item in one flattened loop, so the software pipeline loads
+    the next tile's first steps during a tile's store (as the forward's tiles do)."""
     ok = wait_geq(ctr + 1 + b, I // DAC, err, budget, _E_DGRAD_ROWBLOCK, b)
     if ok != 0:
         g = tl.load(grp + b)
         rows = b * BM + tl.arange(0, BM)
         pre_rows = pre + rows.to(tl.int64) * (2 * I)
         d1, w_row0 = _weight_desc(lr, g, E, w1_desc, ws1_desc, H, True, HAS_SHARED)
-        offs_k = tl.arange(0, BK)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for kk in range(0, 2 * I, BK):
-            a = tl.load(pre_rows[:, None] + (kk + offs_k)[None, :])
-            bt = d1.load([w_row0 + jn * BN, kk])  # W_gate_up[H tile, 2I step]: [BN, BK]
-            acc = mma(a, tl.trans(bt), acc, F32_DOT)
         dst, valid = _slot_rows(src, rows, rows >= 0, T, S, comb_tab, comb_base, H)
-        cols = jn * BN + tl.arange(0, BN)
-        tl.store(dst[:, None] + cols[None, :], acc.to(tl.bfloat16), mask=valid[:, None])
+        offs_k = tl.arange(0, BK)
+        for jj in tl.range(0, DXT, flatten=True):
+            jn = jn0 * DXT + jj
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            for kk in range(0, 2 * I, BK):
+                a = tl.load(pre_rows[:, None] + (kk + offs_k)[None, :])
+                bt = d1.load([w_row0 + jn * BN, kk])  # W_gate_up[H tile, 2I step]: [BN, BK]
+                acc = mma(a, tl.trans(bt), acc, F32_DOT)
+            cols = jn * BN + tl.arange(0, BN)
+            tl.store(dst[:, None] + cols[None, :], acc.to(tl.bfloat16), mask=valid[:, None])
     return ok
 
 
@@ -377,11 +380,11 @@ def mok_backward_kernel(
         BK: tl.constexpr, BKW: tl.constexpr, DAC: tl.constexpr, F32_DOT: tl.constexpr,
         INTERLEAVED: tl.constexpr, PHASES: tl.constexpr, PULL: tl.constexpr,
         BR: tl.constexpr, CH: tl.constexpr, PULLERS: tl.constexpr = 0,
-        DIRECT: tl.constexpr = False):
+        DIRECT: tl.constexpr = False, DXT: tl.constexpr = 1):
     """One persistent program per SM; see the module docstring for the work order."""
     HALF: tl.constexpr = BN // 2
     NA: tl.constexpr = I // DAC  # A items per row block
-    NB: tl.constexpr = H // BN  # B items per row block
+    NB: tl.constexpr = H // (BN * DXT)  # B items per row block
     NC: tl.constexpr = (I // HALF) * (H // BN)  # C items per group
     ND: tl.constexpr = (H // HALF) * (2 * I // BN)  # D items per group
     pid = tl.program_id(0)
@@ -433,7 +436,7 @@ def mok_backward_kernel(
                 i = tk - end_a
                 ok = _dgrad_gate_up_item(i // NB, i % NB, lr, src, grp, pre, ctr, err,
                                          comb_base, comb_tab, w1_desc, ws1_desc, T, E, budget,
-                                         H, I, S, HAS_SHARED, BM, BN, BK, DAC, F32_DOT)
+                                         H, I, S, HAS_SHARED, BM, BN, BK, DAC, F32_DOT, DXT)
         elif tk < end_c:
             if PHASES & 4:
                 i = tk - end_b

@@ -25,6 +25,7 @@ from mok_kernels import MoKConfig, MoKConfigError, plan
     ({"bwd_pull_programs": 16}, "bwd_pull_programs"),
     ({"bwd_direct_rows": True, "bwd_fused_pull": True}, "bwd_direct_rows"),
     ({"bwd_direct_rows": 1}, "bwd_direct_rows"),
+    ({"bwd_dx_tiles": 0}, "bwd_dx_tiles"),
 ])
 def test_bad_field_names_field_and_allowed(fields, name):
     with pytest.raises(MoKConfigError) as info:
@@ -46,6 +47,10 @@ def test_shape_check_and_defaults():
     assert tiny.block_n == 128 and 128 % tiny.block_n == 0 and 64 % (tiny.block_n // 2) == 0
     with pytest.raises(MoKConfigError, match="block_n"):
         MoKConfig(block_n=256).check_shape(7168, 96)
+    MoKConfig(block_n=256, bwd_dx_tiles=4).check_shape(7168, 2048)  # 28 H tiles
+    with pytest.raises(MoKConfigError, match=r"^bwd_dx_tiles=3 is invalid: allowed a divisor "
+                                             r"of hidden / block_n \(28\)"):
+        MoKConfig(block_n=256, bwd_dx_tiles=3).check_shape(7168, 2048)
 
 
 def test_plan_reproduces_published_minibatch():

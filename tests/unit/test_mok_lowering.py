@@ -125,6 +125,17 @@ def test_direct_rows_backward_gathers_rows_by_asynchronous_copies():
     assert lw.ttgir.count("ttg.async_copy_global_to_local") >= 3
 
 
+@pytest.mark.parametrize("direct", [False, True])
+def test_dx_tiles_per_item_backward_fits(direct):
+    """``bwd_dx_tiles``: four dX tiles per B item in one flattened loop (with and without the
+    direct row gathers); it fits in shared memory and spills nothing."""
+    cfg = mk.MoKConfig.for_shape(H, I, **{**_defaults().__dict__, "bwd_dx_tiles": 4,
+                                          "bwd_direct_rows": direct})
+    lw = mk.compile_megakernel(cfg, H, I, kernel="backward")
+    assert lw.shared_bytes <= SMEM_LIMIT, lw.shared_bytes
+    assert not lw.spills, lw.ptxas_log
+
+
 def test_split_gate_up_backward_fits_with_two_stages():
     cfg = mk.MoKConfig.for_shape(2048, 256, minibatch=256, macrobatch=768, tma=True,
                                  num_stages=4)
