@@ -92,10 +92,8 @@ def backward_scratch(ws: Workspace) -> BackwardScratch:
 
 
 def da_cols(cfg: MoKConfig, intermediate: int) -> int:
-    """Intermediate columns per dA item (DAC): block_n with ``bwd_wide_da`` where it divides
-    the intermediate size, else block_n / 2."""
-    wide = cfg.bwd_wide_da and intermediate % cfg.block_n == 0
-    return cfg.block_n if wide else cfg.block_n // 2
+    """Intermediate columns per dA tile (DAC): ``MoKConfig.da_cols``."""
+    return cfg.da_cols(intermediate)
 
 
 def _carve(T: int, H: int, K: int, NJ: int) -> tuple[list[int], int]:
@@ -233,7 +231,7 @@ def backward_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots:
                 INTERLEAVED=cfg.gate_up_interleaved, PHASES=phases, PULL=cfg.bwd_fused_pull,
                 BR=PULL_ROWS, CH=_row_chunk(hidden),
                 PULLERS=min(cfg.bwd_pull_programs or programs, programs),
-                DIRECT=cfg.bwd_direct_rows, DXT=cfg.bwd_dx_tiles)
+                DIRECT=cfg.bwd_direct_rows, DXT=cfg.bwd_dx_tiles, DAT=cfg.bwd_da_tiles)
 
 
 def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tensor,

@@ -103,6 +103,10 @@ class MoKConfig:
         flattened loop (the next tile's loads overlap a tile's store, as gate_up_tiles and
         down_tiles do in the forward); must divide hidden / block_n. 1 by default: not yet
         run on a GPU.
+    bwd_da_tiles: I tiles per dA (A) work item of the backward, in one flattened loop (the
+        next tile's loads overlap a tile's SwiGLU-backward epilogue); must divide the number
+        of dA tiles (intermediate / (block_n / 2), or / block_n with bwd_wide_da). 1 by
+        default: not yet run on a GPU.
     fp8: the forward's FP8 recipe (``tl_gemm_fp8``): "none" (bf16), "blockwise" (1x128
         activation and 128x128 weight scales, as TransformerEngine's Float8BlockScaling),
         "rowwise" (per row / per weight column, applied after the K loop; h still 1x128) or
@@ -138,6 +142,7 @@ class MoKConfig:
     bwd_pull_programs: int = 0
     bwd_direct_rows: bool = False
     bwd_dx_tiles: int = 1
+    bwd_da_tiles: int = 1
     fp8: str = "none"
     fp8_pow2_scales: bool = False
 
@@ -193,6 +198,9 @@ class MoKConfig:
         _check(isinstance(self.bwd_dx_tiles, int) and not isinstance(self.bwd_dx_tiles, bool)
                and 1 <= self.bwd_dx_tiles <= 64, "bwd_dx_tiles", self.bwd_dx_tiles,
                "an integer in 1..64 dividing hidden / block_n")
+        _check(isinstance(self.bwd_da_tiles, int) and not isinstance(self.bwd_da_tiles, bool)
+               and 1 <= self.bwd_da_tiles <= 64, "bwd_da_tiles", self.bwd_da_tiles,
+               "an integer in 1..64 dividing the dA tiles of the intermediate size")
         _check(self.fp8 in FP8_MODES, "fp8", self.fp8, " | ".join(FP8_MODES))
         _check(isinstance(self.fp8_pow2_scales, bool), "fp8_pow2_scales", self.fp8_pow2_scales,
                "true | false")
@@ -224,6 +232,15 @@ class MoKConfig:
                self.block_k, f"a divisor of hidden ({hidden}) and intermediate ({intermediate})")
         _check(hidden // self.block_n % self.bwd_dx_tiles == 0, "bwd_dx_tiles",
                self.bwd_dx_tiles, f"a divisor of hidden / block_n ({hidden // self.block_n})")
+        n_da = intermediate // self.da_cols(intermediate)
+        _check(n_da % self.bwd_da_tiles == 0, "bwd_da_tiles", self.bwd_da_tiles,
+               f"a divisor of the dA tiles of the intermediate size ({n_da})")
+
+    def da_cols(self, intermediate: int) -> int:
+        """Intermediate columns per dA tile of the backward (DAC): block_n with
+        ``bwd_wide_da`` where it divides the intermediate size, else block_n / 2."""
+        wide = self.bwd_wide_da and intermediate % self.block_n == 0
+        return self.block_n if wide else self.block_n // 2
 
     @staticmethod
     def for_shape(hidden: int, intermediate: int, **overrides) -> MoKConfig:

@@ -19,7 +19,7 @@ pulled: the A, C and D items gather the dY and x rows they need from the tokens'
 
 Work items, claimed from one ticket counter per logical rank in the global order A, B, C, D
 (``PHASES``, a bit mask, skips kinds for profiling; 15 runs all):
-    A  dgrad down, one per (row block b, I tile of DAC = BN/2 or BN columns):
+    A  dgrad down, one per (row block b, DAT I tiles of DAC = BN/2 or BN columns):
        dA = dY @ W_down^T; epilogue: SwiGLU
        backward from the saved gate/up pre-activations (h = silu(gate) * up recomputed),
        the router-weight partial sum_cols(dA * h) pushed to the home rank (routed rows), r * h
@@ -173,28 +173,13 @@ def _swiglu_bwd_half(da_raw, c0, prow, pre_desc, pre_rows, hs_rows, r, I: tl.con
 
 
 @triton.jit
-def _dgrad_down_item(b, jt, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, drp_base,
-                     tab32, w2_desc, ws2_desc, pre_a_desc, T, E, NBMAX, withhold,
-                     H: tl.constexpr, I: tl.constexpr, S: tl.constexpr, K: tl.constexpr,
-                     HAS_SHARED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                     BK: tl.constexpr, DAC: tl.constexpr, F32_DOT: tl.constexpr,
-                     INTERLEAVED: tl.constexpr, dy_base=None, tab16=None,
-                     DIRECT: tl.constexpr = False):
-    """A item: dA[rows of block b, I tile jt of DAC columns] and its epilogue (see the module
-    docstring), the epilogue in column quarters of a [BM, BN] tile (two for DAC = BN/2, four
-    for DAC = BN) so its fp32 temporaries fit in registers. DIRECT: the dY rows are gathered
-    from their home ranks (``dy_base`` + ``tab16``) instead of read from the pulled rows."""
-    Q: tl.constexpr = BN // 4
-    NJ: tl.constexpr = I // DAC
-    g = tl.load(grp + b)
-    rows = b * BM + tl.arange(0, BM)
-    valid, rank, t, k, routed = _row_meta(src, rows, T, S, K)
-    d2, w_row0 = _weight_desc(lr, g, E, w2_desc, ws2_desc, I, True, HAS_SHARED)
-    prow = lr * P + b * BM
+def _da_tile(jt, prow, valid, dy_rows, d2, w_row0, dyg_a_desc, H: tl.constexpr,
+             BM: tl.constexpr, BK: tl.constexpr, DAC: tl.constexpr, F32_DOT: tl.constexpr,
+             DIRECT: tl.constexpr):
+    """dA_raw [BM, DAC] = dY[rows] @ W_down[I tile jt]^T: dY rows pulled (through
+    ``dyg_a_desc`` from row ``prow``) or, DIRECT, gathered from ``dy_rows``."""
     acc = tl.zeros((BM, DAC), dtype=tl.float32)
-    if DIRECT:
-        dy_rows = _home_rows(dy_base, tab16, rank, t, valid, H)
-        offs_k = tl.arange(0, BK)
+    offs_k = tl.arange(0, BK)
     for kk in range(0, H, BK):
         if DIRECT:  # dY rows [BM, BK] from the home ranks; padding rows read 0
             a = tl.load(dy_rows[:, None] + (kk + offs_k)[None, :], mask=valid[:, None],
@@ -203,6 +188,18 @@ def _dgrad_down_item(b, jt, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, d
             a = dyg_a_desc.load([prow, kk])  # pulled dY rows [BM, BK]
         bt = d2.load([w_row0 + jt * DAC, kk])  # W_down[I tile, H step]: [DAC, BK]
         acc = mma(a, tl.trans(bt), acc, F32_DOT)
+    return acc
+
+
+@triton.jit
+def _da_epilogue(acc, jt, rows, prow, pre, hs, rank, t, k, routed, p_base, drp_base, tab32,
+                 pre_a_desc, I: tl.constexpr, K: tl.constexpr, BM: tl.constexpr,
+                 BN: tl.constexpr, DAC: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """The A item's epilogue for I tile jt (see the module docstring), in column quarters of
+    a [BM, BN] tile (two for DAC = BN/2, four for DAC = BN) so its fp32 temporaries fit in
+    registers; ends with the router-gradient partial of the tile."""
+    Q: tl.constexpr = BN // 4
+    NJ: tl.constexpr = I // DAC
     r = _router_weight(p_base, tab32, rank, t, k, routed, K)
     pre_rows = pre + rows.to(tl.int64) * (2 * I)
     hs_rows = hs + rows.to(tl.int64) * I
@@ -228,10 +225,56 @@ def _dgrad_down_item(b, jt, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, d
     # Router-weight gradient: d r = sum_I dA_raw * h, one partial per I tile.
     drp_off = tl.load(tab32 + rank, mask=routed, other=0)
     tl.store(drp_base + drp_off + (t * K + k) * NJ + jt, part, mask=routed)
-    if (withhold != 3) | (b != 0) | (jt != 0):
+
+
+@triton.jit
+def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, drp_base,
+                     tab32, w2_desc, ws2_desc, pre_a_desc, T, E, NBMAX, withhold,
+                     H: tl.constexpr, I: tl.constexpr, S: tl.constexpr, K: tl.constexpr,
+                     HAS_SHARED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                     BK: tl.constexpr, DAC: tl.constexpr, F32_DOT: tl.constexpr,
+                     INTERLEAVED: tl.constexpr, dy_base=None, tab16=None,
+                     DIRECT: tl.constexpr = False, DAT: tl.constexpr = 1):
+    """A item: dA[rows of block b, I tiles jt0*DAT .. of DAC columns] and its epilogue
+    (``_da_epilogue``); DAT tiles per item in one flattened loop (the next tile's loads
+    overlap a tile's epilogue), and the item signals +DAT. DIRECT: the dY rows are gathered
+    from their home ranks (``dy_base`` + ``tab16``) instead of read from the pulled rows."""
+    g = tl.load(grp + b)
+    rows = b * BM + tl.arange(0, BM)
+    valid, rank, t, k, routed = _row_meta(src, rows, T, S, K)
+    d2, w_row0 = _weight_desc(lr, g, E, w2_desc, ws2_desc, I, True, HAS_SHARED)
+    prow = lr * P + b * BM
+    dy_rows = _home_rows(dy_base, tab16, rank, t, valid, H) if DIRECT else 0
+    if DAT == 1:
+        acc = _da_tile(jt0, prow, valid, dy_rows, d2, w_row0, dyg_a_desc, H, BM, BK, DAC,
+                       F32_DOT, DIRECT)
+        _da_epilogue(acc, jt0, rows, prow, pre, hs, rank, t, k, routed, p_base, drp_base,
+                     tab32, pre_a_desc, I, K, BM, BN, DAC, INTERLEAVED)
+    else:
+        for jj in tl.range(0, DAT, flatten=True):
+            jt = jt0 * DAT + jj
+            acc = _da_tile(jt, prow, valid, dy_rows, d2, w_row0, dyg_a_desc, H, BM, BK, DAC,
+                           F32_DOT, DIRECT)
+            _da_epilogue(acc, jt, rows, prow, pre, hs, rank, t, k, routed, p_base, drp_base,
+                         tab32, pre_a_desc, I, K, BM, BN, DAC, INTERLEAVED)
+    if (withhold != 3) | (b != 0) | (jt0 != 0):
         tl.debug_barrier()
-        tl.atomic_add(ctr + 1 + b, 1, sem="release", scope="gpu")
-        tl.atomic_add(ctr + 1 + NBMAX + g, 1, sem="release", scope="gpu")
+        tl.atomic_add(ctr + 1 + b, DAT, sem="release", scope="gpu")
+        tl.atomic_add(ctr + 1 + NBMAX + g, DAT, sem="release", scope="gpu")
+
+
+@triton.jit
+def _dx_tile(jn, pre_rows, d1, w_row0, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+             BK: tl.constexpr, F32_DOT: tl.constexpr):
+    """dX [BM, BN] of H tile jn = dGU[rows] @ W_gate_up[H tile]^T (dGU rows by plain loads:
+    the A items wrote them with plain stores)."""
+    offs_k = tl.arange(0, BK)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for kk in range(0, 2 * I, BK):
+        a = tl.load(pre_rows[:, None] + (kk + offs_k)[None, :])
+        bt = d1.load([w_row0 + jn * BN, kk])  # W_gate_up[H tile, 2I step]: [BN, BK]
+        acc = mma(a, tl.trans(bt), acc, F32_DOT)
+    return acc
 
 
 @triton.jit
@@ -250,17 +293,19 @@ def _dgrad_gate_up_item(b, jn0, lr, src, grp, pre, ctr, err, comb_base, comb_tab
         rows = b * BM + tl.arange(0, BM)
         pre_rows = pre + rows.to(tl.int64) * (2 * I)
         d1, w_row0 = _weight_desc(lr, g, E, w1_desc, ws1_desc, H, True, HAS_SHARED)
-        dst, valid = _slot_rows(src, rows, rows >= 0, T, S, comb_tab, comb_base, H)
-        offs_k = tl.arange(0, BK)
-        for jj in tl.range(0, DXT, flatten=True):
-            jn = jn0 * DXT + jj
-            acc = tl.zeros((BM, BN), dtype=tl.float32)
-            for kk in range(0, 2 * I, BK):
-                a = tl.load(pre_rows[:, None] + (kk + offs_k)[None, :])
-                bt = d1.load([w_row0 + jn * BN, kk])  # W_gate_up[H tile, 2I step]: [BN, BK]
-                acc = mma(a, tl.trans(bt), acc, F32_DOT)
-            cols = jn * BN + tl.arange(0, BN)
+        if DXT == 1:
+            acc = _dx_tile(jn0, pre_rows, d1, w_row0, I, BM, BN, BK, F32_DOT)
+            dst, valid = _slot_rows(src, rows, rows >= 0, T, S, comb_tab, comb_base, H)
+            cols = jn0 * BN + tl.arange(0, BN)
             tl.store(dst[:, None] + cols[None, :], acc.to(tl.bfloat16), mask=valid[:, None])
+        else:
+            dst, valid = _slot_rows(src, rows, rows >= 0, T, S, comb_tab, comb_base, H)
+            for jj in tl.range(0, DXT, flatten=True):
+                jn = jn0 * DXT + jj
+                acc = _dx_tile(jn, pre_rows, d1, w_row0, I, BM, BN, BK, F32_DOT)
+                cols = jn * BN + tl.arange(0, BN)
+                tl.store(dst[:, None] + cols[None, :], acc.to(tl.bfloat16),
+                         mask=valid[:, None])
     return ok
 
 
@@ -380,10 +425,10 @@ def mok_backward_kernel(
         BK: tl.constexpr, BKW: tl.constexpr, DAC: tl.constexpr, F32_DOT: tl.constexpr,
         INTERLEAVED: tl.constexpr, PHASES: tl.constexpr, PULL: tl.constexpr,
         BR: tl.constexpr, CH: tl.constexpr, PULLERS: tl.constexpr = 0,
-        DIRECT: tl.constexpr = False, DXT: tl.constexpr = 1):
+        DIRECT: tl.constexpr = False, DXT: tl.constexpr = 1, DAT: tl.constexpr = 1):
     """One persistent program per SM; see the module docstring for the work order."""
     HALF: tl.constexpr = BN // 2
-    NA: tl.constexpr = I // DAC  # A items per row block
+    NA: tl.constexpr = I // (DAC * DAT)  # A items per row block
     NB: tl.constexpr = H // (BN * DXT)  # B items per row block
     NC: tl.constexpr = (I // HALF) * (H // BN)  # C items per group
     ND: tl.constexpr = (H // HALF) * (2 * I // BN)  # D items per group
@@ -430,7 +475,7 @@ def mok_backward_kernel(
                     _dgrad_down_item(b, tk % NA, lr, src, grp, P, pre, hs, ctr, dyg_a_desc,
                                      p_base, drp_base, tab32, w2_desc, ws2_desc, pre_a_desc, T,
                                      E, NBMAX, withhold, H, I, S, K, HAS_SHARED, BM, BN, BK,
-                                     DAC, F32_DOT, INTERLEAVED, dy_base, tab16, DIRECT)
+                                     DAC, F32_DOT, INTERLEAVED, dy_base, tab16, DIRECT, DAT)
         elif tk < end_b:
             if PHASES & 2:
                 i = tk - end_a

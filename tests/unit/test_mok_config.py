@@ -26,6 +26,7 @@ from mok_kernels import MoKConfig, MoKConfigError, plan
     ({"bwd_direct_rows": True, "bwd_fused_pull": True}, "bwd_direct_rows"),
     ({"bwd_direct_rows": 1}, "bwd_direct_rows"),
     ({"bwd_dx_tiles": 0}, "bwd_dx_tiles"),
+    ({"bwd_da_tiles": 65}, "bwd_da_tiles"),
 ])
 def test_bad_field_names_field_and_allowed(fields, name):
     with pytest.raises(MoKConfigError) as info:
@@ -51,6 +52,10 @@ def test_shape_check_and_defaults():
     with pytest.raises(MoKConfigError, match=r"^bwd_dx_tiles=3 is invalid: allowed a divisor "
                                              r"of hidden / block_n \(28\)"):
         MoKConfig(block_n=256, bwd_dx_tiles=3).check_shape(7168, 2048)
+    MoKConfig(block_n=256, bwd_da_tiles=4).check_shape(7168, 2048)  # 16 dA tiles of 128
+    with pytest.raises(MoKConfigError, match=r"^bwd_da_tiles=3 is invalid: allowed a divisor "
+                                             r"of the dA tiles of the intermediate size \(8\)"):
+        MoKConfig(block_n=256, bwd_wide_da=True, bwd_da_tiles=3).check_shape(7168, 2048)
 
 
 def test_plan_reproduces_published_minibatch():
