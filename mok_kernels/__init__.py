@@ -18,12 +18,13 @@ Training: ``y_TH, ctx = forward_train(...)`` (same arguments) keeps what the bac
 returns dx, the router-weight gradient and every weight gradient (:class:`Gradients`), in one
 persistent launch plus two fixed-order sums, with no host sync.
 
-FP8 expert FFN (the tiles of the coming FP8 path, runnable alone): ``ops = quantize_ffn(recipe,
+FP8 expert FFN (the tiles of the FP8 path, runnable alone): ``ops = quantize_ffn(recipe,
 x_TH, w1_EHF, w2_EIH)`` (recipe ``FP8_RECIPES``: blockwise, rowwise, mx), ``y_TH = ffn_fp8(ops,
 grp_B)`` for rows grouped by expert in row blocks, ``ref_ffn_fp8`` the torch reference,
 ``compile_fp8_ffn_kernel`` their builds. The megakernel's forward runs them with
-``MoKConfig(fp8="blockwise", gate_up_interleaved=True, block_k=128)`` and the weights of
-``quantize_weights(cfg, ...)`` (not yet run on a GPU).
+``MoKConfig(fp8="rowwise", gate_up_interleaved=True, block_n=256, block_k=128)`` and the
+(K-major) weights of ``quantize_weights(cfg, ...)``; MXFP8 is unverified on Blackwell
+hardware.
 
 ``GraphedForward(cfg, ws, weights)`` captures schedule + forward in one CUDA graph.
 ``compile_megakernel(cfg, H, I, arch=90)`` builds the kernel for Hopper (or 100: Blackwell) on
