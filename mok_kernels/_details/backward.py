@@ -91,11 +91,6 @@ def backward_scratch(ws: Workspace) -> BackwardScratch:
         dyg_LPH=torch.empty(L, P, H, dtype=bf, device=dev) if pulled else None)
 
 
-def da_cols(cfg: MoKConfig, intermediate: int) -> int:
-    """Intermediate columns per dA tile (DAC): ``MoKConfig.da_cols``."""
-    return cfg.da_cols(intermediate)
-
-
 def _carve(T: int, H: int, K: int, NJ: int) -> tuple[list[int], int]:
     """Byte offsets of dy, p, drp inside one (symmetric) buffer, and its size."""
     return carve([T * H * 2, T * K * 4, T * K * NJ * 4])
@@ -106,7 +101,7 @@ def _buffers(ws: Workspace) -> BackwardBuffers:
     if "bwd" in ws.extra:
         return ws.extra["bwd"]
     cfg, L, T, H, K, dev = ws.config, ws.L, ws.T, ws.H, ws.K, ws.device
-    NJ = ws.I // da_cols(cfg, ws.I)
+    NJ = ws.I // cfg.da_cols(ws.I)
     offs, nbytes = _carve(T, H, K, NJ)
     handle = None
     if ws.handle is not None:  # real EP: one symmetric buffer, offsets from the peers' bases
@@ -169,7 +164,7 @@ def _descriptors(ws: Workspace, weights: tuple) -> tuple:
         return None if t is None else TensorDescriptor.from_tensor(t.view(-1, cols), box)
 
     bk = backward_block_k(cfg)
-    b1, b2 = [cfg.block_n, bk], [da_cols(cfg, ws.I), bk]
+    b1, b2 = [cfg.block_n, bk], [cfg.da_cols(ws.I), bk]
     return desc(w1, F, b1), desc(w2, ws.H, b2), desc(ws1, F, b1), desc(ws2, ws.H, b2)
 
 
@@ -227,7 +222,7 @@ def backward_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots:
     """The backward kernel's compile-time arguments (part of :func:`backward_kernel_args`)."""
     return dict(H=hidden, I=intermediate, S=slots, K=slots - int(shared), PROGS=programs,
                 HAS_SHARED=shared, BM=cfg.block_m, BN=cfg.block_n, BK=backward_block_k(cfg),
-                BKW=wgrad_rows(cfg), DAC=da_cols(cfg, intermediate), F32_DOT=interpreting,
+                BKW=wgrad_rows(cfg), DAC=cfg.da_cols(intermediate), F32_DOT=interpreting,
                 INTERLEAVED=cfg.gate_up_interleaved, PHASES=phases, PULL=cfg.bwd_fused_pull,
                 BR=PULL_ROWS, CH=_row_chunk(hidden),
                 PULLERS=min(cfg.bwd_pull_programs or programs, programs),

@@ -245,7 +245,7 @@ def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, 
     d2, w_row0 = _weight_desc(lr, g, E, w2_desc, ws2_desc, I, True, HAS_SHARED)
     prow = lr * P + b * BM
     dy_rows = _home_rows(dy_base, tab16, rank, t, valid, H) if DIRECT else 0
-    if DAT == 1:
+    if DAT == 1:  # one tile, no loop: the instructions of the GPU-tested one-tile item
         acc = _da_tile(jt0, prow, valid, dy_rows, d2, w_row0, dyg_a_desc, H, BM, BK, DAC,
                        F32_DOT, DIRECT)
         _da_epilogue(acc, jt0, rows, prow, pre, hs, rank, t, k, routed, p_base, drp_base,
@@ -293,7 +293,7 @@ def _dgrad_gate_up_item(b, jn0, lr, src, grp, pre, ctr, err, comb_base, comb_tab
         rows = b * BM + tl.arange(0, BM)
         pre_rows = pre + rows.to(tl.int64) * (2 * I)
         d1, w_row0 = _weight_desc(lr, g, E, w1_desc, ws1_desc, H, True, HAS_SHARED)
-        if DXT == 1:
+        if DXT == 1:  # one tile, no loop: as the GPU-tested one-tile item (slots after the GEMM)
             acc = _dx_tile(jn0, pre_rows, d1, w_row0, I, BM, BN, BK, F32_DOT)
             dst, valid = _slot_rows(src, rows, rows >= 0, T, S, comb_tab, comb_base, H)
             cols = jn0 * BN + tl.arange(0, BN)
