@@ -38,7 +38,9 @@ preprocessing; it dispatches bf16 only (fp8 here means FP8 expert GEMMs). Hybrid
 kernels at run time with ``$CUDA_HOME/bin/nvcc`` (it reads ``CUDA_HOME`` only), so ``setup`` sets
 ``CUDA_HOME`` from torch's ``cpp_extension.CUDA_HOME`` when it is unset; the first forward (the
 check, outside the timed region) pays the compilation. Its kernels need hidden a multiple of 16 and
-(local experts x ranks in the NVLink domain) a multiple of 4.
+(local experts x ranks in the NVLink domain) a multiple of 4. A ``hybrid_ep_cpp`` that links
+the C++ runtime statically crashes in ``HybridEPBuffer``'s constructor unless the shared
+libstdc++ is preloaded (``native_libs``): the cell is then skipped with that fix as its reason.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ import torch
 
 from baselines.common import canonical_layout, out_in_layout
 from baselines.deepep import BUILD_SCRIPT, build_recipe
+from baselines.native_libs import elf_needed, static_cxx_runtime_reason
 from baselines.transformer_engine import fp8_align, fp8_recipe_name, te_reason
 from mokbench.backend import BackendBase, Capabilities, RunContext
 
@@ -151,6 +154,20 @@ def hybridep_import_error() -> str | None:
         first = (str(exc).strip().splitlines() or [""])[0]
         return f"{type(exc).__name__}: {first}"
     return None if hasattr(deep_ep, "HybridEPBuffer") else ""
+
+
+def hybridep_runtime_reason(env: dict[str, str] | None = None) -> str | None:
+    """Why the installed ``hybrid_ep_cpp`` would crash in this process (a build that linked
+    the C++ runtime statically, without the shared one preloaded: ``native_libs``), or None
+    (also when it cannot be found or read). ``env``: default ``os.environ``."""
+    try:
+        spec = importlib.util.find_spec("hybrid_ep_cpp")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.origin:
+        return None
+    env = os.environ if env is None else env
+    return static_cxx_runtime_reason(elf_needed(spec.origin), env.get("LD_PRELOAD"))
 
 
 def hybridep_installed() -> bool:
@@ -317,6 +334,8 @@ class HybridEPMegatronBackend(BackendBase):
                               has_te=installed("transformer_engine"),
                               has_hybridep=hybridep and error is None,
                               hybridep_error=error or "")
+        if why is None and hybridep:
+            why = hybridep_runtime_reason()
         if why is None and hybridep:
             home = jit_cuda_home()
             why = nvcc_reason(home, bool(home) and os.path.isfile(os.path.join(home, "bin",

@@ -245,4 +245,13 @@ if ((check)); then
 fi
 [[ $flavour != hybrid-ep ]] || echo "HybridEP JIT-compiles its kernels at run time: keep" \
   "CUDA_HOME=$cuda_home (nvcc) reachable when you run it"
+if [[ $flavour == hybrid-ep ]]; then  # a statically linked C++ runtime crashes HybridEPBuffer
+  repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+  runtime=$(cd / && PYTHONPATH=$repo${check_path:+:$check_path}${PYTHONPATH:+:$PYTHONPATH} \
+    "$python" -c 'import importlib.util as u
+from baselines.native_libs import elf_needed, static_cxx_runtime_reason as why
+s = u.find_spec("hybrid_ep_cpp")
+print(why(elf_needed(s.origin), "") or "" if s and s.origin else "")' 2>/dev/null) || runtime=""
+  [[ -z $runtime ]] || echo "warning: $runtime" >&2
+fi
 echo "run with: export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1"

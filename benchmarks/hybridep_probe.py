@@ -52,6 +52,9 @@ def main() -> None:
     if rank == 0:
         for line in runtime_report(hybrid_ep_cpp.__file__):
             print(0, line, flush=True)
+        from baselines.hybridep_megatron import hybridep_runtime_reason
+
+        print(0, "runtime check:", hybridep_runtime_reason() or "ok", flush=True)
 
     ranks = hybrid_ep_cpp.ExtendedMemoryAllocator().detect_accessible_ranks(dist.group.WORLD)
     print(rank, "ranks reachable over NVLink:", ranks, flush=True)

@@ -207,3 +207,26 @@ def test_inplace_build_times_itself_and_checks_the_import(fakes):
     _write(src / "setup.py", "raise SystemExit(3)\n")
     line = one_line_error(run(["--inplace", src], env), code=1)
     assert line.startswith("error: the DeepEP build failed after ")
+
+
+def test_hybrid_ep_build_warns_when_the_cxx_runtime_is_static(fakes):
+    """A hybrid-ep build whose hybrid_ep_cpp has no NEEDED libstdc++ gets the LD_PRELOAD
+    warning (it would crash in HybridEPBuffer's constructor); one that links it gets none."""
+    import importlib.machinery
+
+    from tests.unit.test_native_libs import write_elf
+
+    src, env = fakes["src"], fakes["env"]
+    _write(src / "deep_ep" / "hybrid_ep_buffer.py", "")
+    ext = src / f"hybrid_ep_cpp{importlib.machinery.EXTENSION_SUFFIXES[0]}"
+    write_elf(ext, ["libtorch.so", "libgcc_s.so.1", "libc.so.6"])
+    r = run(["--inplace", "--jobs", "2", src], env)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    warning = [ln for ln in r.stderr.splitlines() if "statically" in ln]
+    assert warning == ["warning: hybrid_ep_cpp links the C++ runtime statically (no "
+                       "libstdc++.so.6 among its libraries) and then crashes in HybridEPBuffer's "
+                       "constructor; preload the shared one: export "
+                       "LD_PRELOAD=$(g++ -print-file-name=libstdc++.so.6)"], r.stderr
+    write_elf(ext, ["libtorch.so", "libstdc++.so.6", "libc.so.6"])
+    r = run(["--inplace", "--jobs", "2", src], env)
+    assert r.returncode == 0 and "statically" not in r.stderr, (r.stdout, r.stderr)
