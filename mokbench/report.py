@@ -226,15 +226,23 @@ def _md_env(env: dict[str, Any]) -> list[str]:
     return out
 
 
-def _md_not_run(not_run: list[tuple[str, str]]) -> list[str]:
-    """The cells of the sweep with no row (the sweep stopped before them), as a section."""
+def _md_not_run(not_run: list[tuple[str, str]], backends: list[str] | None = None) -> list[str]:
+    """The cells of the sweep with no row, as a section: each says why where the run knows
+    (``backends``: the run's ``--backends`` list from env.json; a cell of another backend was
+    left out by it, any other the sweep stopped before), else both possibilities."""
     if not not_run:
         return []
+
+    def why(backend: str) -> str:
+        if backends is None:
+            return "stopped before it, or left out by --backends"
+        return "left out by --backends" if backend not in backends else "stopped before it"
+
     lines = ["## Not run", "",
-             f"{len(not_run)} cells of this run's sweep have no rows: the sweep stopped before "
-             "them (`mokbench sweep --resume RUN_DIR` runs them).", "",
-             "| scenario | backend |", "|---|---|"]
-    lines += [f"| {_md_escape(s)} | {_md_escape(b)} |" for s, b in not_run]
+             f"{len(not_run)} cells of this run's sweep have no rows: `mokbench sweep --resume "
+             "RUN_DIR` runs them all (with `--backends`, those backends only).", "",
+             "| scenario | backend | why |", "|---|---|---|"]
+    lines += [f"| {_md_escape(s)} | {_md_escape(b)} | {why(b)} |" for s, b in not_run]
     return [*lines, ""]
 
 
@@ -263,14 +271,14 @@ def to_markdown(summary: pd.DataFrame, env: dict[str, Any], run_id: str,
     if env_lines:
         parts += ["Machine: " + "; ".join(env_lines) + ".", ""]
     if summary.empty:
-        parts += ["No rows.", "", *_md_not_run(not_run or [])]
+        parts += ["No rows.", "", *_md_not_run(not_run or [], env.get("backends"))]
         return "\n".join(parts).rstrip() + "\n"
     legend, show = tables.build_legend(summary), tables.optional_columns(summary)
     for p in tables.ordered_passes(summary):
         part = summary[summary["pass"] == p]
         parts += [f"## {pass_label(p, summary)}", "", _md_table(part, legend, show), ""]
     parts += _md_legend(summary, legend)
-    parts += _md_not_run(not_run or [])
+    parts += _md_not_run(not_run or [], env.get("backends"))
     if charts:
         parts += ["## Charts", "", *(f"![{Path(c).stem}]({c})" for c in charts), ""]
     return "\n".join(parts).rstrip() + "\n"

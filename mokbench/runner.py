@@ -77,7 +77,8 @@ def _load(sweep_file, data, opts: LaunchOptions, backends) -> Sweep:
     return load_sweep(sweep_file, auto_world, backends, default_name=default)
 
 
-def _prepare_run_dir(sw: Sweep, out: Path, resume: Path | None, opts: LaunchOptions) -> Path:
+def _prepare_run_dir(sw: Sweep, out: Path, resume: Path | None, opts: LaunchOptions,
+                     backends: list[str] | None = None) -> Path:
     if resume is not None:
         return Path(resume)
     run_dir = Path(out) / make_run_id(sw.name)
@@ -90,8 +91,11 @@ def _prepare_run_dir(sw: Sweep, out: Path, resume: Path | None, opts: LaunchOpti
         except OSError as exc:
             raise InputError(f"out={str(out)!r} is not writable ({exc.strerror or exc}): allowed "
                              "a folder this user can write") from None
-        write_env(run_dir, {"sweep": sw.name, "device": opts.device,
-                            "nproc_per_node": opts.nproc_per_node, "nnodes": opts.nnodes})
+        env = {"sweep": sw.name, "device": opts.device,
+               "nproc_per_node": opts.nproc_per_node, "nnodes": opts.nnodes}
+        if backends:  # --backends: the report tells the cells it left out from unfinished ones
+            env["backends"] = list(backends)
+        write_env(run_dir, env)
     return run_dir
 
 
@@ -141,7 +145,7 @@ def run_sweep(sweep_file: Path | None, *, data: dict | None = None, backends=Non
     if dry_run:
         print_dry_run(sw, opts, console)
         return None
-    run_dir = _prepare_run_dir(sw, out, resume, opts)
+    run_dir = _prepare_run_dir(sw, out, resume, opts, backends)
     run_id = run_dir.name
     if calibrate_first and opts.writes_rows:
         try:

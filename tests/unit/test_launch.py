@@ -110,3 +110,20 @@ def test_crash_reason_is_the_root_cause_ranks_own_exception():
 def test_crash_reason_of_a_killed_rank():
     log = "\n".join(ln for ln in CRASH_LOG.splitlines() if not ln.startswith("[rank"))
     assert _tail(log.replace("{code}", "-9")) == "rank 0 was killed by SIGKILL"
+
+
+def test_run_folder_records_the_backends_filter(tmp_path):
+    """env.json keeps the run's --backends list (the report's "Not run" section tells the cells
+    it left out from the cells the sweep stopped before); without the flag there is none."""
+    from mokbench import runner
+    from mokbench.results import read_env
+
+    data = {"name": "t", "backends": ["nccl_torch", "mok"], "world_sizes": [1],
+            "scenarios": [{"preset": "kimi-k2", "num_experts": 8, "tokens_per_rank": [64]}]}
+    opts = runner._options(1, 1, 0, "localhost:29500", 60.0, "cpu")
+    sw = runner._load(None, data, opts, ["nccl_torch"])
+    assert [c.backend for c in sw.cells] == ["nccl_torch"]
+    run = runner._prepare_run_dir(sw, tmp_path / "a", None, opts, ["nccl_torch"])
+    assert read_env(run)["backends"] == ["nccl_torch"]
+    run = runner._prepare_run_dir(sw, tmp_path / "b", None, opts)
+    assert "backends" not in read_env(run)

@@ -245,7 +245,14 @@ def test_cells_the_sweep_did_not_reach_are_listed(tmp_path):
     assert "3 cells of this run's sweep have no rows" in section
     listed = [tuple(c.strip() for c in ln.strip("|").split("|"))
               for ln in section.splitlines() if ln.startswith("| kimi")]
-    assert listed == keys[1:]
+    assert listed == [(*k, "stopped before it, or left out by --backends") for k in keys[1:]]
+    # a run that recorded its --backends tells the two apart
+    env = json.loads((run / "env.json").read_text())
+    (run / "env.json").write_text(json.dumps({**env, "backends": ["nccl_torch"]}))
+    section = report.write_report(run, "md").read_text().split("## Not run", 1)[1]
+    why = {tuple(c.strip() for c in ln.strip("|").split("|"))[1:] for ln in section.splitlines()
+           if ln.startswith("| kimi")}
+    assert why == {("mok", "left out by --backends"), ("nccl_torch", "stopped before it")}
     done = [row(s, b, p, 1.0) for s, b in keys for p in ("forward", "backward")]
     (run / "rows.jsonl").unlink()
     run = write_run(tmp_path, done, {"nproc_per_node": 1})
