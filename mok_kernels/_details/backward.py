@@ -187,11 +187,11 @@ def wgrad_rows(cfg: MoKConfig) -> int:
 
 def _activation_descriptors(cfg: MoKConfig, pre_LPF: torch.Tensor, hs_LPI: torch.Tensor,
                             xg_LPH: torch.Tensor | None, dyg_LPH: torch.Tensor | None) -> tuple:
-    """(pre for the dA epilogue, r*h for dW_down, dGU for dW_gate_up), then the pulled rows
-    (dY for dA, dY for dW_down, x for dW_gate_up; None with ``bwd_direct_rows``, whose items
-    gather the rows themselves), over [L*P, cols] views: the epilogue box covers a quarter tile
-    of I columns (interleaved gate/up: both of its halves), the weight-gradient boxes BKW
-    rows."""
+    """(pre for the dA epilogue, r*h for dW_down, dGU for dW_gate_up, dGU for dX: boxes
+    [BM, BK], used with ``bwd_dx_tma``), then the pulled rows (dY for dA, dY for dW_down, x for
+    dW_gate_up; None with ``bwd_direct_rows``, whose items gather the rows themselves), over
+    [L*P, cols] views: the epilogue box covers a quarter tile of I columns (interleaved
+    gate/up: both of its halves), the weight-gradient boxes BKW rows."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     bm, bn, bkw = cfg.block_m, cfg.block_n, wgrad_rows(cfg)
@@ -200,7 +200,8 @@ def _activation_descriptors(cfg: MoKConfig, pre_LPF: torch.Tensor, hs_LPI: torch
     hs = hs_LPI.view(-1, hs_LPI.shape[-1])
     acts = (TensorDescriptor.from_tensor(pre, [bm, 2 * q if cfg.gate_up_interleaved else q]),
             TensorDescriptor.from_tensor(hs, [bkw, bn // 2]),
-            TensorDescriptor.from_tensor(pre, [bkw, bn]))
+            TensorDescriptor.from_tensor(pre, [bkw, bn]),
+            TensorDescriptor.from_tensor(pre, [bm, backward_block_k(cfg)]))
     if xg_LPH is None or dyg_LPH is None:
         return acts + (None, None, None)
     xg, dyg = xg_LPH.view(-1, xg_LPH.shape[-1]), dyg_LPH.view(-1, dyg_LPH.shape[-1])
@@ -226,7 +227,8 @@ def backward_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots:
                 INTERLEAVED=cfg.gate_up_interleaved, PHASES=phases, PULL=cfg.bwd_fused_pull,
                 BR=PULL_ROWS, CH=_row_chunk(hidden),
                 PULLERS=min(cfg.bwd_pull_programs or programs, programs),
-                DIRECT=cfg.bwd_direct_rows, DXT=cfg.bwd_dx_tiles, DAT=cfg.bwd_da_tiles)
+                DIRECT=cfg.bwd_direct_rows, DXT=cfg.bwd_dx_tiles, DAT=cfg.bwd_da_tiles,
+                DXTMA=cfg.bwd_dx_tma)
 
 
 def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tensor,
@@ -249,7 +251,7 @@ def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tens
     descs = _descriptors(ws, weights) + _activation_descriptors(cfg, pre_LPF, sc.hs_LPI,
                                                                 sc.xg_LPH, sc.dyg_LPH)
     names = ("w1_desc", "w2_desc", "ws1_desc", "ws2_desc", "pre_a_desc", "hs_c_desc",
-             "pre_d_desc", "dyg_a_desc", "dyg_c_desc", "xg_d_desc")
+             "pre_d_desc", "pre_b_desc", "dyg_a_desc", "dyg_c_desc", "xg_d_desc")
     return dict(
         p_base=bb.p_LTK,
         drp_base=bb.drp_LTKJ, tab32=bb.tab32_R, comb_base=ws.comb_LTSH, comb_tab=ws.comb_tab_R,

@@ -106,7 +106,14 @@ class MoKConfig:
     bwd_da_tiles: I tiles per dA (A) work item of the backward, in one flattened loop (the
         next tile's loads overlap a tile's SwiGLU-backward epilogue); must divide the number
         of dA tiles (intermediate / (block_n / 2), or / block_n with bwd_wide_da). 1 by
-        default: not yet run on a GPU.
+        default: slower on one H200 (51.965 against 47.122 ms at Kimi 48 x 16384 with the
+        shared expert, notes/mok-kernel.md).
+    bwd_dx_tma: the backward's dX (B) items load their dGU rows [block_m, block_k] through a
+        TMA descriptor (after an async-proxy fence that orders the A items' plain stores of
+        those rows) instead of by per-thread asynchronous copies: both GEMM operands then
+        arrive by TMA, leaving registers to the [block_m, block_n] accumulator (the sm_90
+        build of the B items uses 250 of 255 registers by copies). Off by default: not yet run
+        on a GPU.
     fp8: the forward's FP8 recipe (``tl_gemm_fp8``): "none" (bf16), "blockwise" (1x128
         activation and 128x128 weight scales, as TransformerEngine's Float8BlockScaling),
         "rowwise" (per row / per weight column, applied after the K loop; h still 1x128) or
@@ -143,6 +150,7 @@ class MoKConfig:
     bwd_direct_rows: bool = False
     bwd_dx_tiles: int = 1
     bwd_da_tiles: int = 1
+    bwd_dx_tma: bool = False
     fp8: str = "none"
     fp8_pow2_scales: bool = False
 
@@ -201,6 +209,8 @@ class MoKConfig:
         _check(isinstance(self.bwd_da_tiles, int) and not isinstance(self.bwd_da_tiles, bool)
                and 1 <= self.bwd_da_tiles <= 64, "bwd_da_tiles", self.bwd_da_tiles,
                "an integer in 1..64 dividing the dA tiles of the intermediate size")
+        _check(isinstance(self.bwd_dx_tma, bool), "bwd_dx_tma", self.bwd_dx_tma,
+               "true | false")
         _check(self.fp8 in FP8_MODES, "fp8", self.fp8, " | ".join(FP8_MODES))
         _check(isinstance(self.fp8_pow2_scales, bool), "fp8_pow2_scales", self.fp8_pow2_scales,
                "true | false")

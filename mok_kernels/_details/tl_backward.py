@@ -265,13 +265,18 @@ def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, 
 
 @triton.jit
 def _dx_tile(jn, pre_rows, d1, w_row0, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-             BK: tl.constexpr, F32_DOT: tl.constexpr):
-    """dX [BM, BN] of H tile jn = dGU[rows] @ W_gate_up[H tile]^T (dGU rows by plain loads:
-    the A items wrote them with plain stores)."""
+             BK: tl.constexpr, F32_DOT: tl.constexpr, pre_b_desc=None, prow=0,
+             DXTMA: tl.constexpr = False):
+    """dX [BM, BN] of H tile jn = dGU[rows] @ W_gate_up[H tile]^T: dGU rows by plain loads
+    (the A items wrote them with plain stores) or, DXTMA, through ``pre_b_desc`` from row
+    ``prow`` (the caller fenced the async proxy after its acquire)."""
     offs_k = tl.arange(0, BK)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for kk in range(0, 2 * I, BK):
-        a = tl.load(pre_rows[:, None] + (kk + offs_k)[None, :])
+        if DXTMA:
+            a = pre_b_desc.load([prow, kk])  # dGU rows [BM, BK]
+        else:
+            a = tl.load(pre_rows[:, None] + (kk + offs_k)[None, :])
         bt = d1.load([w_row0 + jn * BN, kk])  # W_gate_up[H tile, 2I step]: [BN, BK]
         acc = mma(a, tl.trans(bt), acc, F32_DOT)
     return acc
@@ -282,19 +287,25 @@ def _dgrad_gate_up_item(b, jn0, lr, src, grp, pre, ctr, err, comb_base, comb_tab
                         ws1_desc, T, E, budget, H: tl.constexpr, I: tl.constexpr,
                         S: tl.constexpr, HAS_SHARED: tl.constexpr, BM: tl.constexpr,
                         BN: tl.constexpr, BK: tl.constexpr, DAC: tl.constexpr,
-                        F32_DOT: tl.constexpr, DXT: tl.constexpr = 1):
+                        F32_DOT: tl.constexpr, DXT: tl.constexpr = 1, pre_b_desc=None, P=0,
+                        DXTMA: tl.constexpr = False):
     """B item: dX[rows of block b, H tiles jn0*DXT ..] = dGU @ W_gate_up^T, pushed to the
     home slots. dGU and W_gate_up share one column layout, so the contraction over 2I needs
     no reordering. DXT H tiles per item in one flattened loop, so the software pipeline loads
-    the next tile's first steps during a tile's store (as the forward's tiles do)."""
+    the next tile's first steps during a tile's store (as the forward's tiles do). DXTMA: the
+    dGU rows through TMA (``pre_b_desc`` over [L*P, 2I]), after an async-proxy fence."""
     ok = wait_geq(ctr + 1 + b, I // DAC, err, budget, _E_DGRAD_ROWBLOCK, b)
     if ok != 0:
+        if DXTMA:  # the A items' plain stores of these rows, before TMA reads them
+            _async_proxy_fence(ok, F32_DOT)
         g = tl.load(grp + b)
         rows = b * BM + tl.arange(0, BM)
         pre_rows = pre + rows.to(tl.int64) * (2 * I)
+        prow = lr * P + b * BM
         d1, w_row0 = _weight_desc(lr, g, E, w1_desc, ws1_desc, H, True, HAS_SHARED)
         if DXT == 1:  # one tile, no loop: as the GPU-tested one-tile item (slots after the GEMM)
-            acc = _dx_tile(jn0, pre_rows, d1, w_row0, I, BM, BN, BK, F32_DOT)
+            acc = _dx_tile(jn0, pre_rows, d1, w_row0, I, BM, BN, BK, F32_DOT, pre_b_desc, prow,
+                           DXTMA)
             dst, valid = _slot_rows(src, rows, rows >= 0, T, S, comb_tab, comb_base, H)
             cols = jn0 * BN + tl.arange(0, BN)
             tl.store(dst[:, None] + cols[None, :], acc.to(tl.bfloat16), mask=valid[:, None])
@@ -302,7 +313,8 @@ def _dgrad_gate_up_item(b, jn0, lr, src, grp, pre, ctr, err, comb_base, comb_tab
             dst, valid = _slot_rows(src, rows, rows >= 0, T, S, comb_tab, comb_base, H)
             for jj in tl.range(0, DXT, flatten=True):
                 jn = jn0 * DXT + jj
-                acc = _dx_tile(jn, pre_rows, d1, w_row0, I, BM, BN, BK, F32_DOT)
+                acc = _dx_tile(jn, pre_rows, d1, w_row0, I, BM, BN, BK, F32_DOT, pre_b_desc,
+                               prow, DXTMA)
                 cols = jn * BN + tl.arange(0, BN)
                 tl.store(dst[:, None] + cols[None, :], acc.to(tl.bfloat16),
                          mask=valid[:, None])
@@ -416,7 +428,7 @@ def mok_backward_kernel(
         ctr_ptr, err_ptr,  # [L, NCTR] int32 counters, [L, 4] int32 error words
         dw1_ptr, dw2_ptr, dws1_ptr, dws2_ptr,  # [L*E, H, 2I], [L*E, I, H], [L, H, 2I], [L, I, H]
         w1_desc, w2_desc, ws1_desc, ws2_desc,  # weight descriptors ([BN, BK] / [BN/2, BK])
-        pre_a_desc, hs_c_desc, pre_d_desc,  # activation descriptors (see host)
+        pre_a_desc, hs_c_desc, pre_d_desc, pre_b_desc,  # activation descriptors (see host)
         dyg_a_desc, dyg_c_desc, xg_d_desc,  # pulled dY and x rows [L*P, H] (see host)
         x_base, x_tab, dy_base, tab16, xg_ptr, dyg_ptr,  # PULL / DIRECT: the rows' sources
         T, E, NG, P, NCTR, budget, withhold,
@@ -425,7 +437,8 @@ def mok_backward_kernel(
         BK: tl.constexpr, BKW: tl.constexpr, DAC: tl.constexpr, F32_DOT: tl.constexpr,
         INTERLEAVED: tl.constexpr, PHASES: tl.constexpr, PULL: tl.constexpr,
         BR: tl.constexpr, CH: tl.constexpr, PULLERS: tl.constexpr = 0,
-        DIRECT: tl.constexpr = False, DXT: tl.constexpr = 1, DAT: tl.constexpr = 1):
+        DIRECT: tl.constexpr = False, DXT: tl.constexpr = 1, DAT: tl.constexpr = 1,
+        DXTMA: tl.constexpr = False):
     """One persistent program per SM; see the module docstring for the work order."""
     HALF: tl.constexpr = BN // 2
     NA: tl.constexpr = I // (DAC * DAT)  # A items per row block
@@ -481,7 +494,8 @@ def mok_backward_kernel(
                 i = tk - end_a
                 ok = _dgrad_gate_up_item(i // NB, i % NB, lr, src, grp, pre, ctr, err,
                                          comb_base, comb_tab, w1_desc, ws1_desc, T, E, budget,
-                                         H, I, S, HAS_SHARED, BM, BN, BK, DAC, F32_DOT, DXT)
+                                         H, I, S, HAS_SHARED, BM, BN, BK, DAC, F32_DOT, DXT,
+                                         pre_b_desc, P, DXTMA)
         elif tk < end_c:
             if PHASES & 4:
                 i = tk - end_b

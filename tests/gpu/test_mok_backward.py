@@ -94,13 +94,15 @@ def test_wide_da_items_match_reference(wide):
                                   {"bwd_fused_pull": True, "bwd_pull_programs": 32},
                                   {"bwd_direct_rows": True},
                                   {"bwd_direct_rows": True, "bwd_dx_tiles": 4},
-                                  {"bwd_da_tiles": 4}])
+                                  {"bwd_da_tiles": 4},
+                                  {"bwd_dx_tma": True},
+                                  {"bwd_dx_tma": True, "bwd_dx_tiles": 4}])
 def test_backward_variants_match_the_default_bitwise(ranks, rows):
     """bwd_fused_pull: the pull items inside the backward megakernel (rows written with plain
     stores, read through TMA after a proxy fence; by every program or by 32 of them),
-    bwd_direct_rows (no pull: the items gather the rows) and bwd_dx_tiles / bwd_da_tiles
-    (several dX or dA tiles per item) give the default backward's gradients (and the
-    reference's), bitwise, on a rerun as well."""
+    bwd_direct_rows (no pull: the items gather the rows), bwd_dx_tiles / bwd_da_tiles
+    (several dX or dA tiles per item) and bwd_dx_tma (dGU rows through TMA) give the default
+    backward's gradients (and the reference's), bitwise, on a rerun as well."""
     base = dict(gate_up_interleaved=True, minibatch=256, macrobatch=768, tma=True,
                 num_stages=4)
     shape = (256, 7168, 1024, 8, 8)  # T, H, I, E per rank, K (K <= E even with one rank)

@@ -27,6 +27,7 @@ from mok_kernels import MoKConfig, MoKConfigError, plan
     ({"bwd_direct_rows": 1}, "bwd_direct_rows"),
     ({"bwd_dx_tiles": 0}, "bwd_dx_tiles"),
     ({"bwd_da_tiles": 65}, "bwd_da_tiles"),
+    ({"bwd_dx_tma": 1}, "bwd_dx_tma"),
 ])
 def test_bad_field_names_field_and_allowed(fields, name):
     with pytest.raises(MoKConfigError) as info:

@@ -138,6 +138,25 @@ def test_tiles_per_item_backward_fits(knobs):
     assert not lw.spills, lw.ptxas_log
 
 
+@pytest.mark.parametrize("dx_tiles", [1, 4])
+def test_dx_items_through_tma_build_without_copies(dx_tiles):
+    """``bwd_dx_tma``: the dX (B) items alone (phase mask 2) load both GEMM operands through
+    TMA descriptors, with no per-thread asynchronous copy left (the default's B items copy
+    their dGU rows), fenced once after the acquire, fitting with no spills and in fewer
+    registers than the copies need."""
+    knobs = {**_defaults().__dict__, "bwd_dx_tiles": dx_tiles}
+    tma = mk.compile_megakernel(mk.MoKConfig.for_shape(H, I, **{**knobs, "bwd_dx_tma": True}),
+                                H, I, kernel="backward", phases=2)
+    copies = mk.compile_megakernel(mk.MoKConfig.for_shape(H, I, **knobs), H, I,
+                                   kernel="backward", phases=2)
+    assert copies.ttgir.count("ttg.async_copy_global_to_local") > 0
+    assert tma.ttgir.count("ttg.async_copy_global_to_local") == 0
+    assert tma.ttgir.count("async_tma_copy_global_to_local") >= 2
+    assert tma.ptx.count("fence.proxy.async.global") >= 1
+    assert tma.shared_bytes <= SMEM_LIMIT and not tma.spills, tma.ptxas_log
+    assert tma.registers < copies.registers, (tma.registers, copies.registers)
+
+
 def test_split_gate_up_backward_fits_with_two_stages():
     cfg = mk.MoKConfig.for_shape(2048, 256, minibatch=256, macrobatch=768, tma=True,
                                  num_stages=4)
