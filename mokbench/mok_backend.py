@@ -17,7 +17,8 @@ inside a ``torch.autograd.Function`` whose backward is the backward megakernel, 
 nothing.
 
 FP8 (``precision = "fp8"``): the forward runs the megakernel's FP8 path
-(``MoKConfig.fp8``; knob ``fp8`` = blockwise | rowwise | mx, default ``default_fp8_recipe``),
+(``MoKConfig.fp8``; knob ``fp8`` = blockwise | rowwise | mx | rowwise_all, default
+``default_fp8_recipe``),
 with the weights quantised once at setup (not timed); the backward is the BF16 backward
 megakernel on the BF16 weights (the row's variant says ``bwd=bf16``).
 """
@@ -143,7 +144,8 @@ def scenario_config(scenario, options: dict | None = None, num_sms: int = 132,
     cfg = config_from_env(s.hidden, s.intermediate, defaults, options)
     if fp8 != (cfg.fp8 != "none"):
         raise MoKConfigError(f"fp8={cfg.fp8!r} is invalid for precision {scenario.precision!r}:"
-                             " allowed none for bf16, blockwise | rowwise | mx for fp8")
+                             " allowed none for bf16, blockwise | rowwise | mx | rowwise_all "
+                             "for fp8")
     return cfg
 
 

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 
 # "none" and the FP8 recipes, in the order of their codes in the kernels (tl_gemm_fp8).
-FP8_MODES = ("none", "blockwise", "rowwise", "mx")
+FP8_MODES = ("none", "blockwise", "rowwise", "mx", "rowwise_all")
 
 
 class MoKConfigError(ValueError):
@@ -116,8 +116,11 @@ class MoKConfig:
         on a GPU.
     fp8: the forward's FP8 recipe (``tl_gemm_fp8``): "none" (bf16), "blockwise" (1x128
         activation and 128x128 weight scales, as TransformerEngine's Float8BlockScaling),
-        "rowwise" (per row / per weight column, applied after the K loop; h still 1x128) or
-        "mx" (MXFP8, Blackwell). Tokens are quantised once at the source into the token
+        "rowwise" (per row / per weight column, applied after the K loop; h still 1x128),
+        "mx" (MXFP8, Blackwell) or "rowwise_all" (both GEMMs rowwise: h one scale per row
+        over all its I columns, w2 one per column, so neither K loop rescales; one gate+up
+        item covers every tile of its row block and requantises the rows it wrote in bf16;
+        gate_up_tiles is ignored). Tokens are quantised once at the source into the token
         buffer's rows (e4m3 values, then their scales, in the bytes of the bf16 row), the
         gate+up epilogue quantises h, both GEMMs run in FP8 with fp32 accumulation; combine
         and the weighted sum stay bf16/fp32. Weights come quantised (``quantize_weights``).

@@ -20,7 +20,7 @@ import torch
 
 from mok_kernels._details import quant_ref as qr
 from mok_kernels._details import tl_quant as tq
-from mok_kernels._details.tl_gemm_fp8 import BLOCKWISE, MX, RECIPES
+from mok_kernels._details.tl_gemm_fp8 import BLOCKWISE, MX, RECIPES, ROWWISE_ALL
 
 # Tiles the standalone kernels launch with on GPUs. BN = 256 interleaved gate/up columns give
 # one 1x128 block of h per row and tile. Hopper: BM = 64, since the blockwise recipe's extra
@@ -41,9 +41,9 @@ def tiles_for(recipe: str) -> dict:
 @dataclasses.dataclass(frozen=True)
 class Fp8Ffn:
     """Quantised operands of one recipe. x_TH, w1_EFH, w2_EHI e4m3 (weights K-major, [N, K]
-    per expert); scales: sx per x row (K/128 fp32 blockwise, 1 fp32 rowwise, H/32 e8m0 mx),
-    sw1 / sw2 per expert (K/128 x N/128 fp32 blockwise, N fp32 rowwise for w1, N x K/32 e8m0
-    mx)."""
+    per expert); scales: sx per x row (K/128 fp32 blockwise, 1 fp32 rowwise and rowwise_all,
+    H/32 e8m0 mx), sw1 / sw2 per expert (K/128 x N/128 fp32 blockwise, N fp32 rowwise for w1
+    and rowwise_all for both, N x K/32 e8m0 mx)."""
 
     recipe: str
     x_TH: torch.Tensor
@@ -55,8 +55,9 @@ class Fp8Ffn:
 
     @property
     def down_recipe(self) -> str:
-        """The down GEMM's recipe: h is quantised per 1x128 block unless the recipe is mx."""
-        return "mx" if self.recipe == "mx" else "blockwise"
+        """The down GEMM's recipe: h is quantised per 1x128 block unless the recipe is mx
+        (1x32 MX) or rowwise_all (one scale per row)."""
+        return {"mx": "mx", "rowwise_all": "rowwise"}.get(self.recipe, "blockwise")
 
 
 def _check_recipe(recipe: str) -> int:
@@ -80,7 +81,7 @@ def _quantize_act(recipe: str, x_NH: torch.Tensor, pow2_scales: bool,
     if recipe == "mx":
         return tq.quantize_mx(x_NH, soft_cast=soft_cast)
     kw = {"pow2_scales": pow2_scales, "soft_cast": soft_cast}
-    if recipe == "rowwise":
+    if recipe in ("rowwise", "rowwise_all"):
         return tq.quantize_rowwise(x_NH, **kw)
     return tq.quantize_blockwise(x_NH, 128, **kw)
 
@@ -103,8 +104,13 @@ def _interpreting() -> bool:
 def ffn_fp8(ops: Fp8Ffn, grp_B: torch.Tensor, *, pow2_scales: bool = False,
             tiles: dict | None = None) -> torch.Tensor:
     """y [T, H] bf16 = down(SwiGLU(x @ w1)) of each row block's expert, in FP8: two grouped
-    launches, h quantised in the gate+up epilogue (never in bf16 in memory)."""
-    from mok_kernels._details.tl_gemm_fp8 import fp8_down_kernel, fp8_gate_up_kernel
+    launches, h quantised in the gate+up epilogue (never in bf16 in memory; rowwise_all: in
+    bf16 only until its row's last tile, then requantised in place by the same program)."""
+    from mok_kernels._details.tl_gemm_fp8 import (
+        fp8_down_kernel,
+        fp8_gate_up_kernel,
+        fp8_gate_up_rows_kernel,
+    )
 
     T, H = ops.x_TH.shape
     E, F, _ = ops.w1_EFH.shape
@@ -115,22 +121,32 @@ def ffn_fp8(ops: Fp8Ffn, grp_B: torch.Tensor, *, pow2_scales: bool = False,
         raise ValueError(f"rows {T} != row blocks {grp_B.numel()} x BM {bm} (both kernels)")
     interp = _interpreting()
     rec, hrec = RECIPES[ops.recipe], RECIPES[ops.down_recipe]
-    sh_cols = I // 32 if hrec == MX else I // 128
-    h = torch.empty(T, I, dtype=torch.float8_e4m3fn, device=ops.x_TH.device)
-    sh = torch.empty(T, sh_cols, dtype=torch.uint8 if hrec == MX else torch.float32,
-                     device=ops.x_TH.device)
-    y = torch.empty(T, H, dtype=torch.bfloat16, device=ops.x_TH.device)
+    dev = ops.x_TH.device
+    y = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
     gu, dn = t["gate_up"], t["down"]
     run = {} if interp else {"num_warps": gu["num_warps"], "num_stages": gu["num_stages"]}
-    fp8_gate_up_kernel[(grp_B.numel(), I // (gu["BN"] // 2))](
-        ops.x_TH, ops.sx, grp_B, ops.w1_EFH, ops.sw1, h, sh, H=H, I=I,
-        SX=ops.sx[0].numel(), SW1=ops.sw1[0].numel(), SH=sh_cols, BM=bm, BN=gu["BN"],
-        BK=gu["BK"], RECIPE=rec, H_RECIPE=hrec, POW2=pow2_scales, SOFT_CAST=interp,
-        F32_DOT=interp, **run)
+    if rec == ROWWISE_ALL:  # h rows: I e4m3 + one fp32 scale in the bytes of bf16 rows
+        h = torch.empty(T, I, dtype=torch.bfloat16, device=dev)
+        sh, sh_cols = h, 0
+        fp8_gate_up_rows_kernel[(grp_B.numel(),)](
+            ops.x_TH, ops.sx, grp_B, ops.w1_EFH, ops.sw1, h, H=H, I=I, SW1=ops.sw1[0].numel(),
+            BM=bm, BN=gu["BN"], BK=gu["BK"], POW2=pow2_scales, SOFT_CAST=interp,
+            F32_DOT=interp, **run)
+    else:
+        sh_cols = I // 32 if hrec == MX else I // 128
+        h = torch.empty(T, I, dtype=torch.float8_e4m3fn, device=dev)
+        sh = torch.empty(T, sh_cols, dtype=torch.uint8 if hrec == MX else torch.float32,
+                         device=dev)
+        fp8_gate_up_kernel[(grp_B.numel(), I // (gu["BN"] // 2))](
+            ops.x_TH, ops.sx, grp_B, ops.w1_EFH, ops.sw1, h, sh, H=H, I=I,
+            SX=ops.sx[0].numel(), SW1=ops.sw1[0].numel(), SH=sh_cols, BM=bm, BN=gu["BN"],
+            BK=gu["BK"], RECIPE=rec, H_RECIPE=hrec, POW2=pow2_scales, SOFT_CAST=interp,
+            F32_DOT=interp, **run)
     run = {} if interp else {"num_warps": dn["num_warps"], "num_stages": dn["num_stages"]}
     fp8_down_kernel[(grp_B.numel(), H // dn["BN"])](
         h, sh, grp_B, ops.w2_EHI, ops.sw2, y, H=H, I=I, SH=sh_cols, SW2=ops.sw2[0].numel(),
-        BM=bm, BN=dn["BN"], BK=dn["BK"], RECIPE=hrec, F32_DOT=interp, **run)
+        BM=bm, BN=dn["BN"], BK=dn["BK"], RECIPE=hrec, F32_DOT=interp,
+        ROWS16=rec == ROWWISE_ALL, **run)
     return y
 
 
@@ -139,7 +155,7 @@ def dequantize_weight(recipe: str, w_q_ENK: torch.Tensor, s: torch.Tensor) -> to
     if recipe == "mx":
         return qr.dequantize_mx(w_q_ENK, s).transpose(1, 2)
     w_q = w_q_ENK.transpose(1, 2)
-    if recipe == "rowwise":
+    if recipe in ("rowwise", "rowwise_all"):
         return qr.dequantize_colwise(w_q, s)
     return qr.dequantize_weight_128x128(w_q, s)
 
@@ -147,7 +163,7 @@ def dequantize_weight(recipe: str, w_q_ENK: torch.Tensor, s: torch.Tensor) -> to
 def _dequant_act(recipe: str, x_q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     if recipe == "mx":
         return qr.dequantize_mx(x_q, s)
-    if recipe == "rowwise":
+    if recipe in ("rowwise", "rowwise_all"):
         return qr.dequantize_rowwise(x_q, s)
     return qr.dequantize_blockwise(x_q, s)
 
@@ -155,7 +171,8 @@ def _dequant_act(recipe: str, x_q: torch.Tensor, s: torch.Tensor) -> torch.Tenso
 def ref_ffn_fp8(ops: Fp8Ffn, grp_B: torch.Tensor, block_m: int, *,
                 pow2_scales: bool = False) -> torch.Tensor:
     """The same FP8 computation in fp32 torch: dequantised operands, SwiGLU, h quantised with
-    the reference quantiser of the down recipe, dequantised, down GEMM. y [T, H] fp32."""
+    the reference quantiser of the down recipe (rowwise_all: of h rounded to bf16, as the
+    kernels keep it until the row is complete), dequantised, down GEMM. y [T, H] fp32."""
     x = _dequant_act(ops.recipe, ops.x_TH, ops.sx)
     w1 = dequantize_weight(ops.recipe, ops.w1_EFH, ops.sw1)
     w2 = dequantize_weight(ops.down_recipe, ops.w2_EHI, ops.sw2)
@@ -167,6 +184,9 @@ def ref_ffn_fp8(ops: Fp8Ffn, grp_B: torch.Tensor, block_m: int, *,
         h = gate * torch.sigmoid(gate) * up
         if ops.down_recipe == "mx":
             h = qr.dequantize_mx(*qr.ref_quantize_mx(h))
+        elif ops.down_recipe == "rowwise":
+            h = qr.dequantize_rowwise(*qr.ref_quantize_rowwise(h.bfloat16(),
+                                                              pow2_scales=pow2_scales))
         else:
             h = qr.dequantize_blockwise(*qr.ref_quantize_blockwise(h, 128,
                                                                    pow2_scales=pow2_scales))
@@ -200,13 +220,14 @@ class Fp8Weight:
 def _quantize_weight(recipe: str, w: torch.Tensor, gate_up: bool, pow2: bool,
                      soft_cast: bool | None = None) -> Fp8Weight:
     """One weight ([E, K, N] or [K, N]) of a recipe: 128x128 blocks, per output column for
-    the rowwise recipe's gate+up weight, MX along K (``Fp8Weight``)."""
+    the rowwise recipe's gate+up weight and both rowwise_all weights, MX along K
+    (``Fp8Weight``)."""
     w3 = w if w.dim() == 3 else w[None]
     kw = {"pow2_scales": pow2, "soft_cast": soft_cast}
     if recipe == "mx":
         q, s = _mx_weight(w3.contiguous(), soft_cast)
     else:
-        if recipe == "rowwise" and gate_up:
+        if (recipe == "rowwise" and gate_up) or recipe == "rowwise_all":
             q, s = tq.quantize_weight_colwise(w3.contiguous(), **kw)
         else:
             q, s = tq.quantize_weight_128x128(w3.contiguous(), **kw)
@@ -225,7 +246,7 @@ def quantize_weights(config, w_gate_up: torch.Tensor, w_down: torch.Tensor,
     recipe, pow2 = config.fp8, config.fp8_pow2_scales
     if recipe == "none":
         raise ValueError("fp8='none' is invalid for quantize_weights: allowed "
-                         "blockwise | rowwise | mx")
+                         + " | ".join(RECIPES))
     return (_quantize_weight(recipe, w_gate_up, True, pow2),
             _quantize_weight(recipe, w_down, False, pow2),
             None if shared_gate_up is None else _quantize_weight(recipe, shared_gate_up, True,

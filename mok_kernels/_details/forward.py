@@ -116,6 +116,16 @@ def _row_chunk(H: int) -> int:
     return min(1024, 1 << (H - 1).bit_length())
 
 
+def gate_up_tiles(cfg: MoKConfig, intermediate: int) -> int:
+    """Gate+up column tiles per work item: ``gate_up_tiles`` where it divides the row
+    block's 2I / block_n tiles (else 1); all of them with fp8 "rowwise_all", whose item needs
+    every h column of its rows before it can pick their scales."""
+    tiles = 2 * intermediate // cfg.block_n
+    if cfg.fp8 == "rowwise_all":
+        return tiles
+    return cfg.gate_up_tiles if tiles % cfg.gate_up_tiles == 0 else 1
+
+
 def kernel_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots: int,
                      shared: bool, programs: int, comm: int, interpreting: bool = False,
                      save_pre: bool = False) -> dict:
@@ -130,7 +140,7 @@ def kernel_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots: i
         HAS_SHARED=shared,
         MB=cfg.minibatch, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
         DT=cfg.down_tiles if (H // cfg.block_n) % cfg.down_tiles == 0 else 1,
-        GJ=cfg.gate_up_tiles if (2 * I // cfg.block_n) % cfg.gate_up_tiles == 0 else 1,
+        GJ=gate_up_tiles(cfg, I),
         CR=max(1, 4096 // ch), CH=ch, QUANT=cfg.quant, POW2=cfg.fp8_pow2_scales,
         SW1=sw1, SW2=sw2,
         F32_DOT=interpreting, TMA=cfg.tma,

@@ -64,9 +64,9 @@ FFN_KERNELS = ("gate_up", "down")
 def compile_fp8_ffn_kernel(kernel: str, recipe: str, *, arch: int = 90, hidden: int = 7168,
                            intermediate: int = 2048, tiles: dict | None = None) -> Lowered:
     """Compile one FP8 expert-FFN kernel of ``tl_gemm_fp8`` (``FFN_KERNELS``) for a recipe
-    (blockwise | rowwise | mx) and ``sm_<arch>`` with the tiles ``ffn_fp8`` launches it with
-    (``ffn_fp8.tiles_for``), then run ptxas -v: registers, spills, and (in the PTX) which MMA
-    instructions the FP8 dots became."""
+    (blockwise | rowwise | mx | rowwise_all) and ``sm_<arch>`` with the tiles ``ffn_fp8``
+    launches it with (``ffn_fp8.tiles_for``), then run ptxas -v: registers, spills, and (in
+    the PTX) which MMA instructions the FP8 dots became."""
     from mok_kernels._details import ffn_fp8
     from mok_kernels._details import tl_gemm_fp8 as tg
 
@@ -76,11 +76,18 @@ def compile_fp8_ffn_kernel(kernel: str, recipe: str, *, arch: int = 90, hidden: 
     t = dict((tiles or ffn_fp8.tiles_for(recipe))[kernel])
     H, I = hidden, intermediate
     mx = rec == tg.MX
-    hrec = tg.MX if mx else tg.BLOCKWISE
+    hrec = tg.down_recipe(rec)
     scale = "*u8/16" if mx else "*fp32/16"
     sh = I // 32 if mx else I // 128
     sw1, sw2 = tg.fp8_scale_sizes(H, I, rec)
     opts = {"num_warps": t.pop("num_warps"), "num_stages": t.pop("num_stages")}
+    rows16 = rec == tg.ROWWISE_ALL  # h: FP8 rows in the bytes of bf16 rows
+    if kernel == "gate_up" and rows16:
+        types = {"x_ptr": "*fp8e4nv/16", "sx_ptr": "*fp32/16", "grp_ptr": "*i32/16",
+                 "w1_ptr": "*fp8e4nv/16", "sw1_ptr": scale, "h16_ptr": "*bf16/16"}
+        consts = {"H": H, "I": I, "SW1": sw1, **t, "POW2": False, "SOFT_CAST": False,
+                  "F32_DOT": False}
+        return _compile(tg.fp8_gate_up_rows_kernel, types, consts, opts, arch)
     if kernel == "gate_up":
         sx = {tg.BLOCKWISE: H // 128, tg.ROWWISE: 1, tg.MX: H // 32}[rec]
         types = {"x_ptr": "*fp8e4nv/16", "sx_ptr": scale if rec != tg.ROWWISE else "*fp32/16",
@@ -89,9 +96,11 @@ def compile_fp8_ffn_kernel(kernel: str, recipe: str, *, arch: int = 90, hidden: 
         consts = {"H": H, "I": I, "SX": sx, "SW1": sw1, "SH": sh, **t, "RECIPE": rec,
                   "H_RECIPE": hrec, "POW2": False, "SOFT_CAST": False, "F32_DOT": False}
         return _compile(tg.fp8_gate_up_kernel, types, consts, opts, arch)
-    types = {"h_ptr": "*fp8e4nv/16", "sh_ptr": scale, "grp_ptr": "*i32/16",
-             "w2_ptr": "*fp8e4nv/16", "sw2_ptr": scale, "y_ptr": "*bf16/16"}
-    consts = {"H": H, "I": I, "SH": sh, "SW2": sw2, **t, "RECIPE": hrec, "F32_DOT": False}
+    types = {"h_ptr": "*bf16/16" if rows16 else "*fp8e4nv/16", "sh_ptr": scale,
+             "grp_ptr": "*i32/16", "w2_ptr": "*fp8e4nv/16", "sw2_ptr": scale,
+             "y_ptr": "*bf16/16"}
+    consts = {"H": H, "I": I, "SH": 0 if rows16 else sh, "SW2": sw2, **t, "RECIPE": hrec,
+              "F32_DOT": False, "ROWS16": rows16}
     return _compile(tg.fp8_down_kernel, types, consts, opts, arch)
 
 

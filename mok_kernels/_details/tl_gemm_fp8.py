@@ -21,9 +21,16 @@ Recipes (``RECIPE``), each a pair of activation and weight scalings (``tl_quant`
     3 MX         MXFP8: one e8m0 scale per 1x32 block along K for both operands
                  (``tl.dot_scaled``; block-scaled tensor-core MMAs on Blackwell, an emulation
                  elsewhere).
+    4 ROWWISE_ALL both GEMMs ROWWISE, so neither K loop rescales: the gate+up GEMM as
+                 ROWWISE, h one scale per row over all I columns, w2 one per output column.
+                 One work item computes every gate+up tile of its row block (a row's amax
+                 needs them all): each tile's epilogue stores h in bf16 into the row's own
+                 storage and keeps the row's running amax; after the last tile the item
+                 re-reads the rows and overwrites them in place with e4m3 and the row scale.
 The gate+up epilogue quantises h = silu(gate) * up in registers, one 1x128 block (BN = 256
 interleaved columns give 128 h columns) or four 1x32 MX blocks per row and tile, so h
-reaches memory already in FP8 with its scales: no separate quantisation pass.
+reaches memory already in FP8 with its scales: no separate quantisation pass (ROWWISE_ALL:
+one pass over the item's own rows, in L2, after its last tile).
 
 ``F32_DOT`` (Triton's interpreter on CPU) widens the e4m3 operands to fp32 before the dot;
 the products and sums are then exact up to fp32 rounding, as on the tensor cores.
@@ -34,10 +41,31 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mok_kernels._details.tl_quant import quant_rows_e4m3, quant_rows_mx
+from mok_kernels._details.tl_quant import (
+    e4m3_scales,
+    finite_amax,
+    quant_rows_e4m3,
+    quant_rows_mx,
+    to_bf16,
+    to_e4m3,
+    to_f32,
+)
 
-BLOCKWISE, ROWWISE, MX = 1, 2, 3
-RECIPES = {"blockwise": BLOCKWISE, "rowwise": ROWWISE, "mx": MX}
+BLOCKWISE, ROWWISE, MX, ROWWISE_ALL = 1, 2, 3, 4
+RECIPES = {"blockwise": BLOCKWISE, "rowwise": ROWWISE, "mx": MX, "rowwise_all": ROWWISE_ALL}
+
+
+def gate_up_recipe(recipe: int) -> int:
+    """The recipe code of the gate+up GEMM's tiles for a recipe (ROWWISE_ALL: ROWWISE)."""
+    return ROWWISE if recipe == ROWWISE_ALL else recipe
+
+
+def down_recipe(recipe: int) -> int:
+    """How h is quantised, i.e. the down GEMM's recipe code: MX for MX, ROWWISE for
+    ROWWISE_ALL, else 1x128 blocks (BLOCKWISE); 0 (bf16) for 0."""
+    if recipe == 0:
+        return 0
+    return {MX: MX, ROWWISE_ALL: ROWWISE}.get(recipe, BLOCKWISE)
 
 
 @triton.jit
@@ -121,6 +149,45 @@ def swiglu_quant_epilogue(acc, h_rows, sh_rows, j, BM: tl.constexpr, BN: tl.cons
 
 
 @triton.jit
+def swiglu_bf16_epilogue(acc, hb_rows, j, BM: tl.constexpr, BN: tl.constexpr,
+                         SOFT_CAST: tl.constexpr):
+    """ROWWISE_ALL's epilogue of an interleaved gate/up tile [BM, BN] of h-column tile j:
+    h = silu(gate) * up stored in bf16 at columns j*BN/2.. of the bf16 rows ``hb_rows``;
+    returns each row's max |h| [BM] over those columns (of the bf16 values, which are what
+    :func:`requant_rows` quantises; +inf for a non-finite value). (Processing the tile in
+    two column halves cut the sm_90 spill at block_m 128 from 12 to 4 bytes but added 49
+    registers at block_m 64 for the layout permutes: not done.)"""
+    HALF: tl.constexpr = BN // 2
+    gate, up = tl.split(tl.reshape(acc, (BM, HALF, 2)))
+    hb = to_bf16(gate / (1.0 + tl.exp(-gate)) * up, SOFT_CAST)
+    cols = j * HALF + tl.arange(0, HALF)
+    tl.store(hb_rows[:, None] + cols[None, :], hb)
+    return finite_amax(to_f32(hb, SOFT_CAST), 1)
+
+
+@triton.jit
+def requant_rows(hb_rows16, amax, I: tl.constexpr, BM: tl.constexpr, POW2: tl.constexpr,
+                 SOFT_CAST: tl.constexpr):
+    """Overwrite BM bf16 rows of I values (``hb_rows16``, written by this program's
+    :func:`swiglu_bf16_epilogue` calls) in place with their ROWWISE FP8 form
+    (``fp8_row_views``: I e4m3 values, then one fp32 scale from byte I), one scale per row
+    from ``amax``. In 128-column chunks, each read by every thread before any thread writes
+    its e4m3 bytes: chunk c's bytes [c, c+128) hold bf16 columns [c/2, c/2+64), already read
+    (c/2 <= c), and the scale's bytes [I, I+4) hold bf16 column I/2, read before the last
+    chunk's barrier."""
+    C: tl.constexpr = 128
+    inv, scale = e4m3_scales(amax, POW2)
+    q_rows, s_rows = fp8_row_views(hb_rows16, I, 2)  # ROWWISE
+    offs = tl.arange(0, C)
+    tl.debug_barrier()  # every thread's bf16 stores of these rows before anyone reads them
+    for c0 in tl.range(0, I, C):
+        v = to_f32(tl.load(hb_rows16[:, None] + (c0 + offs)[None, :]), SOFT_CAST)
+        tl.debug_barrier()  # the chunk read by every thread before its e4m3 bytes land
+        tl.store(q_rows[:, None] + (c0 + offs)[None, :], to_e4m3(v * inv[:, None], SOFT_CAST))
+    tl.store(s_rows, scale)
+
+
+@triton.jit
 def fp8_gate_up_kernel(x_ptr, sx_ptr, grp_ptr, w1_ptr, sw1_ptr, h_ptr, sh_ptr,
                        H: tl.constexpr, I: tl.constexpr, SX: tl.constexpr, SW1: tl.constexpr,
                        SH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
@@ -139,16 +206,42 @@ def fp8_gate_up_kernel(x_ptr, sx_ptr, grp_ptr, w1_ptr, sw1_ptr, h_ptr, sh_ptr,
 
 
 @triton.jit
+def fp8_gate_up_rows_kernel(x_ptr, sx_ptr, grp_ptr, w1_ptr, sw1_ptr, h16_ptr,
+                            H: tl.constexpr, I: tl.constexpr, SW1: tl.constexpr,
+                            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                            POW2: tl.constexpr, SOFT_CAST: tl.constexpr, F32_DOT: tl.constexpr):
+    """ROWWISE_ALL, program b: every gate+up tile of row block b (expert ``grp[b]``; x rows
+    one fp32 scale each), h in bf16 into the rows of ``h16_ptr`` [T, I] bf16, then those rows
+    requantised in place (``requant_rows``: I e4m3 + one fp32 scale per row)."""
+    b = tl.program_id(0)
+    e = tl.load(grp_ptr + b).to(tl.int64)
+    rows = (b * BM + tl.arange(0, BM)).to(tl.int64)
+    hb_rows = h16_ptr + rows * I
+    amax = tl.zeros((BM,), dtype=tl.float32)
+    for j in tl.range(0, I // (BN // 2)):
+        acc = fp8_tile(x_ptr + rows * H, rows >= 0, sx_ptr + rows, w1_ptr + e * H * (2 * I),
+                       sw1_ptr + e * SW1, j * BN, H, 2 * I, BM, BN, BK, 2, F32_DOT)  # ROWWISE
+        amax = tl.maximum(amax, swiglu_bf16_epilogue(acc, hb_rows, j, BM, BN, SOFT_CAST))
+    requant_rows(hb_rows, amax, I, BM, POW2, SOFT_CAST)
+
+
+@triton.jit
 def fp8_down_kernel(h_ptr, sh_ptr, grp_ptr, w2_ptr, sw2_ptr, y_ptr, H: tl.constexpr,
                     I: tl.constexpr, SH: tl.constexpr, SW2: tl.constexpr, BM: tl.constexpr,
                     BN: tl.constexpr, BK: tl.constexpr, RECIPE: tl.constexpr,
-                    F32_DOT: tl.constexpr):
-    """Program (b, j): y[rows of block b, j*BN..] = dequant(h_q) @ dequant(w2_q) in bf16."""
+                    F32_DOT: tl.constexpr, ROWS16: tl.constexpr = False):
+    """Program (b, j): y[rows of block b, j*BN..] = dequant(h_q) @ dequant(w2_q) in bf16.
+    ROWS16: h is FP8 rows in the bytes of bf16 rows of I ([T, I] bf16, ``fp8_row_views``;
+    ``sh_ptr`` unused) instead of e4m3 [T, I] plus scales [T, SH]."""
     b = tl.program_id(0)
     j = tl.program_id(1)
     e = tl.load(grp_ptr + b).to(tl.int64)
     rows = (b * BM + tl.arange(0, BM)).to(tl.int64)
-    acc = fp8_tile(h_ptr + rows * I, rows >= 0, sh_ptr + rows * SH, w2_ptr + e * I * H,
+    if ROWS16:
+        h_rows, sh_rows = fp8_row_views(h_ptr + rows * I, I, RECIPE)
+    else:
+        h_rows, sh_rows = h_ptr + rows * I, sh_ptr + rows * SH
+    acc = fp8_tile(h_rows, rows >= 0, sh_rows, w2_ptr + e * I * H,
                    sw2_ptr + e * SW2, j * BN, I, H, BM, BN, BK, RECIPE, F32_DOT)
     cols = j * BN + tl.arange(0, BN)
     tl.store(y_ptr + rows[:, None] * H + cols[None, :], acc.to(tl.bfloat16))
@@ -178,17 +271,30 @@ def gate_up_fp8_tiles(a_rows16, a_mask, w1, sw1, j0, h_rows16, pre_row_ptrs, w1_
     group's e4m3 weights (K-major [2I, H]) and scales (``fp8_tile``). h is quantised in the epilogue
     (1x128, or MX 1x32 with the mx recipe); SAVE_PRE also stores the pre-activations in bf16
     (the backward's input, in w1's interleaved column layout)."""
-    H_RECIPE: tl.constexpr = 3 if RECIPE == 3 else 1
-    a_rows, sa_rows = fp8_row_views(a_rows16, H, RECIPE)
-    h_rows, sh_rows = fp8_row_views(h_rows16, I, H_RECIPE)
-    for jj in tl.range(0, GJ):
-        j = j0 + jj
-        acc = fp8_tile(a_rows, a_mask, sa_rows, w1, sw1, j * BN, H, 2 * I, BM, BN, BK, RECIPE,
-                       F32_DOT, w1_desc, w_row0, TMA)
-        if SAVE_PRE:
-            wcols = j * BN + tl.arange(0, BN)
-            tl.store(pre_row_ptrs[:, None] + wcols[None, :], acc.to(tl.bfloat16))
-        swiglu_quant_epilogue(acc, h_rows, sh_rows, j, BM, BN, H_RECIPE, POW2, F32_DOT)
+    if RECIPE == 4:  # ROWWISE_ALL: GJ is every tile of the row block; h per row at the end
+        a_rows, sa_rows = fp8_row_views(a_rows16, H, 2)
+        amax = tl.zeros((BM,), dtype=tl.float32)
+        for jj in tl.range(0, GJ):
+            j = j0 + jj
+            acc = fp8_tile(a_rows, a_mask, sa_rows, w1, sw1, j * BN, H, 2 * I, BM, BN, BK, 2,
+                           F32_DOT, w1_desc, w_row0, TMA)
+            if SAVE_PRE:
+                wcols = j * BN + tl.arange(0, BN)
+                tl.store(pre_row_ptrs[:, None] + wcols[None, :], acc.to(tl.bfloat16))
+            amax = tl.maximum(amax, swiglu_bf16_epilogue(acc, h_rows16, j, BM, BN, F32_DOT))
+        requant_rows(h_rows16, amax, I, BM, POW2, F32_DOT)
+    else:
+        H_RECIPE: tl.constexpr = 3 if RECIPE == 3 else 1
+        a_rows, sa_rows = fp8_row_views(a_rows16, H, RECIPE)
+        h_rows, sh_rows = fp8_row_views(h_rows16, I, H_RECIPE)
+        for jj in tl.range(0, GJ):
+            j = j0 + jj
+            acc = fp8_tile(a_rows, a_mask, sa_rows, w1, sw1, j * BN, H, 2 * I, BM, BN, BK,
+                           RECIPE, F32_DOT, w1_desc, w_row0, TMA)
+            if SAVE_PRE:
+                wcols = j * BN + tl.arange(0, BN)
+                tl.store(pre_row_ptrs[:, None] + wcols[None, :], acc.to(tl.bfloat16))
+            swiglu_quant_epilogue(acc, h_rows, sh_rows, j, BM, BN, H_RECIPE, POW2, F32_DOT)
 
 
 @triton.jit
@@ -199,7 +305,7 @@ def down_fp8_tiles(h_rows16, w2, sw2, j0, dst_row_ptrs, dst_mask, w2_desc, w_row
     """The megakernel's FP8 down work: DT column tiles j0.. of one row block from its FP8 h
     rows (1x128 blocks, MX with the mx recipe) and this group's e4m3 w2 (K-major [H, I]) + scales;
     bf16 out to dst rows (masked)."""
-    H_RECIPE: tl.constexpr = 3 if RECIPE == 3 else 1
+    H_RECIPE: tl.constexpr = 3 if RECIPE == 3 else (2 if RECIPE == 4 else 1)
     h_rows, sh_rows = fp8_row_views(h_rows16, I, H_RECIPE)
     for jj in tl.range(0, DT):
         cols = (j0 + jj) * BN + tl.arange(0, BN)
@@ -218,6 +324,8 @@ def fp8_scale_sizes(hidden: int, intermediate: int, recipe: int) -> tuple[int, i
         return 2 * I * (H // 32), H * (I // 32)
     if recipe == ROWWISE:
         return 2 * I, (I // 128) * (H // 128)
+    if recipe == ROWWISE_ALL:
+        return 2 * I, H
     if recipe == BLOCKWISE:
         return (H // 128) * (2 * I // 128), (I // 128) * (H // 128)
     return 0, 0
@@ -229,5 +337,5 @@ def fp8_row_elements(width: int, recipe: int) -> int:
     rounded up; ``width`` for bf16 (recipe 0). What dispatch moves per row."""
     if recipe == 0:
         return width
-    scale_bytes = 4 if recipe == ROWWISE else width // 32
+    scale_bytes = 4 if recipe in (ROWWISE, ROWWISE_ALL) else width // 32
     return -(-(width + scale_bytes) // 2)

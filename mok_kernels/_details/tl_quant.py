@@ -103,6 +103,18 @@ def to_f32(v, SOFT_CAST: tl.constexpr):
 
 
 @triton.jit
+def to_bf16(v, SOFT_CAST: tl.constexpr):
+    """fp32 -> bf16, nearest even (the GPU's cvt.rn.bf16.f32); SOFT_CAST in integer
+    arithmetic, since the interpreter's cast truncates (1 + 2^-8 + 2^-20 -> 1.0); NaN stays
+    NaN."""
+    if SOFT_CAST:
+        u = v.to(tl.uint32, bitcast=True)
+        r = tl.where(v != v, 0x7FC0, (u + 0x7FFF + ((u >> 16) & 1)) >> 16)
+        return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return v.to(tl.bfloat16)
+
+
+@triton.jit
 def finite_amax(v, AXIS: tl.constexpr):
     """max |v| along AXIS with NaN read as +inf: the result is +inf exactly where the block
     holds a non-finite value (GPU max ignores NaN, so NaN cannot propagate by itself)."""

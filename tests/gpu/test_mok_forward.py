@@ -249,7 +249,8 @@ def test_withheld_signal_times_out(comm, withhold):
 
 @pytest.mark.parametrize("recipe, comm, ranks, tma", [
     ("blockwise", 0, 1, False), ("blockwise", 8, 2, False), ("blockwise", 0, 2, True),
-    ("rowwise", 0, 2, False), ("rowwise", 8, 2, True), ("mx", 0, 1, False)])
+    ("rowwise", 0, 2, False), ("rowwise", 8, 2, True), ("mx", 0, 1, False),
+    ("rowwise_all", 0, 2, True), ("rowwise_all", 8, 2, True), ("rowwise_all", 0, 1, False)])
 def test_fp8_forward_within_fp8_bound_and_reruns_bitwise(recipe, comm, ranks, tma):
     """The FP8 forward (tokens quantised at the source, FP8 GEMMs, h quantised in the
     epilogue) against the float32 layer within the FP8 bound 0.1 (about 0.065 on CPU), NaN

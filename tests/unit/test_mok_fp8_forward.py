@@ -1,7 +1,7 @@
 """The megakernel's FP8 forward (``MoKConfig(fp8=...)``) on CPU, in Triton's interpreter (no
 communication programs; one and two loopback ranks, shared expert on and off, inference and
 training forward), against (a) a torch reference with the same quantisation (tokens at the
-source, weights 128x128 / per column / MX, h 1x128 or MX) within 2e-2 norm relative (the
+source, weights 128x128 / per column / MX, h 1x128, per row or MX) within 2e-2 norm relative (the
 interpreter truncates the bf16 combine slots; the bf16 test uses the same bound) and (b) the
 exact fp32 layer within the FP8 bound 0.1 (measured about 0.065). After the training forward,
 the bf16 backward on its context gives every gradient within 0.1 of the fp32 reference.
@@ -39,13 +39,14 @@ def deq_w(recipe, fw, gate_up):
     q, s = fw.q, fw.scale
     three = q.dim() == 3
     q3, s3 = (q, s) if three else (q[None], s[None])
-    w = dequantize_weight(recipe if gate_up or recipe == "mx" else "blockwise", q3, s3)
+    keep = gate_up or recipe in ("mx", "rowwise_all")  # else w2 in 128x128 blocks
+    w = dequantize_weight(recipe if keep else "blockwise", q3, s3)
     return w if three else w[0]
 
 def deq_x(recipe, x):
     if recipe == "mx":
         return qr.dequantize_mx(*qr.ref_quantize_mx(x))
-    if recipe == "rowwise":
+    if recipe in ("rowwise", "rowwise_all"):
         return qr.dequantize_rowwise(*qr.ref_quantize_rowwise(x))
     return qr.dequantize_blockwise(*qr.ref_quantize_blockwise(x, 128))
 
@@ -53,11 +54,15 @@ def ffn(recipe, xd, w1d, w2d):
     pre = xd @ w1d
     g, u = pre[:, 0::2], pre[:, 1::2]
     h = g * torch.sigmoid(g) * u
-    h = qr.dequantize_mx(*qr.ref_quantize_mx(h)) if recipe == "mx" else \
-        qr.dequantize_blockwise(*qr.ref_quantize_blockwise(h, 128))
+    if recipe == "mx":
+        h = qr.dequantize_mx(*qr.ref_quantize_mx(h))
+    elif recipe == "rowwise_all":  # one scale per row of h, kept in bf16 until it is whole
+        h = qr.dequantize_rowwise(*qr.ref_quantize_rowwise(h.bfloat16()))
+    else:
+        h = qr.dequantize_blockwise(*qr.ref_quantize_blockwise(h, 128))
     return h @ w2d
 
-for recipe in ("blockwise", "rowwise", "mx"):
+for recipe in ("blockwise", "rowwise", "mx", "rowwise_all"):
     for (L, T, E, K, shared, train, tma) in [(1, 24, 3, 2, True, False, True),
                                              (2, 13, 2, 2, False, True, False)]:
         torch.manual_seed(L)
@@ -116,9 +121,9 @@ def test_fp8_forward_in_interpreter_matches_references():
     out = run_interpreted(SCRIPT, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     cases = [line.split()[1:] for line in out.stdout.splitlines() if line.startswith("case ")]
-    assert len(cases) == 6, out.stdout
+    assert len(cases) == 8, out.stdout
     bwd = [line.split()[1:] for line in out.stdout.splitlines() if line.startswith("bwd ")]
-    assert len(bwd) == 3, out.stdout
+    assert len(bwd) == 4, out.stdout
     for recipe, worst in bwd:  # every gradient within the FP8 bound of the fp32 reference
         assert float(worst) < 0.1, (recipe, worst)
     for recipe, L, train, e_ref, e_exact, finite in cases:
@@ -129,7 +134,8 @@ def test_fp8_forward_in_interpreter_matches_references():
 
 @pytest.mark.parametrize("recipe, arch, block_m, comm, tma", [
     ("blockwise", 90, 64, 0, True), ("rowwise", 90, 64, 0, True), ("blockwise", 90, 64, 16, True),
-    ("blockwise", 90, 64, 16, False), ("mx", 100, 128, 0, False), ("mx", 100, 128, 0, True)])
+    ("blockwise", 90, 64, 16, False), ("mx", 100, 128, 0, False), ("mx", 100, 128, 0, True),
+    ("rowwise_all", 90, 64, 0, True), ("rowwise_all", 90, 64, 16, True)])
 def test_fp8_megakernel_builds_without_spills(recipe, arch, block_m, comm, tma):
     """Kimi shape; comm: with communication programs (dispatch moves the FP8 rows); tma: the
     FP8 weight tiles through TMA descriptors (the backend's default). The K-major weight tiles
@@ -148,9 +154,30 @@ def test_fp8_megakernel_builds_without_spills(recipe, arch, block_m, comm, tma):
             lw.mma_instructions
 
 
+def test_rowwise_all_megakernel_builds_pure_k_loops():
+    """fp8="rowwise_all": both GEMMs rowwise (scales after the K loops), so its sm_90 build
+    needs fewer registers than "rowwise", whose down GEMM rescales every 128-deep step (Kimi
+    shape, block_m 64, TMA weight tiles); at block_m 128 (m64n256 MMAs) it spills at most a
+    few bytes where "rowwise" spills hundreds."""
+    def build(recipe, block_m):
+        cfg = mk.MoKConfig.for_shape(7168, 2048, fp8=recipe, gate_up_interleaved=True,
+                                     block_k=128, block_m=block_m, minibatch=4096,
+                                     macrobatch=12288, tma=True)
+        return mk.compile_megakernel(cfg, 7168, 2048)
+
+    def spilled(lw):
+        return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", lw.ptxas_log))
+
+    assert build("rowwise_all", 64).registers < build("rowwise", 64).registers
+    wide, wide_rowwise = build("rowwise_all", 128), build("rowwise", 128)
+    assert "wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3" in wide.mma_instructions
+    assert spilled(wide) <= 16 < 256 <= spilled(wide_rowwise), (spilled(wide),
+                                                              spilled(wide_rowwise))
+
+
 def test_fp8_config_errors_name_the_field():
     with pytest.raises(mk.MoKConfigError, match=r"^fp8='e5m2' is invalid: allowed none \| "
-                                                r"blockwise \| rowwise \| mx$"):
+                                                r"blockwise \| rowwise \| mx \| rowwise_all$"):
         mk.MoKConfig(fp8="e5m2")
     with pytest.raises(mk.MoKConfigError, match=r"^block_k=64 is invalid: allowed 128 with"):
         mk.MoKConfig(fp8="blockwise", gate_up_interleaved=True, block_k=64)

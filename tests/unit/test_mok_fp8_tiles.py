@@ -1,7 +1,8 @@
 """The FP8 expert-FFN tiles (``mok_kernels.ffn_fp8``) on CPU: the grouped gate+up (SwiGLU,
 h quantised in the epilogue) and down kernels in Triton's interpreter against the torch
 reference with the same quantisation, for each recipe (blockwise 1x128 / 128x128 as
-TransformerEngine's Float8BlockScaling, rowwise, MXFP8), bitwise reruns and NaN propagation;
+TransformerEngine's Float8BlockScaling, rowwise, MXFP8, rowwise_all), bitwise reruns and NaN
+propagation;
 then their builds: Hopper e4m3 wgmma without spills, Blackwell block-scaled tcgen05 MMAs
 (MXFP8) without spills. Tolerances: against the same-quantisation reference 1e-2 (norm
 relative: the bf16 output and the odd h element rounded the other way); against the exact
@@ -75,7 +76,7 @@ def test_bad_recipe_is_one_clear_error():
 
 
 @pytest.mark.parametrize("kernel", mk.FFN_KERNELS)
-@pytest.mark.parametrize("recipe", ["blockwise", "rowwise"])
+@pytest.mark.parametrize("recipe", ["blockwise", "rowwise", "rowwise_all"])
 def test_hopper_builds_use_fp8_wgmma_without_spills(recipe, kernel):
     """Kimi shape (H 7168, I 2048), the launch tiles: e4m3 x e4m3 wgmma, fp32 accumulation,
     both operands pipelined into shared memory by asynchronous copies (K-major weights: an

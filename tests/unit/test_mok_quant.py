@@ -29,6 +29,7 @@ import torch  # noqa: E402
 
 import mok_kernels as mk  # noqa: E402
 from mok_kernels._details import quant_ref as qr  # noqa: E402
+from tests.unit.interpreted import run_interpreted  # noqa: E402
 
 E4M3_GRID = torch.arange(127, dtype=torch.uint8).view(torch.float8_e4m3fn).double().numpy()
 
@@ -271,3 +272,36 @@ def test_soft_cast_builds_for_hopper():
     can check one against the other)."""
     lw = mk.compile_quant_kernel("blockwise", 7168, arch=90, soft_cast=True)
     assert not lw.spills and "cvt.rn.satfinite" not in lw.ptx, lw.ptxas_log
+
+
+BF16_SCRIPT = textwrap.dedent("""
+    import torch, triton, triton.language as tl
+    from mok_kernels._details.tl_quant import to_bf16
+
+    @triton.jit
+    def cast(x_ptr, y_ptr, N: tl.constexpr, SOFT: tl.constexpr):
+        o = tl.arange(0, N)
+        tl.store(y_ptr + o, to_bf16(tl.load(x_ptr + o), SOFT))
+
+    torch.manual_seed(0)
+    ties = [1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 1 + 2 ** -8 + 2 ** -20, 3.0e38,
+            3.4e38, 1e-40, float("inf"), -float("inf"), float("nan")]
+    x = torch.cat([torch.tensor(ties), torch.randn(1014) * 2.0 ** torch.randint(-20, 20, (1014,))])
+    for soft in (True, False):
+        y = torch.empty(1024, dtype=torch.bfloat16)
+        cast[(1,)](x, y, N=1024, SOFT=soft)
+        want = x.bfloat16()
+        same = torch.equal(y.view(torch.int16)[~x.isnan()], want.view(torch.int16)[~x.isnan()])
+        print("cast", soft, same, bool(y[x.isnan()].isnan().all()))
+""")
+
+
+def test_bf16_cast_in_interpreter_is_nearest_even():
+    """``to_bf16`` with SOFT_CAST rounds fp32 to bf16 to nearest even, as the GPU does (ties,
+    overflow to inf, subnormals, infinities, NaN), where the interpreter's own cast truncates
+    (1 + 2^-8 + 2^-20 -> 1.0): what the rowwise_all epilogue's row amax relies on."""
+    out = run_interpreted(BF16_SCRIPT, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [ln.split()[1:] for ln in out.stdout.splitlines() if ln.startswith("cast ")]
+    assert lines[0] == ["True", "True", "True"], out.stdout  # SOFT_CAST: bitwise torch's RNE
+    assert lines[1][0] == "False", out.stdout  # the interpreter's plain cast truncates
