@@ -66,8 +66,8 @@ def static_cxx_runtime_reason(needed: list[str] | None, ld_preload: str | None,
     """Why the C++ extension ``name`` would crash in this process, or None. ``needed``: its
     DT_NEEDED list (:func:`elf_needed`; None claims nothing); ``ld_preload``: $LD_PRELOAD.
     Pure."""
-    if needed is None or any(lib.startswith("libstdc++.so") for lib in needed):
-        return None
+    if needed is None or any(lib.startswith(("libstdc++.so", "libc++.so")) for lib in needed):
+        return None  # a shared C++ runtime (GNU's, or LLVM's libc++): nothing to claim
     if "libstdc++.so" in (ld_preload or ""):
         return None
     return (f"{name} links the C++ runtime statically (no libstdc++.so.6 among its libraries) "

@@ -64,6 +64,7 @@ from mok_kernels._details.forward import (
     build_schedule,
     forward,
     forward_train,
+    gate_up_tiles,
     interleave_gate_up,
 )
 from mok_kernels._details.graph import GraphedForward
@@ -132,6 +133,7 @@ __all__ = [
     "forward",
     "forward_train",
     "get_workspace",
+    "gate_up_tiles",
     "interleave_gate_up",
     "plan",
     "quantize_blockwise",

@@ -72,6 +72,7 @@ def test_static_cxx_runtime_reason():
     why = static_cxx_runtime_reason(["libtorch.so", "libgcc_s.so.1", "libc.so.6"], "")
     assert why.startswith("hybrid_ep_cpp links the C++ runtime statically") and PRELOAD_FIX in why
     assert static_cxx_runtime_reason(["libstdc++.so.6", "libc.so.6"], "") is None
+    assert static_cxx_runtime_reason(["libc++.so.1", "libc.so.6"], "") is None  # LLVM's
     assert static_cxx_runtime_reason(
         ["libc.so.6"], "/usr/lib/x86_64-linux-gnu/libstdc++.so.6") is None
     assert static_cxx_runtime_reason(None, None) is None
