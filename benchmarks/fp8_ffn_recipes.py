@@ -1,10 +1,10 @@
 """Time the FP8 expert-FFN tiles (``mok_kernels.ffn_fp8``) per recipe against the same grouped
 FFN in bf16 through ``torch._grouped_mm``, at one shape, on one GPU: the measurement that
 picks the recipe of mok's FP8 path (blockwise scales inside the K loop against rowwise scales
-after it; MXFP8 on Blackwell). Timed as the harness times (``mokbench.timing``: CUDA
-events, median of ``--iters`` after ``--warmup``). The FP8 times cover both kernels (gate+up
-with SwiGLU and the h quantisation, down), not the activation quantisation, which is timed
-apart (once per forward, at the source rank).
+after it, in the gate+up GEMM or, rowwise_all, in both; MXFP8 on Blackwell). Timed as the
+harness times (``mokbench.timing``: CUDA events, median of ``--iters`` after ``--warmup``).
+The FP8 times cover both kernels (gate+up with SwiGLU and the h quantisation, down), not the
+activation quantisation, which is timed apart (once per forward, at the source rank).
 
     python benchmarks/fp8_ffn_recipes.py --experts 48 --tokens 16384 --topk 8
 """
@@ -20,7 +20,8 @@ import mok_kernels as mk
 
 # The activation quantiser of each recipe (what runs once per forward at the source rank).
 QUANT_X = {"blockwise": lambda x: mk.quantize_blockwise(x, 128),
-           "rowwise": mk.quantize_rowwise, "mx": mk.quantize_mx}
+           "rowwise": mk.quantize_rowwise, "mx": mk.quantize_mx,
+           "rowwise_all": mk.quantize_rowwise}
 
 
 def main() -> None:
