@@ -55,11 +55,6 @@ BLOCKWISE, ROWWISE, MX, ROWWISE_ALL = 1, 2, 3, 4
 RECIPES = {"blockwise": BLOCKWISE, "rowwise": ROWWISE, "mx": MX, "rowwise_all": ROWWISE_ALL}
 
 
-def gate_up_recipe(recipe: int) -> int:
-    """The recipe code of the gate+up GEMM's tiles for a recipe (ROWWISE_ALL: ROWWISE)."""
-    return ROWWISE if recipe == ROWWISE_ALL else recipe
-
-
 def down_recipe(recipe: int) -> int:
     """How h is quantised, i.e. the down GEMM's recipe code: MX for MX, ROWWISE for
     ROWWISE_ALL, else 1x128 blocks (BLOCKWISE); 0 (bf16) for 0."""
