@@ -336,10 +336,10 @@ class HybridEPMegatronBackend(BackendBase):
                               hybridep_error=error or "")
         if why is None and hybridep:
             why = hybridep_runtime_reason()
-        if why is None and hybridep:
-            home = jit_cuda_home()
-            why = nvcc_reason(home, bool(home) and os.path.isfile(os.path.join(home, "bin",
-                                                                               "nvcc")))
+            if why is None:
+                home = jit_cuda_home()
+                why = nvcc_reason(home, bool(home) and os.path.isfile(os.path.join(home, "bin",
+                                                                                   "nvcc")))
             if why is None and scenario is not None:
                 s = scenario.shape
                 why = hybridep_shape_reason(ws, s.hidden, s.num_experts)

@@ -245,7 +245,10 @@ if ((check)); then
 fi
 [[ $flavour != hybrid-ep ]] || echo "HybridEP JIT-compiles its kernels at run time: keep" \
   "CUDA_HOME=$cuda_home (nvcc) reachable when you run it"
-if [[ $flavour == hybrid-ep ]]; then  # a statically linked C++ runtime crashes HybridEPBuffer
+# A statically linked C++ runtime crashes HybridEPBuffer. baselines.hybridep_megatron's
+# hybridep_runtime_reason says so at run time; here its ELF check (native_libs, standard
+# library only) is called directly, without importing torch.
+if [[ $flavour == hybrid-ep ]]; then
   repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
   runtime=$(cd / && PYTHONPATH=$repo${check_path:+:$check_path}${PYTHONPATH:+:$PYTHONPATH} \
     "$python" -c 'import importlib.util as u

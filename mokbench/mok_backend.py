@@ -18,9 +18,8 @@ nothing.
 
 FP8 (``precision = "fp8"``): the forward runs the megakernel's FP8 path
 (``MoKConfig.fp8``; knob ``fp8`` = blockwise | rowwise | mx | rowwise_all, default
-``default_fp8_recipe``),
-with the weights quantised once at setup (not timed); the backward is the BF16 backward
-megakernel on the BF16 weights (the row's variant says ``bwd=bf16``).
+``default_fp8_recipe``), with the weights quantised once at setup (not timed); the backward
+is the BF16 backward megakernel on the BF16 weights (the row's variant says ``bwd=bf16``).
 """
 
 from __future__ import annotations

@@ -53,7 +53,8 @@ def _finished_keys(run_dir: Path) -> set[tuple[str, str]]:
 
 def unfinished_cells(run_dir: Path | str) -> list[tuple[str, str]]:
     """(scenario id, backend) of every cell of the run's sweep copy that has no row yet (the
-    sweep stopped before it: ``mokbench sweep --resume RUN_DIR`` runs them), in sweep order;
+    sweep stopped before it, or ``--backends`` left it out: ``mokbench sweep --resume
+    RUN_DIR`` runs them), in sweep order;
     world sizes "auto" resolve to the ranks the run had (env.json). [] when the folder has no
     sweep copy."""
     run_dir = Path(run_dir)

@@ -98,16 +98,17 @@ class MoKConfig:
         tokens' home ranks (peer memory) by row gathers inside the work items, as the forward's
         GEMM programs do without communication programs, instead of pulling them first into
         contiguous buffers (read through TMA): no pull pass, and 2 * rows * H * 2 bytes less
-        scratch. Off by default: not yet run on a GPU.
+        scratch. Off by default: far slower on one H200 (the gathers inside the K loops;
+        benchmarks/mok_backward_time.py, notes/mok-kernel.md).
     bwd_dx_tiles: H tiles of block_n columns per dX (B) work item of the backward, in one
         flattened loop (the next tile's loads overlap a tile's store, as gate_up_tiles and
-        down_tiles do in the forward); must divide hidden / block_n. 1 by default: not yet
-        run on a GPU.
+        down_tiles do in the forward); must divide hidden / block_n. 1 by default: not
+        timed apart from bwd_direct_rows yet.
     bwd_da_tiles: I tiles per dA (A) work item of the backward, in one flattened loop (the
         next tile's loads overlap a tile's SwiGLU-backward epilogue); must divide the number
         of dA tiles (intermediate / (block_n / 2), or / block_n with bwd_wide_da). 1 by
-        default: slower on one H200 (51.965 against 47.122 ms at Kimi 48 x 16384 with the
-        shared expert, notes/mok-kernel.md).
+        default: four per item were slower on one H200 (benchmarks/mok_backward_time.py,
+        notes/mok-kernel.md).
     bwd_dx_tma: the backward's dX (B) items load their dGU rows [block_m, block_k] through a
         TMA descriptor (after an async-proxy fence that orders the A items' plain stores of
         those rows) instead of by per-thread asynchronous copies: both GEMM operands then
@@ -125,8 +126,8 @@ class MoKConfig:
         gate+up epilogue quantises h, both GEMMs run in FP8 with fp32 accumulation; combine
         and the weighted sum stay bf16/fp32. Weights come quantised (``quantize_weights``).
         Needs gate_up_interleaved, block_n 256 and block_k 128; with ``tma`` the FP8 weight
-        tiles come through TMA descriptors (the token and h rows stay pointer loads). Not yet
-        run on a GPU.
+        tiles come through TMA descriptors (the token and h rows stay pointer loads).
+        "rowwise_all" has not yet run on a GPU.
     fp8_pow2_scales: FP8 scales rounded to powers of two (TransformerEngine's default).
     """
 

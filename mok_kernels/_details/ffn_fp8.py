@@ -20,7 +20,7 @@ import torch
 
 from mok_kernels._details import quant_ref as qr
 from mok_kernels._details import tl_quant as tq
-from mok_kernels._details.tl_gemm_fp8 import BLOCKWISE, MX, RECIPES, ROWWISE_ALL
+from mok_kernels._details.tl_gemm_fp8 import BLOCKWISE, MX, RECIPES, ROWWISE_ALL, down_recipe
 
 # Tiles the standalone kernels launch with on GPUs. BN = 256 interleaved gate/up columns give
 # one 1x128 block of h per row and tile. Hopper: BM = 64, since the blockwise recipe's extra
@@ -57,7 +57,8 @@ class Fp8Ffn:
     def down_recipe(self) -> str:
         """The down GEMM's recipe: h is quantised per 1x128 block unless the recipe is mx
         (1x32 MX) or rowwise_all (one scale per row)."""
-        return {"mx": "mx", "rowwise_all": "rowwise"}.get(self.recipe, "blockwise")
+        code = down_recipe(RECIPES[self.recipe])
+        return next(name for name, c in RECIPES.items() if c == code)
 
 
 def _check_recipe(recipe: str) -> int:
@@ -120,7 +121,8 @@ def ffn_fp8(ops: Fp8Ffn, grp_B: torch.Tensor, *, pow2_scales: bool = False,
     if T != grp_B.numel() * bm or t["down"]["BM"] != bm:
         raise ValueError(f"rows {T} != row blocks {grp_B.numel()} x BM {bm} (both kernels)")
     interp = _interpreting()
-    rec, hrec = RECIPES[ops.recipe], RECIPES[ops.down_recipe]
+    rec = RECIPES[ops.recipe]
+    hrec = down_recipe(rec)
     dev = ops.x_TH.device
     y = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
     gu, dn = t["gate_up"], t["down"]
