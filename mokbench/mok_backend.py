@@ -35,15 +35,16 @@ CONFIG_ENV = "MOKBENCH_MOK_CONFIG"
 
 
 def default_fp8_recipe(arch: int = 90) -> str:
-    """The FP8 recipe a cell gets without the ``fp8`` knob. Hopper: "rowwise" (one scale per
-    activation row and weight column, applied after a pure tensor-core K loop), measured
-    1.19-1.61x the fastest FP8 baseline against 0.96-1.30x for TransformerEngine's
-    Float8BlockScaling recipe ("blockwise"), at the error of either against the float32
-    layer (Kimi 48 x 16384: 6.41e-02 rowwise, 6.34e-02 blockwise, 6.60e-02 TE) in
-    results/20261130-182517-h200-fp8 (report.md). Blackwell (``arch``
-    100 and up): "mx", MXFP8, the block-scaled tensor-core format there (unverified on
-    hardware)."""
-    return "mx" if arch >= 100 else "rowwise"
+    """The FP8 recipe a cell gets without the ``fp8`` knob. Hopper: "rowwise_all" (one scale
+    per activation row and weight column in both GEMMs, applied after pure tensor-core K
+    loops; h gets one scale per row in the gate+up item's epilogue). The expert FFN at Kimi 48
+    x 16384 on one H200 (``benchmarks/fp8_ffn_recipes.py``): rowwise_all 14.781 ms, rowwise
+    (the down GEMM blockwise) 16.661, TE's Float8BlockScaling recipe ("blockwise") 21.837, at
+    6.55e-02, 6.43e-02 and 6.36e-02 from the bf16 FFN (notes/mok-kernel.md); earlier, rowwise
+    was 1.19-1.61x the fastest FP8 baseline in results/20261130-182517-h200-fp8 against
+    0.96-1.30x for blockwise. Blackwell (``arch`` 100 and up): "mx", MXFP8, the block-scaled
+    tensor-core format there (unverified on hardware)."""
+    return "mx" if arch >= 100 else "rowwise_all"
 
 
 def fp8_config_fields(arch: int = 90, recipe: str | None = None) -> dict:
@@ -67,7 +68,10 @@ def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int
     weights once at setup), four pipeline stages, the schedule through torch.compile; four
     gate+up and four down tiles per work item where experts are well loaded (at least 2048
     rows per local expert on average: tokens x topk / local_experts), else one, and one
-    without ``local_experts`` or on Blackwell (``arch`` 100 and up: compute capability x 10).
+    without ``local_experts`` or on Blackwell (``arch`` 100 and up: compute capability x 10);
+    the backward's dX items read their dG/dU rows through TMA (``bwd_dx_tma``) on Hopper:
+    backward 46.939 against 47.938 ms at Kimi 48 x 16384 with the shared expert on one H200
+    (``benchmarks/mok_backward_time.py``), unmeasured on Blackwell.
 
     Why: each measured faster on H200 than its alternatives, and the tile rule keeps to where
     it was measured (notes/mok-kernel.md, "Why the mok backend's defaults are what they
@@ -82,7 +86,8 @@ def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int
     tiles = 4 if loaded and arch < 100 else 1
     return {"minibatch": mb, "macrobatch": 3 * mb, "fwd_comm_sms": 0 if world_size == 1 else 16,
             "tma": True, "gate_up_interleaved": True, "num_stages": 4,
-            "compile_schedule": True, "gate_up_tiles": tiles, "down_tiles": tiles}
+            "compile_schedule": True, "gate_up_tiles": tiles, "down_tiles": tiles,
+            "bwd_dx_tma": arch < 100}
 
 
 def graph_option(options: dict | None = None) -> bool:

@@ -3,9 +3,10 @@
 quantisation (1e-2 norm relative; 2e-2 for rowwise, whose gate+up GEMM accumulates all of K
 inside Hopper's FP8 MMAs, which keep fewer accumulator bits than fp32, as TransformerEngine's
 forward GEMM with fast accumulation does: measured 1.4e-2 on an H200, blockwise and mx sum
-each 128-deep step in fp32) and the exact fp32 layer (the FP8 bound 0.1), NaN-free, bitwise
-equal on a rerun. MXFP8 runs block-scaled MMAs on Blackwell and an emulation on
-Hopper (``tl.dot_scaled``), so it is checked for correctness on both."""
+each 128-deep step in fp32; 3e-2 for rowwise_all, whose down GEMM does the same, so two such
+GEMMs: above 1e-2 on an H200, the value not recorded) and the exact fp32 layer (the FP8
+bound 0.1), NaN-free, bitwise equal on a rerun. MXFP8 runs block-scaled MMAs on Blackwell
+and an emulation on Hopper (``tl.dot_scaled``), so it is checked for correctness on both."""
 
 import pytest
 import torch
@@ -41,6 +42,8 @@ def test_fp8_ffn_matches_reference_and_reruns_bitwise(recipe):
         exact[rows] = (gate * torch.sigmoid(gate) * up) @ w2[e].float()
     assert torch.isfinite(y).all()
     assert torch.equal(y.view(torch.int16), again.view(torch.int16))
-    same_quant = 2e-2 if recipe == "rowwise" else 1e-2
-    assert ((y.float() - ref).norm() / ref.norm()).item() < same_quant
-    assert ((y.float() - exact).norm() / exact.norm()).item() < 0.1
+    same_quant = {"rowwise": 2e-2, "rowwise_all": 3e-2}.get(recipe, 1e-2)
+    err = ((y.float() - ref).norm() / ref.norm()).item()
+    assert err < same_quant, f"{recipe}: {err:.3e} from the same-quantisation reference"
+    err = ((y.float() - exact).norm() / exact.norm()).item()
+    assert err < 0.1, f"{recipe}: {err:.3e} from the exact layer"
