@@ -235,6 +235,7 @@ class MoKBackend(BackendBase):
                         + (f",dx_tiles={c.bwd_dx_tiles}" if c.bwd_dx_tiles > 1 else "")
                         + (f",da_tiles={c.bwd_da_tiles}" if c.bwd_da_tiles > 1 else "")
                         + (",dx_tma=1" if c.bwd_dx_tma else "")
+                        + (f",pull_ahead={c.bwd_pull_ahead}" if c.bwd_pull_ahead else "")
                         + (f",fp8={c.fp8},block_m={c.block_m},bwd=bf16" if fp8 else ""))
 
     def validate_options(self, scenario, options: dict) -> None:

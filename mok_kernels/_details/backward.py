@@ -135,11 +135,14 @@ def _buffers(ws: Workspace) -> BackwardBuffers:
 
 def counters_per_rank(cfg: MoKConfig, P: int, E: int) -> int:
     """int32 counters of one logical rank (rounded up to 32): the ticket, one per row block,
-    one per group (E + 1 with the shared expert slot); with ``bwd_fused_pull`` also one
-    pulled flag per row block and the pull ticket."""
+    one per group (E + 1 with the shared expert slot); with ``bwd_fused_pull`` or
+    ``bwd_pull_ahead`` also one pulled flag per row block and the pull ticket; with
+    ``bwd_pull_ahead`` then one x-pulled count per group."""
     n = 1 + P // cfg.block_m + E + 1
-    if cfg.bwd_fused_pull:
+    if cfg.bwd_fused_pull or cfg.bwd_pull_ahead:
         n += P // cfg.block_m + 1
+    if cfg.bwd_pull_ahead:
+        n += E + 1
     return -(-n // 32) * 32
 
 
@@ -228,7 +231,8 @@ def backward_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots:
                 BR=PULL_ROWS, CH=_row_chunk(hidden),
                 PULLERS=min(cfg.bwd_pull_programs or programs, programs),
                 DIRECT=cfg.bwd_direct_rows, DXT=cfg.bwd_dx_tiles, DAT=cfg.bwd_da_tiles,
-                DXTMA=cfg.bwd_dx_tma)
+                DXTMA=cfg.bwd_dx_tma, PA=cfg.bwd_pull_ahead,
+                FENCE=cfg.bwd_fused_pull or cfg.bwd_pull_ahead > 0)
 
 
 def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tensor,
@@ -240,10 +244,10 @@ def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tens
     and compile-time constants. The one list of them, for the launch and for
     ``lowering.compile_megakernel`` (which derives the types from it). ``pre_LPF``: the
     training forward's pre-activations; ``programs``: programs per logical rank;
-    ``x_src``: where the x rows are pulled from (``bwd_fused_pull``; default the workspace's
-    token buffer)."""
+    ``x_src``: where the x rows are pulled from (``bwd_fused_pull``, ``bwd_pull_ahead``;
+    default the workspace's token buffer)."""
     cfg, bb = ws.config, _buffers(ws)
-    if cfg.bwd_fused_pull or cfg.bwd_direct_rows:
+    if cfg.bwd_fused_pull or cfg.bwd_direct_rows or cfg.bwd_pull_ahead:
         pull = dict(x_base=ws.x_LTH if x_src is None else x_src, x_tab=ws.x_tab_R,
                     dy_base=bb.dy_LTH, tab16=bb.tab16_R, xg_ptr=sc.xg_LPH, dyg_ptr=sc.dyg_LPH)
     else:  # the pull kernel runs before the launch: constexpr None here
@@ -292,7 +296,8 @@ def backward(config: MoKConfig, ws: Workspace, context: ForwardContext, dy_TH: t
     sc = backward_scratch(ws)
     bb.counters_LC.zero_()
     ws.barrier()
-    if not (config.bwd_fused_pull or config.bwd_direct_rows):  # else the megakernel reads them
+    if not (config.bwd_fused_pull or config.bwd_direct_rows or config.bwd_pull_ahead):
+        # else the megakernel pulls or gathers the rows itself
         br = PULL_ROWS
         pull_rows_kernel[(L, ws.P // br)](st.src_LP, st.total_L, x_src, ws.x_tab_R,
                                           bb.dy_LTH, bb.tab16_R, sc.xg_LPH, sc.dyg_LPH, T,

@@ -113,8 +113,15 @@ class MoKConfig:
         TMA descriptor (after an async-proxy fence that orders the A items' plain stores of
         those rows) instead of by per-thread asynchronous copies: both GEMM operands then
         arrive by TMA, leaving registers to the [block_m, block_n] accumulator (the sm_90
-        build of the B items uses 250 of 255 registers by copies). Off by default: not yet run
-        on a GPU.
+        build of the B items uses 250 of 255 registers by copies). Off in the plain config;
+        the mok backend turns it on for Hopper, where it measured faster (its
+        ``default_config_fields``).
+    bwd_pull_ahead: 0, or the reverse-combine pull runs as work items in the backward
+        megakernel's own ticket order instead of as a kernel of its own before it: a row
+        block's dY rows are pulled by an item ``bwd_pull_ahead`` row blocks ahead of its dA
+        items, and its x rows by an item after its dX items (only the dW_gate_up items read
+        x, and they come last), so the memory-bound pull runs beside compute items on the
+        other SMs instead of before them. Off by default: not yet run on a GPU.
     fp8: the forward's FP8 recipe (``tl_gemm_fp8``): "none" (bf16), "blockwise" (1x128
         activation and 128x128 weight scales, as TransformerEngine's Float8BlockScaling),
         "rowwise" (per row / per weight column, applied after the K loop; h still 1x128),
@@ -127,7 +134,6 @@ class MoKConfig:
         and the weighted sum stay bf16/fp32. Weights come quantised (``quantize_weights``).
         Needs gate_up_interleaved, block_n 256 and block_k 128; with ``tma`` the FP8 weight
         tiles come through TMA descriptors (the token and h rows stay pointer loads).
-        "rowwise_all" has not yet run on a GPU.
     fp8_pow2_scales: FP8 scales rounded to powers of two (TransformerEngine's default).
     """
 
@@ -155,6 +161,7 @@ class MoKConfig:
     bwd_dx_tiles: int = 1
     bwd_da_tiles: int = 1
     bwd_dx_tma: bool = False
+    bwd_pull_ahead: int = 0
     fp8: str = "none"
     fp8_pow2_scales: bool = False
 
@@ -215,6 +222,12 @@ class MoKConfig:
                "an integer in 1..64 dividing the dA tiles of the intermediate size")
         _check(isinstance(self.bwd_dx_tma, bool), "bwd_dx_tma", self.bwd_dx_tma,
                "true | false")
+        _check(isinstance(self.bwd_pull_ahead, int) and not isinstance(self.bwd_pull_ahead, bool)
+               and 0 <= self.bwd_pull_ahead <= 1024, "bwd_pull_ahead", self.bwd_pull_ahead,
+               "an integer in 0..1024 (0 = the pull is a kernel of its own)")
+        _check(not (self.bwd_pull_ahead and (self.bwd_fused_pull or self.bwd_direct_rows)),
+               "bwd_pull_ahead", self.bwd_pull_ahead,
+               "0 when bwd_fused_pull or bwd_direct_rows is true (one pull at a time)")
         _check(self.fp8 in FP8_MODES, "fp8", self.fp8, " | ".join(FP8_MODES))
         _check(isinstance(self.fp8_pow2_scales, bool), "fp8_pow2_scales", self.fp8_pow2_scales,
                "true | false")

@@ -60,6 +60,7 @@ from mok_kernels._details.tl_sync import no_error, wait_geq
 _E_DGRAD_ROWBLOCK: tl.constexpr = tl.constexpr(errors.ERR_WAIT_DGRAD_ROWBLOCK)
 _E_DGRAD_GROUP: tl.constexpr = tl.constexpr(errors.ERR_WAIT_DGRAD_GROUP)
 _E_BWD_PULLED: tl.constexpr = tl.constexpr(errors.ERR_WAIT_BWD_PULLED)
+_E_BWD_XPULLED: tl.constexpr = tl.constexpr(errors.ERR_WAIT_BWD_XPULLED)
 
 
 @triton.jit
@@ -76,38 +77,52 @@ def _async_proxy_fence(v, SKIP: tl.constexpr):
 
 @triton.jit
 def _pull_rows(rows, lr, src, x_base, x_tab, dy_base, tab16, xg_ptr, dyg_ptr, T, P,
-               H: tl.constexpr, S: tl.constexpr, CH: tl.constexpr):
+               H: tl.constexpr, S: tl.constexpr, CH: tl.constexpr, WHICH: tl.constexpr = 0):
     """Reverse-combine pull of the schedule rows ``rows`` of logical rank lr (all below the
-    rank's total; ``src`` is its row of the schedule): their x and dY rows, from the tokens'
-    home ranks (peer memory), into the contiguous [L, P, H] buffers; zeros for padding
-    rows."""
+    rank's total; ``src`` is its row of the schedule): their x and dY rows (WHICH 0; 1 x
+    only, 2 dY only), from the tokens' home ranks (peer memory), into the contiguous
+    [L, P, H] buffers; zeros for padding rows."""
     s = tl.load(src + rows)
     valid = s >= 0
     tok = (tl.maximum(s, 0) // S).to(tl.int64)
     rank, t = tok // T, tok % T
-    x_rows = x_base + tl.load(x_tab + rank, mask=valid, other=0) + t * H
-    dy_rows = dy_base + tl.load(tab16 + rank, mask=valid, other=0) + t * H
     out = (lr.to(tl.int64) * P + rows) * H
+    if WHICH != 2:
+        x_rows = x_base + tl.load(x_tab + rank, mask=valid, other=0) + t * H
+    if WHICH != 1:
+        dy_rows = dy_base + tl.load(tab16 + rank, mask=valid, other=0) + t * H
     for h0 in range(0, H, CH):
         cols = h0 + tl.arange(0, CH)
         cm = cols < H
         m = valid[:, None] & cm[None, :]
-        v = tl.load(x_rows[:, None] + cols[None, :], mask=m, other=0.0)
-        tl.store(xg_ptr + out[:, None] + cols[None, :], v, mask=cm[None, :])
-        v = tl.load(dy_rows[:, None] + cols[None, :], mask=m, other=0.0)
-        tl.store(dyg_ptr + out[:, None] + cols[None, :], v, mask=cm[None, :])
+        if WHICH != 2:
+            v = tl.load(x_rows[:, None] + cols[None, :], mask=m, other=0.0)
+            tl.store(xg_ptr + out[:, None] + cols[None, :], v, mask=cm[None, :])
+        if WHICH != 1:
+            v = tl.load(dy_rows[:, None] + cols[None, :], mask=m, other=0.0)
+            tl.store(dyg_ptr + out[:, None] + cols[None, :], v, mask=cm[None, :])
 
 
 @triton.jit
 def _pull_block(b, lr, src, x_base, x_tab, dy_base, tab16, xg_ptr, dyg_ptr, T, P,
                 H: tl.constexpr, S: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr,
-                CH: tl.constexpr):
-    """In-kernel reverse-combine pull (``bwd_fused_pull``): row block b (in use, so every
-    row is below the rank's total, which is a multiple of BM), BR rows at a time, as
-    ``pull_rows_kernel`` does."""
+                CH: tl.constexpr, WHICH: tl.constexpr = 0):
+    """In-kernel reverse-combine pull (``bwd_fused_pull``, ``bwd_pull_ahead``): row block b
+    (in use, so every row is below the rank's total, which is a multiple of BM), BR rows at
+    a time, as ``pull_rows_kernel`` does (WHICH as ``_pull_rows``)."""
     for r0 in range(0, BM, BR):
         _pull_rows(b * BM + r0 + tl.arange(0, BR), lr, src, x_base, x_tab, dy_base, tab16,
-                   xg_ptr, dyg_ptr, T, P, H, S, CH)
+                   xg_ptr, dyg_ptr, T, P, H, S, CH, WHICH)
+
+
+@triton.jit
+def _pulled_signal(flag, v, F32_DOT: tl.constexpr):
+    """After a pull item's plain stores: fence the async proxy (its rows are read through
+    TMA), then release-add 1 to ``flag``; returns v."""
+    v = _async_proxy_fence(v, F32_DOT)
+    tl.debug_barrier()
+    tl.atomic_add(flag, 1, sem="release", scope="gpu")
+    return v
 
 
 @triton.jit
@@ -385,12 +400,19 @@ def _wgrad_gate_up_item(g, it, jn, lr, gst, total, P, pre_d_desc, xg_d_desc, ctr
                         BM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr,
                         DAC: tl.constexpr, F32_DOT: tl.constexpr, INTERLEAVED: tl.constexpr,
                         PULL: tl.constexpr = False, src=None, x_base=None, x_tab=None,
-                        DIRECT: tl.constexpr = False):
+                        DIRECT: tl.constexpr = False, xgrp=None, PA: tl.constexpr = 0):
     """D item: dW_gate_up[g][H tile it, 2I tile jn] = sum over g's rows of x^T [dG dU].
-    DIRECT: the x rows are gathered from the tokens' home ranks instead of the pulled rows."""
+    DIRECT: the x rows are gathered from the tokens' home ranks instead of the pulled rows.
+    PA (``bwd_pull_ahead``): also waits until every row block of g has its x rows pulled
+    (``xgrp[g]``, +1 per block), then fences the async proxy (plain stores, TMA reads)."""
     HALF: tl.constexpr = BN // 2
     start, end, ok = _group_ready(g, gst, total, ctr, err, NBMAX, budget, I, BM, DAC, F32_DOT,
                                   PULL)
+    if PA > 0:
+        if ok != 0:
+            ok = wait_geq(xgrp + g, (end - start) // BM, err, budget, _E_BWD_XPULLED, g)
+            if ok != 0:
+                _async_proxy_fence(ok, F32_DOT)
     if ok != 0:
         hcols = it * HALF + tl.arange(0, HALF)
         fcols = jn * BN + tl.arange(0, BN)
@@ -438,8 +460,10 @@ def mok_backward_kernel(
         INTERLEAVED: tl.constexpr, PHASES: tl.constexpr, PULL: tl.constexpr,
         BR: tl.constexpr, CH: tl.constexpr, PULLERS: tl.constexpr = 0,
         DIRECT: tl.constexpr = False, DXT: tl.constexpr = 1, DAT: tl.constexpr = 1,
-        DXTMA: tl.constexpr = False):
-    """One persistent program per SM; see the module docstring for the work order."""
+        DXTMA: tl.constexpr = False, PA: tl.constexpr = 0, FENCE: tl.constexpr = False):
+    """One persistent program per SM; see the module docstring for the work order. FENCE:
+    rows pulled in this launch (PULL or PA): the C and D items fence the async proxy after
+    their group's acquire."""
     HALF: tl.constexpr = BN // 2
     NA: tl.constexpr = I // (DAC * DAT)  # A items per row block
     NB: tl.constexpr = H // (BN * DXT)  # B items per row block
@@ -457,8 +481,14 @@ def mok_backward_kernel(
     hs = hs_ptr + lr.to(tl.int64) * P * I
     NBMAX = P // BM
     nb = total // BM
-    end_a = nb * NA
-    end_b = end_a + nb * NB
+    if PA > 0:  # a dY pull item (block s) then the A items of block s - PA, per slot s
+        end_a = (nb + PA) * (NA + 1)
+        end_b = end_a + nb * (NB + 1)  # the B items of a block, then its x pull item
+    else:
+        end_a = nb * NA
+        end_b = end_a + nb * NB
+    pulled = ctr + 1 + NBMAX + NG  # PULL, PA: [NBMAX] flags, a pull ticket, PA: [NG] counts
+    xgrp = pulled + NBMAX + 1
     end_c = end_b + NG * NC
     n_items = end_c + NG * ND
     ok = no_error(err)
@@ -466,7 +496,6 @@ def mok_backward_kernel(
         # they wait on nothing, so the programs that skip them to wait on row blocks
         # cannot deadlock
         if (pid - lr * PROGS) < PULLERS:
-            pulled = ctr + 1 + NBMAX + NG  # [NBMAX] flags, then the pull ticket
             pt = tl.atomic_add(pulled + NBMAX, 1, sem="relaxed", scope="gpu")
             while pt < nb:
                 _pull_block(pt, lr, src, x_base, x_tab, dy_base, tab16, xg_ptr, dyg_ptr, T, P,
@@ -478,7 +507,26 @@ def mok_backward_kernel(
     tk = tl.atomic_add(ctr, 1, sem="relaxed", scope="gpu")
     while (tk < n_items) & (ok != 0):
         if tk < end_a:
-            if PHASES & 1:
+            if PA > 0:
+                slot = tk // (NA + 1)
+                j = tk % (NA + 1)
+                if j == 0:  # pull item: block slot's dY rows (needed by its A items)
+                    if slot < nb:
+                        _pull_block(slot, lr, src, x_base, x_tab, dy_base, tab16, xg_ptr,
+                                    dyg_ptr, T, P, H, S, BM, BR, CH, 2)
+                        _pulled_signal(pulled + slot, slot, F32_DOT)
+                elif PHASES & 1:
+                    b = slot - PA
+                    if b >= 0:
+                        ok = wait_geq(pulled + b, 1, err, budget, _E_BWD_PULLED, b)
+                        if ok != 0:
+                            _async_proxy_fence(ok, F32_DOT)
+                            _dgrad_down_item(b, j - 1, lr, src, grp, P, pre, hs, ctr,
+                                             dyg_a_desc, p_base, drp_base, tab32, w2_desc,
+                                             ws2_desc, pre_a_desc, T, E, NBMAX, withhold, H,
+                                             I, S, K, HAS_SHARED, BM, BN, BK, DAC, F32_DOT,
+                                             INTERLEAVED, dy_base, tab16, DIRECT, DAT)
+            elif PHASES & 1:
                 b = tk // NA
                 if PULL:  # its rows pulled by an item of this launch (plain stores; TMA here)
                     ok = wait_geq(ctr + 1 + NBMAX + NG + b, 1, err, budget, _E_BWD_PULLED, b)
@@ -490,8 +538,20 @@ def mok_backward_kernel(
                                      E, NBMAX, withhold, H, I, S, K, HAS_SHARED, BM, BN, BK,
                                      DAC, F32_DOT, INTERLEAVED, dy_base, tab16, DIRECT, DAT)
         elif tk < end_b:
-            if PHASES & 2:
-                i = tk - end_a
+            i = tk - end_a
+            if PA > 0:
+                b = i // (NB + 1)
+                j = i % (NB + 1)
+                if j == NB:  # pull item: block b's x rows (read by the D items only)
+                    _pull_block(b, lr, src, x_base, x_tab, dy_base, tab16, xg_ptr, dyg_ptr,
+                                T, P, H, S, BM, BR, CH, 1)
+                    _pulled_signal(xgrp + tl.load(grp + b), b, F32_DOT)
+                elif PHASES & 2:
+                    ok = _dgrad_gate_up_item(b, j, lr, src, grp, pre, ctr, err, comb_base,
+                                             comb_tab, w1_desc, ws1_desc, T, E, budget, H, I,
+                                             S, HAS_SHARED, BM, BN, BK, DAC, F32_DOT, DXT,
+                                             pre_b_desc, P, DXTMA)
+            elif PHASES & 2:
                 ok = _dgrad_gate_up_item(i // NB, i % NB, lr, src, grp, pre, ctr, err,
                                          comb_base, comb_tab, w1_desc, ws1_desc, T, E, budget,
                                          H, I, S, HAS_SHARED, BM, BN, BK, DAC, F32_DOT, DXT,
@@ -504,7 +564,7 @@ def mok_backward_kernel(
                 ok = _wgrad_down_item(g, c // (H // BN), c % (H // BN), lr, gst, total, P,
                                       hs_c_desc, dyg_c_desc, ctr, err, dw2_ptr, dws2_ptr, T,
                                       E, NBMAX, budget, H, I, S, K, HAS_SHARED, BM, BN, BKW,
-                                      DAC, F32_DOT, PULL, src, dy_base, tab16, DIRECT)
+                                      DAC, F32_DOT, FENCE, src, dy_base, tab16, DIRECT)
         else:
             if PHASES & 8:
                 i = tk - end_c
@@ -513,8 +573,8 @@ def mok_backward_kernel(
                 ok = _wgrad_gate_up_item(g, d // (2 * I // BN), d % (2 * I // BN), lr, gst,
                                          total, P, pre_d_desc, xg_d_desc, ctr, err, dw1_ptr,
                                          dws1_ptr, T, E, NBMAX, budget, H, I, S, K, HAS_SHARED,
-                                         BM, BN, BKW, DAC, F32_DOT, INTERLEAVED, PULL, src,
-                                         x_base, x_tab, DIRECT)
+                                         BM, BN, BKW, DAC, F32_DOT, INTERLEAVED, FENCE, src,
+                                         x_base, x_tab, DIRECT, xgrp, PA)
         tk = tl.atomic_add(ctr, 1, sem="relaxed", scope="gpu")
 
 

@@ -96,12 +96,15 @@ def test_wide_da_items_match_reference(wide):
                                   {"bwd_direct_rows": True, "bwd_dx_tiles": 4},
                                   {"bwd_da_tiles": 4},
                                   {"bwd_dx_tma": True},
-                                  {"bwd_dx_tma": True, "bwd_dx_tiles": 4}])
+                                  {"bwd_dx_tma": True, "bwd_dx_tiles": 4},
+                                  {"bwd_pull_ahead": 8},
+                                  {"bwd_pull_ahead": 2, "bwd_dx_tma": True}])
 def test_backward_variants_match_the_default_bitwise(ranks, rows):
     """bwd_fused_pull: the pull items inside the backward megakernel (rows written with plain
     stores, read through TMA after a proxy fence; by every program or by 32 of them),
     bwd_direct_rows (no pull: the items gather the rows), bwd_dx_tiles / bwd_da_tiles
-    (several dX or dA tiles per item) and bwd_dx_tma (dGU rows through TMA) give the default
+    (several dX or dA tiles per item), bwd_dx_tma (dGU rows through TMA) and bwd_pull_ahead
+    (the pull as items in the ticket order, rows read through TMA after a fence) give the default
     backward's gradients (and the reference's), bitwise, on a rerun as well."""
     base = dict(gate_up_interleaved=True, minibatch=256, macrobatch=768, tma=True,
                 num_stages=4)

@@ -112,6 +112,18 @@ def test_fused_pull_backward_builds_with_async_proxy_fences(pullers):
     assert lw.ptx.count("fence.proxy.async.global") >= 4
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_pull_ahead_backward_builds_with_async_proxy_fences(shared):
+    """``bwd_pull_ahead``: the dY and x pull items in the backward's ticket order; the build
+    fits, spills nothing, and fences the async proxy after each pull item and before each
+    TMA read of pulled rows (dA, dW_down, dW_gate_up), beside the dX items' fence."""
+    cfg = mk.MoKConfig.for_shape(H, I, **{**_defaults().__dict__, "bwd_pull_ahead": 8})
+    lw = mk.compile_megakernel(cfg, H, I, shared=shared, kernel="backward")
+    assert lw.shared_bytes <= SMEM_LIMIT
+    assert not lw.spills, lw.ptxas_log
+    assert lw.ptx.count("fence.proxy.async.global") >= 6
+
+
 def test_direct_rows_backward_gathers_rows_by_asynchronous_copies():
     """``bwd_direct_rows``: no pulled-row descriptors; the dY and x rows the A, C and D items
     gather from their home ranks reach shared memory by 16-byte asynchronous copies (the
