@@ -35,16 +35,19 @@ CONFIG_ENV = "MOKBENCH_MOK_CONFIG"
 
 
 def default_fp8_recipe(arch: int = 90) -> str:
-    """The FP8 recipe a cell gets without the ``fp8`` knob. Hopper: "rowwise_all" (one scale
-    per activation row and weight column in both GEMMs, applied after pure tensor-core K
-    loops; h gets one scale per row in the gate+up item's epilogue). The expert FFN at Kimi 48
-    x 16384 on one H200 (``benchmarks/fp8_ffn_recipes.py``): rowwise_all 14.781 ms, rowwise
-    (the down GEMM blockwise) 16.661, TE's Float8BlockScaling recipe ("blockwise") 21.837, at
-    6.55e-02, 6.43e-02 and 6.36e-02 from the bf16 FFN (notes/mok-kernel.md); earlier, rowwise
-    was 1.19-1.61x the fastest FP8 baseline in results/20261130-182517-h200-fp8 against
-    0.96-1.30x for blockwise. Blackwell (``arch`` 100 and up): "mx", MXFP8, the block-scaled
-    tensor-core format there (unverified on hardware)."""
-    return "mx" if arch >= 100 else "rowwise_all"
+    """The FP8 recipe a cell gets without the ``fp8`` knob. Hopper: "rowwise" (one scale per
+    activation row and weight column in the gate+up GEMM, applied after a pure tensor-core K
+    loop; h in 1x128 blocks for the down GEMM). Training forward in ms, rowwise against
+    rowwise_all, blockwise (TransformerEngine's Float8BlockScaling recipe) and TE's own FP8,
+    one H200 (results/20261130-215158-h200-fp8, results/20261130-215143-h200-fp8): Kimi 48 x
+    16384 16.981 / 18.960 / 21.388 / 19.965; Kimi 384 x 4096 7.316 / 8.350 / 8.736 / 45.655;
+    Kimi K2.7 Code 48 x 16384 19.284 / 21.033 / 24.164 / 22.205; Qwen3.5 64 x 16384 7.578 /
+    8.867 / 9.527 / 12.372, at 6.4e-02 of the float32 layer (TE 6.6e-02). rowwise_all's
+    expert FFN alone is the faster one (14.781 against 16.661 ms, benchmarks/fp8_ffn_recipes.py),
+    but inside the megakernel its gate+up items, each covering a whole row block, lose more
+    than its pure down loop gains. Blackwell (``arch`` 100 and up): "mx", MXFP8, the
+    block-scaled tensor-core format there (unverified on hardware)."""
+    return "mx" if arch >= 100 else "rowwise"
 
 
 def fp8_config_fields(arch: int = 90, recipe: str | None = None) -> dict:
@@ -71,7 +74,11 @@ def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int
     without ``local_experts`` or on Blackwell (``arch`` 100 and up: compute capability x 10);
     the backward's dX items read their dG/dU rows through TMA (``bwd_dx_tma``) on Hopper:
     backward 46.939 against 47.938 ms at Kimi 48 x 16384 with the shared expert on one H200
-    (``benchmarks/mok_backward_time.py``), unmeasured on Blackwell.
+    (``benchmarks/mok_backward_time.py``), unmeasured on Blackwell; and its dA items cover
+    block_n intermediate columns (``bwd_wide_da``) on Hopper: backward 41.711 / 30.017 /
+    46.921 / 16.517 ms against 41.736 / 30.065 / 47.018 / 16.840 with block_n / 2 in the four
+    scenarios of sweeps/h200-bf16-train.toml (results/20261130-213907-h200-bf16-train,
+    results/20261130-214015-h200-bf16-train), unmeasured on Blackwell.
 
     Why: each measured faster on H200 than its alternatives, and the tile rule keeps to where
     it was measured (notes/mok-kernel.md, "Why the mok backend's defaults are what they
@@ -87,7 +94,7 @@ def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int
     return {"minibatch": mb, "macrobatch": 3 * mb, "fwd_comm_sms": 0 if world_size == 1 else 16,
             "tma": True, "gate_up_interleaved": True, "num_stages": 4,
             "compile_schedule": True, "gate_up_tiles": tiles, "down_tiles": tiles,
-            "bwd_dx_tma": arch < 100}
+            "bwd_dx_tma": arch < 100, "bwd_wide_da": arch < 100}
 
 
 def graph_option(options: dict | None = None) -> bool:

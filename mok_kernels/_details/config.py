@@ -82,7 +82,8 @@ class MoKConfig:
     bwd_wide_da: the backward's dA items cover block_n intermediate columns (m64n256 MMAs,
         the SwiGLU-backward epilogue in four quarters) instead of block_n / 2 (m64n128, two
         halves); falls back to block_n / 2 where block_n does not divide the intermediate
-        size. Off by default: not measured yet (notes/mok-kernel.md, "Why the mok backend's
+        size. Off in the plain config; the mok backend turns it on for Hopper, where it
+        measured as fast or faster (notes/mok-kernel.md, "Why the mok backend's
         defaults are what they are").
     bwd_fused_pull: the backward's reverse-combine pull (dY and x rows of every schedule row
         into contiguous buffers) runs inside the backward megakernel, one item per row block
@@ -121,7 +122,8 @@ class MoKConfig:
         block's dY rows are pulled by an item ``bwd_pull_ahead`` row blocks ahead of its dA
         items, and its x rows by an item after its dX items (only the dW_gate_up items read
         x, and they come last), so the memory-bound pull runs beside compute items on the
-        other SMs instead of before them. Off by default: not yet run on a GPU.
+        other SMs instead of before them. Off by default: slower on one H200 (its pull items
+        take longer per SM than the separate pull kernel saves; notes/mok-kernel.md).
     fp8: the forward's FP8 recipe (``tl_gemm_fp8``): "none" (bf16), "blockwise" (1x128
         activation and 128x128 weight scales, as TransformerEngine's Float8BlockScaling),
         "rowwise" (per row / per weight column, applied after the K loop; h still 1x128),

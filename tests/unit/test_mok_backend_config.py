@@ -33,10 +33,12 @@ def test_defaults_follow_two_waves_and_cap_at_rows():
     edge = default_config_fields(7168, 2048, 2048, 8, 132, local_experts=8)
     assert edge["gate_up_tiles"] == 4  # exactly 2048 rows per expert
     assert default_config_fields(7168, 2048, 2047, 8, 132, local_experts=8)["down_tiles"] == 1
-    # the backward's dX items read dG/dU through TMA on Hopper (measured faster), not on
+    # the backward's dX items read dG/dU through TMA on Hopper,
+    # and their dA items span block_n columns (both measured faster on H200), neither on
     # Blackwell (unmeasured there)
-    assert big["bwd_dx_tma"] is True
-    assert default_config_fields(7168, 2048, 16384, 8, 148, arch=100)["bwd_dx_tma"] is False
+    assert big["bwd_dx_tma"] is True and big["bwd_wide_da"] is True
+    bw = default_config_fields(7168, 2048, 16384, 8, 148, arch=100)
+    assert bw["bwd_dx_tma"] is False and bw["bwd_wide_da"] is False
 
 
 def test_env_override(monkeypatch):
@@ -72,7 +74,7 @@ def _scenario(precision: str):
 
 
 def test_fp8_cells_get_the_fp8_path(monkeypatch):
-    """precision fp8: the FP8 forward with the rowwise_all recipe by default on Hopper (MXFP8 on
+    """precision fp8: the FP8 forward with the rowwise recipe by default on Hopper (MXFP8 on
     Blackwell), TE's blockwise one as a knob, its tile constraints, TMA weight tiles, and
     64-row tiles on Hopper (128 for MXFP8 on Blackwell); a bf16 cell stays bf16."""
     from mokbench.mok_backend import scenario_config
@@ -80,7 +82,7 @@ def test_fp8_cells_get_the_fp8_path(monkeypatch):
     monkeypatch.delenv(CONFIG_ENV, raising=False)
     cfg = scenario_config(_scenario("fp8"))
     assert (cfg.fp8, cfg.block_k, cfg.block_n, cfg.block_m, cfg.tma,
-            cfg.gate_up_interleaved) == ("rowwise_all", 128, 256, 64, True, True)
+            cfg.gate_up_interleaved) == ("rowwise", 128, 256, 64, True, True)
     mx = scenario_config(_scenario("fp8"), {"fp8": "mx"}, arch=100)
     assert (mx.fp8, mx.block_m) == ("mx", 128)
     assert scenario_config(_scenario("fp8"), arch=100).fp8 == "mx"

@@ -74,15 +74,14 @@ def _spill_bytes(log: str) -> int:
 ])
 def test_hopper_build_of_the_backward(world_size, shared, experts, tokens):
     """The backward kernel with the backend's defaults: fits in shared memory, full-width
-    MMAs for dX and the weight gradients (m64n256) and m64n128 for dA, none serialised, and
+    MMAs (m64n256) for every item kind, dA included (``bwd_wide_da``), none serialised, and
     at most a few dozen bytes of spill stores (48 with Triton 3.6; every item kind alone
     builds without spills)."""
     cfg = _defaults(world_size, experts, tokens)
     lw = mk.compile_megakernel(cfg, H, I, shared=shared, kernel="backward")
     assert lw.shared_bytes <= SMEM_LIMIT
     assert not lw.mma_serialized, lw.ptxas_log
-    mmas = " ".join(lw.mma_instructions)
-    assert "m64n256k16" in mmas and "m64n128k16" in mmas, mmas
+    assert lw.mma_instructions == ["wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16"]
     assert _spill_bytes(lw.ptxas_log) <= 64, lw.ptxas_log
 
 
@@ -139,7 +138,7 @@ def test_direct_rows_backward_gathers_rows_by_asynchronous_copies():
 
 @pytest.mark.parametrize("knobs", [{"bwd_dx_tiles": 4}, {"bwd_dx_tiles": 4,
                                                          "bwd_direct_rows": True},
-                                   {"bwd_da_tiles": 4}])
+                                   {"bwd_da_tiles": 4, "bwd_wide_da": False}])
 def test_tiles_per_item_backward_fits(knobs):
     """``bwd_dx_tiles`` / ``bwd_da_tiles``: four dX or dA tiles per item in one flattened
     loop (dX also with the direct row gathers); it fits in shared memory and spills nothing
