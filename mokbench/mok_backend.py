@@ -55,11 +55,15 @@ def fp8_config_fields(arch: int = 90, recipe: str | None = None) -> dict:
     block_n 256, block_k 128 (one scale step per K step), K-major e4m3 weight tiles through
     TMA (pipelined; the pointer-load build of the blockwise tiles spills on sm_90); 64-row
     tiles on Hopper (the blockwise tiles spill at 128 rows), 128 on Blackwell for MXFP8 (the M
-    of a block-scaled tcgen05 MMA); one tile per work item (not measured yet)."""
+    of a block-scaled tcgen05 MMA); one tile per work item (not measured yet). The backward
+    (the BF16 one) at 128-row blocks whatever the forward's (``bwd_block_m``): at Kimi 48 x
+    16384 on one H200 it took 48.781 ms after the FP8 forward at 64-row blocks and 37.186
+    with both at 128 (results/20261130-215158-h200-fp8)."""
     recipe = recipe or default_fp8_recipe(arch)
     bm = 128 if recipe == "mx" and arch >= 100 else 64
     return {"fp8": recipe, "gate_up_interleaved": True, "block_n": 256, "block_k": 128,
-            "tma": True, "block_m": bm, "gate_up_tiles": 1, "down_tiles": 1}
+            "tma": True, "block_m": bm, "gate_up_tiles": 1, "down_tiles": 1,
+            "bwd_block_m": 128 if bm < 128 else 0}
 
 
 def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int,
@@ -243,7 +247,8 @@ class MoKBackend(BackendBase):
                         + (f",da_tiles={c.bwd_da_tiles}" if c.bwd_da_tiles > 1 else "")
                         + (",dx_tma=1" if c.bwd_dx_tma else "")
                         + (f",pull_ahead={c.bwd_pull_ahead}" if c.bwd_pull_ahead else "")
-                        + (f",fp8={c.fp8},block_m={c.block_m},bwd=bf16" if fp8 else ""))
+                        + (f",fp8={c.fp8},block_m={c.block_m},bwd=bf16" if fp8 else "")
+                        + (f",bwd_block_m={c.bwd_block_m}" if c.bwd_block_m else ""))
 
     def validate_options(self, scenario, options: dict) -> None:
         """Build the configuration a variant asks for (``mok@minibatch=512``) on the host, so

@@ -138,9 +138,9 @@ def counters_per_rank(cfg: MoKConfig, P: int, E: int) -> int:
     one per group (E + 1 with the shared expert slot); with ``bwd_fused_pull`` or
     ``bwd_pull_ahead`` also one pulled flag per row block and the pull ticket; with
     ``bwd_pull_ahead`` then one x-pulled count per group."""
-    n = 1 + P // cfg.block_m + E + 1
+    n = 1 + P // cfg.bwd_bm + E + 1
     if cfg.bwd_fused_pull or cfg.bwd_pull_ahead:
-        n += P // cfg.block_m + 1
+        n += P // cfg.bwd_bm + 1
     if cfg.bwd_pull_ahead:
         n += E + 1
     return -(-n // 32) * 32
@@ -148,7 +148,8 @@ def counters_per_rank(cfg: MoKConfig, P: int, E: int) -> int:
 
 def group_starts(counts_LG: torch.Tensor, block_m: int) -> torch.Tensor:
     """First schedule row of every group and the end of the last, int32 [L, G+1]: groups are
-    consecutive and each padded to a multiple of block_m (as the schedule lays them out)."""
+    consecutive and each padded to a multiple of ``block_m`` (pass the schedule's alignment,
+    ``MoKConfig.row_align``, as the schedule lays them out)."""
     padded = (counts_LG.to(torch.int64) + block_m - 1) // block_m * block_m
     zero = padded.new_zeros(padded.shape[0], 1)
     return torch.cat([zero, torch.cumsum(padded, 1)], 1).to(torch.int32)
@@ -183,9 +184,19 @@ PULL_ROWS = 16  # rows per step of an in-kernel pull item (x and dY chunks of CH
 
 
 def wgrad_rows(cfg: MoKConfig) -> int:
-    """Rows per reduction step of the weight-gradient items (BKW): 64, or block_m if smaller
-    (every row operand comes through TMA from the pulled rows, so no pointer tensors)."""
-    return min(64, cfg.block_m)
+    """Rows per reduction step of the weight-gradient items (BKW): 64, or the backward's row
+    block if smaller (every row operand comes through TMA from the pulled rows, so no pointer
+    tensors)."""
+    return min(64, cfg.bwd_bm)
+
+
+def backward_groups(cfg: MoKConfig, group_LB: torch.Tensor) -> torch.Tensor:
+    """Group of every backward row block, int32 [L, P / bwd_bm], from the schedule's group of
+    every forward row block (block_m rows): with ``bwd_block_m`` a multiple of block_m, the
+    first forward block of each backward block (groups are padded to whole backward blocks,
+    so all of its forward blocks share the group). A device-side slice: no host sync."""
+    step = cfg.bwd_bm // cfg.block_m
+    return group_LB if step == 1 else group_LB[:, ::step].contiguous()
 
 
 def _activation_descriptors(cfg: MoKConfig, pre_LPF: torch.Tensor, hs_LPI: torch.Tensor,
@@ -197,7 +208,7 @@ def _activation_descriptors(cfg: MoKConfig, pre_LPF: torch.Tensor, hs_LPI: torch
     gate/up: both of its halves), the weight-gradient boxes BKW rows."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    bm, bn, bkw = cfg.block_m, cfg.block_n, wgrad_rows(cfg)
+    bm, bn, bkw = cfg.bwd_bm, cfg.block_n, wgrad_rows(cfg)
     q = bn // 4
     pre = pre_LPF.view(-1, pre_LPF.shape[-1])
     hs = hs_LPI.view(-1, hs_LPI.shape[-1])
@@ -225,7 +236,7 @@ def backward_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots:
                        phases: int = 15) -> dict:
     """The backward kernel's compile-time arguments (part of :func:`backward_kernel_args`)."""
     return dict(H=hidden, I=intermediate, S=slots, K=slots - int(shared), PROGS=programs,
-                HAS_SHARED=shared, BM=cfg.block_m, BN=cfg.block_n, BK=backward_block_k(cfg),
+                HAS_SHARED=shared, BM=cfg.bwd_bm, BN=cfg.block_n, BK=backward_block_k(cfg),
                 BKW=wgrad_rows(cfg), DAC=cfg.da_cols(intermediate), F32_DOT=interpreting,
                 INTERLEAVED=cfg.gate_up_interleaved, PHASES=phases, PULL=cfg.bwd_fused_pull,
                 BR=PULL_ROWS, CH=_row_chunk(hidden),
@@ -259,8 +270,8 @@ def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tens
     return dict(
         p_base=bb.p_LTK,
         drp_base=bb.drp_LTKJ, tab32=bb.tab32_R, comb_base=ws.comb_LTSH, comb_tab=ws.comb_tab_R,
-        src_ptr=st.src_LP, group_ptr=st.group_LB, total_ptr=st.total_L,
-        gstart_ptr=group_starts(st.counts_LG, cfg.block_m),
+        src_ptr=st.src_LP, group_ptr=backward_groups(cfg, st.group_LB), total_ptr=st.total_L,
+        gstart_ptr=group_starts(st.counts_LG, cfg.row_align),
         pre_ptr=pre_LPF, hs_ptr=sc.hs_LPI, ctr_ptr=bb.counters_LC, err_ptr=ws.errors_L4,
         dw1_ptr=sc.dw1_EHF, dw2_ptr=sc.dw2_EIH, dws1_ptr=sc.dws1_LHF, dws2_ptr=sc.dws2_LIH,
         **dict(zip(names, descs, strict=True)), **pull,

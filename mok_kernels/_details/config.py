@@ -124,6 +124,12 @@ class MoKConfig:
         x, and they come last), so the memory-bound pull runs beside compute items on the
         other SMs instead of before them. Off by default: slower on one H200 (its pull items
         take longer per SM than the separate pull kernel saves; notes/mok-kernel.md).
+    bwd_block_m: rows per row block of the backward (0 = block_m): a multiple of block_m,
+        and the schedule then pads every expert's rows to it (``row_align``), so the forward
+        runs its block_m-row tiles on the same schedule and the backward its own. For the FP8
+        forward, whose tiles are 64 rows on Hopper, while the BF16 backward ran far faster at
+        128 (Kimi 48 x 16384 on one H200: 37.186 against 48.781 ms; notes/mok-kernel.md).
+        Costs the forward up to bwd_block_m - block_m padding rows per expert.
     fp8: the forward's FP8 recipe (``tl_gemm_fp8``): "none" (bf16), "blockwise" (1x128
         activation and 128x128 weight scales, as TransformerEngine's Float8BlockScaling),
         "rowwise" (per row / per weight column, applied after the K loop; h still 1x128),
@@ -164,6 +170,7 @@ class MoKConfig:
     bwd_da_tiles: int = 1
     bwd_dx_tma: bool = False
     bwd_pull_ahead: int = 0
+    bwd_block_m: int = 0
     fp8: str = "none"
     fp8_pow2_scales: bool = False
 
@@ -227,6 +234,13 @@ class MoKConfig:
         _check(isinstance(self.bwd_pull_ahead, int) and not isinstance(self.bwd_pull_ahead, bool)
                and 0 <= self.bwd_pull_ahead <= 1024, "bwd_pull_ahead", self.bwd_pull_ahead,
                "an integer in 0..1024 (0 = the pull is a kernel of its own)")
+        _check(isinstance(self.bwd_block_m, int) and not isinstance(self.bwd_block_m, bool)
+               and self.bwd_block_m in (0, 16, 32, 64, 128, 256)
+               and self.bwd_block_m % self.block_m == 0
+               and self.minibatch % max(self.bwd_block_m, 1) == 0, "bwd_block_m",
+               self.bwd_block_m, f"0 | 16 | 32 | 64 | 128 | 256, a multiple of block_m "
+               f"({self.block_m}) "
+               f"dividing minibatch ({self.minibatch})")
         _check(not (self.bwd_pull_ahead and (self.bwd_fused_pull or self.bwd_direct_rows)),
                "bwd_pull_ahead", self.bwd_pull_ahead,
                "0 when bwd_fused_pull or bwd_direct_rows is true (one pull at a time)")
@@ -264,6 +278,17 @@ class MoKConfig:
         n_da = intermediate // self.da_cols(intermediate)
         _check(n_da % self.bwd_da_tiles == 0, "bwd_da_tiles", self.bwd_da_tiles,
                f"a divisor of the dA tiles of the intermediate size ({n_da})")
+
+    @property
+    def bwd_bm(self) -> int:
+        """Rows per row block of the backward (BM there): ``bwd_block_m`` or block_m."""
+        return self.bwd_block_m or self.block_m
+
+    @property
+    def row_align(self) -> int:
+        """Every expert's schedule rows are padded to a multiple of this: the larger of the
+        forward's and the backward's row blocks."""
+        return max(self.block_m, self.bwd_bm)
 
     def da_cols(self, intermediate: int) -> int:
         """Intermediate columns per dA tile of the backward (DAC): block_n with

@@ -48,7 +48,7 @@ def build_schedule(ws: Workspace, topk_idx_TK: torch.Tensor) -> Schedule:
     ws.barrier()
     build = compiled_schedule_builder() if ws.config.compile_schedule else build_schedule_tensors
     st = build(ws.gather_idx(), ws.ranks_L, tokens=T, local_experts=ws.E, shared=ws.shared,
-               block_m=ws.config.block_m, capacity=ws.P)
+               block_m=ws.config.block_m, capacity=ws.P, align=ws.config.row_align)
     flag_capacity_errors(ws.errors_L4, st, ws.P)
     ws.sched = st
     return Schedule(ws, st)

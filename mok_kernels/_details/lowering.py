@@ -88,7 +88,8 @@ def kernel_args(config: MoKConfig, hidden: int, intermediate: int, *, topk: int 
     ws = get_workspace(cfg, tokens=cfg.minibatch, hidden=H, intermediate=I, local_experts=1,
                        topk=topk, shared=shared, device="meta")
     st = build_schedule_tensors(ws.gather_idx(), ws.ranks_L, tokens=ws.T, local_experts=ws.E,
-                                shared=shared, block_m=cfg.block_m, capacity=ws.P)
+                                shared=shared, block_m=cfg.block_m, capacity=ws.P,
+                                align=cfg.row_align)
 
     def meta(*shape: int) -> torch.Tensor:
         return torch.empty(*shape, dtype=bf, device="meta")

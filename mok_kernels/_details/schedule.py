@@ -12,7 +12,8 @@ capacity in rows, NB = P / BM row blocks.
 A slot id encodes (source rank r, token t, k) as j = (r*T + t)*S + k; slot k = K (when the
 shared expert is on) is the token's shared-expert slot, served by the token's own rank.
 Rows of one group are consecutive in ascending slot id (= source rank, token, k order), and
-each group's rows are padded to a multiple of BM, so a BM-row block belongs to one group.
+each group's rows are padded to a multiple of ``align`` (BM, or a multiple of it: the
+backward's row blocks, ``MoKConfig.row_align``), so a BM-row block belongs to one group.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class ScheduleTensors:
 
     src_LP: int32 slot id of each row, -1 for padding rows.
     group_LB: int32 group (local expert; E = shared) of each BM-row block (undefined past total).
-    total_L: int32 rows used (a multiple of BM); 0 when the capacity was exceeded.
+    total_L: int32 rows used (a multiple of the alignment); 0 when the capacity was exceeded.
     counts_LG: int32 real (unpadded) rows per group.
     needed_L: int32 rows the routing needed (for the capacity error message).
     """
@@ -74,10 +75,11 @@ def group_keys(idx_NK: torch.Tensor, ranks_L: torch.Tensor, tokens: int, local_e
 
 
 def build_schedule_tensors(idx_NK: torch.Tensor, ranks_L: torch.Tensor, *, tokens: int,
-                           local_experts: int, shared: bool, block_m: int, capacity: int
-                           ) -> ScheduleTensors:
+                           local_experts: int, shared: bool, block_m: int, capacity: int,
+                           align: int | None = None) -> ScheduleTensors:
     """Schedule of every logical rank in ``ranks_L`` from the group's routing ``idx_NK``
-    (global expert ids of all N = R*T tokens, rank-major)."""
+    (global expert ids of all N = R*T tokens, rank-major); groups padded to ``align`` rows
+    (default block_m; a multiple of it), ``group_LB`` per block_m rows."""
     key_LJ = group_keys(idx_NK, ranks_L, tokens, local_experts, shared)
     L, J = key_LJ.shape
     G = local_experts + (1 if shared else 0)
@@ -92,7 +94,8 @@ def build_schedule_tensors(idx_NK: torch.Tensor, ranks_L: torch.Tensor, *, token
     counts_LG1 = torch.zeros(L, G + 1, dtype=torch.int64, device=dev)
     counts_LG1.scatter_add_(1, key_LJ, torch.ones_like(key_LJ))
     counts_LG = counts_LG1[:, :G]
-    padded_LG = (counts_LG + BM - 1) // BM * BM
+    A = align or BM
+    padded_LG = (counts_LG + A - 1) // A * A
     pend_LG = torch.cumsum(padded_LG, 1)
     pstart_LG1 = torch.cat([pend_LG.new_zeros(L, 1), pend_LG], 1)  # start of group g; g=G unused
     start_LG1 = torch.cumsum(counts_LG1, 1) - counts_LG1

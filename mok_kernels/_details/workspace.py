@@ -189,7 +189,7 @@ def get_workspace(config: MoKConfig, *, tokens: int, hidden: int, intermediate: 
         return _CACHE[key]
     R = world * L
     S = topk + (1 if shared else 0)
-    P = schedule_capacity(tokens, R, topk, shared, local_experts, config.block_m,
+    P = schedule_capacity(tokens, R, topk, shared, local_experts, config.row_align,
                           config.minibatch, config.capacity_mult)
     Q = config.macrobatch
     sym = (_symmetric(tokens, hidden, topk, S, group, dev) if world > 1

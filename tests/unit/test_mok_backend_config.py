@@ -83,8 +83,9 @@ def test_fp8_cells_get_the_fp8_path(monkeypatch):
     cfg = scenario_config(_scenario("fp8"))
     assert (cfg.fp8, cfg.block_k, cfg.block_n, cfg.block_m, cfg.tma,
             cfg.gate_up_interleaved) == ("rowwise", 128, 256, 64, True, True)
+    assert cfg.bwd_bm == 128 and cfg.row_align == 128  # the backward at 128-row blocks
     mx = scenario_config(_scenario("fp8"), {"fp8": "mx"}, arch=100)
-    assert (mx.fp8, mx.block_m) == ("mx", 128)
+    assert (mx.fp8, mx.block_m, mx.bwd_bm) == ("mx", 128, 128)
     assert scenario_config(_scenario("fp8"), arch=100).fp8 == "mx"
     assert scenario_config(_scenario("fp8"), {"fp8": "blockwise"}).fp8 == "blockwise"
     assert scenario_config(_scenario("bf16")).fp8 == "none"

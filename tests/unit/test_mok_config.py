@@ -32,6 +32,10 @@ from mok_kernels import MoKConfig, MoKConfigError, plan
     ({"bwd_pull_ahead": True}, "bwd_pull_ahead"),
     ({"bwd_pull_ahead": 2, "bwd_fused_pull": True}, "bwd_pull_ahead"),
     ({"bwd_pull_ahead": 2, "bwd_direct_rows": True}, "bwd_pull_ahead"),
+    ({"bwd_block_m": 96}, "bwd_block_m"),
+    ({"bwd_block_m": True}, "bwd_block_m"),
+    ({"block_m": 128, "bwd_block_m": 64}, "bwd_block_m"),
+    ({"block_m": 64, "minibatch": 192, "macrobatch": 384, "bwd_block_m": 128}, "bwd_block_m"),
 ])
 def test_bad_field_names_field_and_allowed(fields, name):
     with pytest.raises(MoKConfigError) as info:

@@ -199,14 +199,19 @@ def test_dispatch_moves_half_the_bytes_of_bf16_rows():
 @pytest.mark.parametrize("recipe", ["blockwise", "rowwise"])
 def test_fp8_training_backward_fits_in_shared_memory(recipe):
     """The backward of an FP8 training forward is the bf16 megakernel at the FP8 config's
-    tiles (block_m 64, block_n 256) but a bf16 reduction step of 64: at the forward's block_k
-    128 its dX tiles needed 320 KB of shared memory at four stages (327712 bytes reported by
-    Triton 3.6 on an H200, more than the 227 KB of sm_90)."""
+    block_n 256, its own 128-row blocks (``bwd_block_m``; the forward's are 64) and a bf16
+    reduction step of 64: at the forward's block_k 128 its dX tiles needed 320 KB of shared
+    memory at four stages (327712 bytes reported by Triton 3.6 on an H200, more than the
+    227 KB of sm_90)."""
     from mokbench.mok_backend import default_config_fields, fp8_config_fields
 
     fields = {**default_config_fields(7168, 2048, 16384, 8, 132, 1, 48),
               **fp8_config_fields(90, recipe)}
     cfg = mk.MoKConfig.for_shape(7168, 2048, **fields)
+    assert (cfg.block_m, cfg.bwd_bm) == (64, 128)
     lw = mk.compile_megakernel(cfg, 7168, 2048, shared=True, kernel="backward")
     assert lw.shared_bytes <= 232448, lw.shared_bytes
-    assert not lw.spills, lw.ptxas_log
+    # the BF16 backward's own build with the shared expert: a few dozen bytes of spill
+    # stores at 128-row blocks, as test_mok_lowering's bound for it
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", lw.ptxas_log)]
+    assert max(spills, default=0) <= 64, lw.ptxas_log

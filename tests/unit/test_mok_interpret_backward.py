@@ -2,7 +2,8 @@
 triton), against float32 autograd through the same layer: dx, the router-weight gradient and
 every weight gradient, with one and several loopback ranks, with and without the shared
 expert, both gate/up layouts, both dA tile widths (``bwd_wide_da``), an expert with no
-tokens; and bitwise equal on a rerun.
+tokens, the backward at twice the forward's row blocks (``bwd_block_m``); and bitwise equal
+on a rerun.
 
 The interpreter runs programs one after another (program 0 claims every ticket in order, so
 each wait is already met) and truncates fp32 -> bf16, hence the looser bound than on a GPU.
@@ -107,6 +108,37 @@ SCRIPT = textwrap.dedent("""
             for a, b in zip(vars(out[0]).values(), vars(other).values()):
                 assert (a is None and b is None) or torch.equal(a, b)
         print("pull ok", L, T, E, K, shared)
+
+    # bwd_block_m: the forward at 16-row blocks, the backward at 32 on the same schedule
+    # (every expert padded to 32 rows): gradients against the reference, bitwise on a rerun
+    for L, T, E, K, shared in [(1, 24, 4, 2, True), (2, 13, 3, 2, False)]:
+        torch.manual_seed(5 + L)
+        H, I = 64, 32
+        cfg = config(True, bwd_block_m=32)
+        ws = mk.get_workspace(cfg, tokens=T, hidden=H, intermediate=I, local_experts=E,
+                              topk=K, shared=shared, device="cpu", loopback_ranks=L)
+        x, idx, p, w1, w2, ws1, ws2, dy = layer(L, T, E, K, shared, H, I)
+        il = mk.interleave_gate_up
+        W = (il(w1), w2, il(ws1) if shared else None, ws2)
+        grads = []
+        for _ in range(2):
+            sched = mk.build_schedule(ws, idx)
+            assert bool((sched.tensors.total_L % 32 == 0).all())
+            y, saved = mk.forward_train(cfg, ws, sched, x, p, *W)
+            grads.append(mk.backward(cfg, ws, saved, dy, *W))
+        mk.check_errors(ws)
+        ref = reference_all_experts(x, idx, p, w1, w2, ws1, ws2, dy_NH=dy)
+        assert rel(y, ref.y_TH) < 2e-2
+        g = grads[0]
+        got = {"dx_TH": g.dx_TH, "dprobs_TK": g.d_router_weights_TK, "w1_EHF": g.w_gate_up,
+               "w2_EIH": g.w_down, "ws1_HF": g.shared_gate_up, "ws2_IH": g.shared_down}
+        want = {"dx_TH": ref.dx_TH, "dprobs_TK": ref.dprobs_TK, **ref.dweights}
+        for name, r in want.items():
+            err = rel(got[name], r)
+            assert err < 2e-2, (L, T, name, err)
+        for a, b in zip(vars(grads[0]).values(), vars(grads[1]).values()):
+            assert (a is None and b is None) or torch.equal(a, b)
+        print("block ok", L, T, E, K, shared)
 """)
 
 
@@ -116,4 +148,5 @@ def test_backward_in_interpreter_matches_autograd():
     out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("ok") == 7 and out.stdout.count("pull ok") == 2, out.stdout
+    assert out.stdout.count("ok") == 9 and out.stdout.count("pull ok") == 2, out.stdout
+    assert out.stdout.count("block ok") == 2, out.stdout

@@ -71,6 +71,27 @@ def test_schedule_matches_model(ranks, tokens, experts, k, shared, bm):
         assert st.counts_LG.shape == (ranks, G)
 
 
+def test_schedule_aligned_for_larger_backward_blocks():
+    """``align`` (``MoKConfig.row_align`` with ``bwd_block_m``): every group padded to twice
+    the forward's block, the same rows in the same order otherwise; ``group_LB`` still per
+    forward block, and each aligned block within one group."""
+    ranks, tokens, experts, k, shared, bm = 2, 19, 3, 2, True, 4
+    idx_NK = _routing(ranks * tokens, ranks * experts, k, seed=3)
+    cap = schedule_capacity(tokens, ranks, k, shared, experts, 2 * bm, 4 * bm, 1.0)
+    kw = dict(tokens=tokens, local_experts=experts, shared=shared, block_m=bm, capacity=cap)
+    plain = build_schedule_tensors(idx_NK, torch.arange(ranks), **kw)
+    wide = build_schedule_tensors(idx_NK, torch.arange(ranks), align=2 * bm, **kw)
+    assert torch.equal(plain.counts_LG, wide.counts_LG)
+    for r in range(ranks):
+        total = int(wide.total_L[r])
+        assert total % (2 * bm) == 0 and total >= int(plain.total_L[r])
+        rows = [s for s in wide.src_LP[r, :total].tolist() if s >= 0]
+        assert rows == [s for s in plain.src_LP[r].tolist() if s >= 0]
+        groups = wide.group_LB[r, :total // bm].tolist()
+        assert groups[0::2] == groups[1::2]  # a 2*bm block never spans two groups
+        assert groups == sorted(groups)
+
+
 def test_every_slot_scheduled_once_over_ranks():
     ranks, tokens, experts, k = 4, 13, 3, 2
     idx_NK = _routing(ranks * tokens, ranks * experts, k, seed=5)
