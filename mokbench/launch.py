@@ -206,6 +206,19 @@ def _kill_group(proc: subprocess.Popen) -> None:
             continue
 
 
+def exit_text(rc: int) -> str:
+    """How a cell's launcher ended, for a row's reason: ``exit code N``, or, for a negative
+    code (the launcher itself was killed by a signal from outside the harness, whose own
+    timeout is reported as a timeout), the signal's name."""
+    if rc >= 0:
+        return f"exit code {rc}"
+    try:
+        name = signal.Signals(-rc).name
+    except ValueError:
+        name = f"signal {-rc}"
+    return f"killed by {name} from outside the harness (exit code {rc})"
+
+
 def run_process(cmd: list[str], log_path: Path, timeout_s: float, env: dict) -> tuple[int, bool]:
     """Run ``cmd`` in its own process group; returns (exit code, timed_out)."""
     with open(log_path, "w") as log:
@@ -324,6 +337,6 @@ class CellRunner:
                                              + _tail(log_text)))
             else:
                 rows.append(self._row(cell, p, status="failed", cell_wall_s=wall,
-                                      reason=f"exit code {rc}: " + _tail(log_text)))
+                                      reason=f"{exit_text(rc)}: " + _tail(log_text)))
         self._emit(rows)
         return rows

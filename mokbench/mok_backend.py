@@ -44,8 +44,9 @@ def default_fp8_recipe(arch: int = 90) -> str:
     Kimi K2.7 Code 48 x 16384 19.284 / 21.033 / 24.164 / 22.205; Qwen3.5 64 x 16384 7.578 /
     8.867 / 9.527 / 12.372, at 6.4e-02 of the float32 layer (TE 6.6e-02). rowwise_all's
     expert FFN alone is the faster one (14.781 against 16.661 ms, benchmarks/fp8_ffn_recipes.py),
-    but inside the megakernel its gate+up items, each covering a whole row block, lose more
-    than its pure down loop gains. Blackwell (``arch`` 100 and up): "mx", MXFP8, the
+    but inside the megakernel its gate+up items, each covering a whole row block then, lost
+    more than its pure down loop gained (they are now one tile each, the last one of a row
+    block requantising it: not yet timed). Blackwell (``arch`` 100 and up): "mx", MXFP8, the
     block-scaled tensor-core format there (unverified on hardware)."""
     return "mx" if arch >= 100 else "rowwise"
 

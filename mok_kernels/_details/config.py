@@ -134,9 +134,10 @@ class MoKConfig:
         activation and 128x128 weight scales, as TransformerEngine's Float8BlockScaling),
         "rowwise" (per row / per weight column, applied after the K loop; h still 1x128),
         "mx" (MXFP8, Blackwell) or "rowwise_all" (both GEMMs rowwise: h one scale per row
-        over all its I columns, w2 one per column, so neither K loop rescales; one gate+up
-        item covers every tile of its row block and requantises the rows it wrote in bf16;
-        gate_up_tiles is ignored). Tokens are quantised once at the source into the token
+        over all its I columns, w2 one per column, so neither K loop rescales; gate+up
+        items store h in bf16 in the rows' own storage, and the item that completes a row
+        block reads its rows back for their max and requantises them in place before the
+        down items may start). Tokens are quantised once at the source into the token
         buffer's rows (e4m3 values, then their scales, in the bytes of the bf16 row), the
         gate+up epilogue quantises h, both GEMMs run in FP8 with fp32 accumulation; combine
         and the weighted sum stay bf16/fp32. Weights come quantised (``quantize_weights``).

@@ -118,11 +118,8 @@ def _row_chunk(H: int) -> int:
 
 def gate_up_tiles(cfg: MoKConfig, intermediate: int) -> int:
     """Gate+up column tiles per work item: ``gate_up_tiles`` where it divides the row
-    block's 2I / block_n tiles (else 1); all of them with fp8 "rowwise_all", whose item needs
-    every h column of its rows before it can pick their scales."""
+    block's 2I / block_n tiles (else 1)."""
     tiles = 2 * intermediate // cfg.block_n
-    if cfg.fp8 == "rowwise_all":
-        return tiles
     return cfg.gate_up_tiles if tiles % cfg.gate_up_tiles == 0 else 1
 
 

@@ -183,6 +183,23 @@ def requant_rows(hb_rows16, amax, I: tl.constexpr, BM: tl.constexpr, POW2: tl.co
 
 
 @triton.jit
+def requant_whole_rows(hb_rows16, I: tl.constexpr, BM: tl.constexpr, POW2: tl.constexpr,
+                       SOFT_CAST: tl.constexpr):
+    """:func:`requant_rows` for BM bf16 rows of I values written by several programs (the
+    megakernel's ROWWISE_ALL gate+up items, each a few column tiles of the rows): first
+    their max |h| per row, read back in 128-column chunks (the same bf16 values
+    :func:`swiglu_bf16_epilogue` takes its max of, so the same scales), then the in-place
+    requantisation. The caller has acquired every writer's release."""
+    C: tl.constexpr = 128
+    offs = tl.arange(0, C)
+    amax = tl.zeros((BM,), dtype=tl.float32)
+    for c0 in tl.range(0, I, C):
+        v = to_f32(tl.load(hb_rows16[:, None] + (c0 + offs)[None, :]), SOFT_CAST)
+        amax = tl.maximum(amax, finite_amax(v, 1))
+    requant_rows(hb_rows16, amax, I, BM, POW2, SOFT_CAST)
+
+
+@triton.jit
 def fp8_gate_up_kernel(x_ptr, sx_ptr, grp_ptr, w1_ptr, sw1_ptr, h_ptr, sh_ptr,
                        H: tl.constexpr, I: tl.constexpr, SX: tl.constexpr, SW1: tl.constexpr,
                        SH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
@@ -266,9 +283,9 @@ def gate_up_fp8_tiles(a_rows16, a_mask, w1, sw1, j0, h_rows16, pre_row_ptrs, w1_
     group's e4m3 weights (K-major [2I, H]) and scales (``fp8_tile``). h is quantised in the epilogue
     (1x128, or MX 1x32 with the mx recipe); SAVE_PRE also stores the pre-activations in bf16
     (the backward's input, in w1's interleaved column layout)."""
-    if RECIPE == 4:  # ROWWISE_ALL: GJ is every tile of the row block; h per row at the end
+    if RECIPE == 4:  # ROWWISE_ALL: h in bf16; the caller requantises the whole rows once
+        # every tile of the row block is in (``requant_whole_rows``)
         a_rows, sa_rows = fp8_row_views(a_rows16, H, 2)
-        amax = tl.zeros((BM,), dtype=tl.float32)
         for jj in tl.range(0, GJ):
             j = j0 + jj
             acc = fp8_tile(a_rows, a_mask, sa_rows, w1, sw1, j * BN, H, 2 * I, BM, BN, BK, 2,
@@ -276,8 +293,7 @@ def gate_up_fp8_tiles(a_rows16, a_mask, w1, sw1, j0, h_rows16, pre_row_ptrs, w1_
             if SAVE_PRE:
                 wcols = j * BN + tl.arange(0, BN)
                 tl.store(pre_row_ptrs[:, None] + wcols[None, :], acc.to(tl.bfloat16))
-            amax = tl.maximum(amax, swiglu_bf16_epilogue(acc, h_rows16, j, BM, BN, F32_DOT))
-        requant_rows(h_rows16, amax, I, BM, POW2, F32_DOT)
+            swiglu_bf16_epilogue(acc, h_rows16, j, BM, BN, F32_DOT)
     else:
         H_RECIPE: tl.constexpr = 3 if RECIPE == 3 else 1
         a_rows, sa_rows = fp8_row_views(a_rows16, H, RECIPE)

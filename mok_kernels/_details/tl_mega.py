@@ -34,7 +34,11 @@ import triton.language as tl
 
 from mok_kernels._details import errors
 from mok_kernels._details.tl_gemm import down_tiles, gate_up_swiglu_tiles
-from mok_kernels._details.tl_gemm_fp8 import down_fp8_tiles, gate_up_fp8_tiles
+from mok_kernels._details.tl_gemm_fp8 import (
+    down_fp8_tiles,
+    gate_up_fp8_tiles,
+    requant_whole_rows,
+)
 from mok_kernels._details.tl_sync import no_error, signal, wait_geq
 
 # The error codes of errors.py, as constexprs for the kernel.
@@ -216,7 +220,18 @@ def _gate_up_item(m, b, j, lr, src, grp, total, ring, hbuf, pre, ctr, err, x_bas
                                  I, BM, BN, BK, GJ, QUANT, GATHER, F32_DOT, TMA, INTERLEAVED,
                                  SAVE_PRE)
         if (withhold != 2) | (b != 0):
-            signal(ctr + 1 + 3 * MMAX + b, GJ)
+            if QUANT == 4:  # ROWWISE_ALL: the item that completes the row block requantises
+                # its h rows (a row's scale needs all its columns), then adds the +1 the down
+                # items wait for beyond the tiles
+                NT: tl.constexpr = I // (BN // 2)
+                tl.debug_barrier()
+                old = tl.atomic_add(ctr + 1 + 3 * MMAX + b, GJ, sem="acq_rel", scope="gpu")
+                tl.debug_barrier()  # every thread reads after the acquire of that add
+                if old + GJ == NT:
+                    requant_whole_rows(h_rows, I, BM, POW2, F32_DOT)
+                    signal(ctr + 1 + 3 * MMAX + b, 1)
+            else:
+                signal(ctr + 1 + 3 * MMAX + b, GJ)
     return ok
 
 
@@ -267,7 +282,9 @@ def _down_item(m, b, jd, lr, src, grp, hbuf, outb, ctr, err, comb_base, comb_tab
                FUSED_SUM: tl.constexpr):
     """DT consecutive down tiles (column tiles jd*DT ..) of row block b: one wait, one
     signal for all of them (the fixed per-item cost is a few L2 round trips)."""
-    ok = wait_geq(ctr + 1 + 3 * MMAX + b, I // (BN // 2), err, budget, _E_ROWBLOCK, b)
+    # every gate+up tile of the row block (ROWWISE_ALL: then its requantisation, +1)
+    ok = wait_geq(ctr + 1 + 3 * MMAX + b, I // (BN // 2) + (QUANT == 4), err, budget,
+                  _E_ROWBLOCK, b)
     if ok != 0:
         g = tl.load(grp + b)
         rows = b * BM + tl.arange(0, BM)

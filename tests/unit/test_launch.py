@@ -127,3 +127,15 @@ def test_run_folder_records_the_backends_filter(tmp_path):
     assert read_env(run)["backends"] == ["nccl_torch"]
     run = runner._prepare_run_dir(sw, tmp_path / "b", None, opts)
     assert "backends" not in read_env(run)
+
+
+def test_exit_text_names_a_signal_from_outside():
+    """A launcher killed by a signal (negative return code) is named as such in a row's
+    reason, so a cell stopped by hand does not read as the backend's own failure."""
+    from mokbench.launch import exit_text
+
+    assert exit_text(1) == "exit code 1"
+    assert exit_text(0) == "exit code 0"
+    assert exit_text(-15) == "killed by SIGTERM from outside the harness (exit code -15)"
+    assert exit_text(-9) == "killed by SIGKILL from outside the harness (exit code -9)"
+    assert exit_text(-200) == "killed by signal 200 from outside the harness (exit code -200)"
