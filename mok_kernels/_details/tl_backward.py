@@ -13,7 +13,11 @@ every GEMM operand below is a TMA tile. With ``PULL`` (``bwd_fused_pull``) the m
 that itself: the first PULLERS programs of each logical rank (all of them by default) first
 claim pull items (one row block each) from a ticket counter of their own, and an A item waits
 for its row block's flag; the rows are written with plain stores and read through TMA, so
-writers and readers fence the async proxy. With ``DIRECT`` (``bwd_direct_rows``) nothing is
+writers and readers fence the async proxy. With ``PA`` (``bwd_pull_ahead``) the pull runs as
+items of the main ticket order instead: section A is one slot per row block s, a pull item of
+block s's dY rows followed by the A items of block s - PA; section B holds, per row block, its
+B items followed by a pull item of its x rows (only the D items read x); the D items also
+wait for their group's x-pulled count. With ``DIRECT`` (``bwd_direct_rows``) nothing is
 pulled: the A, C and D items gather the dY and x rows they need from the tokens' home ranks
 (peer memory) with plain loads, as the forward's GEMM programs do.
 
@@ -42,8 +46,10 @@ Counters of one logical rank (int32, zeroed before the launch):
     [0]            ticket
     [1 + b]        rowblock_ready[b]  (+1 per A item of block b; complete at I / DAC)
     [1 + NBMAX + g] group_ready[g]    (+1 per A item of group g)
-    PULL only: [1 + NBMAX + NG + b] pulled[b] (row block b's rows are in), then the pull
-    ticket [1 + 2*NBMAX + NG]
+    PULL, PA: [1 + NBMAX + NG + b] pulled[b] (row block b's rows are in; PA: its dY rows),
+    then the pull ticket [1 + 2*NBMAX + NG] (PULL)
+    PA only: [2 + 2*NBMAX + NG + g] x_pulled[g] (+1 per row block of group g whose x rows
+    are in)
 """
 
 from __future__ import annotations
