@@ -215,6 +215,24 @@ def test_backend_autograd_matches_reference(monkeypatch):
     assert res.backward.max_rel_err < TOL
 
 
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_all"])
+def test_backend_fp8_autograd_within_the_fp8_bound(monkeypatch, recipe):
+    """precision fp8 through the harness path: the FP8 forward at 64-row blocks, then the
+    BF16 backward at 128-row blocks on the same schedule (``bwd_block_m``), both within the
+    harness's FP8 bound of the float32 reference."""
+    from mokbench.scenario import ModelShape, Scenario
+    from tests.layer_check import check_single_rank
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("needs an FP8 GPU (Hopper or Blackwell)")
+    monkeypatch.setenv("MOKBENCH_MOK_CONFIG", f'{{"minibatch": 256, "fp8": "{recipe}"}}')
+    sc = Scenario(ModelShape("t", 16, 2048, 512, 4), tokens_per_rank=500, world_size=1,
+                  precision="fp8")
+    res = check_single_rank("mok", sc, torch.device(DEV))
+    assert res.forward.ok, res.forward.reason()
+    assert res.backward.ok, res.backward.reason()
+
+
 EP_SCRIPT = r"""
 import os, torch, torch.distributed as dist
 import mok_kernels as mk
