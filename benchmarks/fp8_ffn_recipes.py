@@ -6,7 +6,7 @@ harness times (``mokbench.timing``: CUDA events, median of ``--iters`` after ``-
 The FP8 times cover both kernels (gate+up with SwiGLU and the h quantisation, down), not the
 activation quantisation, which is timed apart (once per forward, at the source rank).
 
-    python benchmarks/fp8_ffn_recipes.py --experts 48 --tokens 16384 --topk 8
+    python benchmarks/fp8_ffn_recipes.py --experts 48 --tokens 16384 --topk 8 [--block-m 128]
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     add_shape_args(ap)
     ap.add_argument("--recipes", default=",".join(mk.FP8_RECIPES))
+    ap.add_argument("--block-m", type=int, default=0,
+                    help="row block of both kernels (default: the recipe's launch tiles)")
     a = ap.parse_args()
     H, I, E = a.hidden, a.intermediate, a.experts
     dev = torch.device("cuda")
@@ -38,13 +40,15 @@ def main() -> None:
     print(f"shape H{H} I{I} E{E}, {a.tokens} tokens x top-{a.topk} rows; "
           f"{torch.cuda.get_device_name()}")
     for recipe in a.recipes.split(","):
-        bm = mk.tiles_for(recipe)["gate_up"]["BM"]
+        tiles = {k: {**v, "BM": a.block_m or v["BM"]}
+                 for k, v in mk.tiles_for(recipe).items()}
+        bm = tiles["gate_up"]["BM"]
         per = -(-a.tokens * a.topk // E // bm)  # row blocks per expert (balanced routing)
         grp = torch.arange(E, device=dev, dtype=torch.int32).repeat_interleave(per)
         T = grp.numel() * bm
         x = torch.randn(T, H, device=dev, generator=g).bfloat16()
         ops = mk.quantize_ffn(recipe, x, w1i, w2)
-        y8 = mk.ffn_fp8(ops, grp)
+        y8 = mk.ffn_fp8(ops, grp, tiles=tiles)
         offs = torch.arange(1, E + 1, device=dev, dtype=torch.int32) * (per * bm)
 
         def bf16(x=x, offs=offs):
@@ -55,7 +59,8 @@ def main() -> None:
         y16 = bf16()
         err = ((y8.float() - y16.float()).norm() / y16.float().norm()).item()
         flops = 6.0 * T * H * I
-        for name, fn in ((f"{recipe} fp8 FFN", lambda ops=ops, grp=grp: mk.ffn_fp8(ops, grp)),
+        for name, fn in ((f"{recipe} fp8 FFN (BM {bm})",
+                          lambda ops=ops, grp=grp, t=tiles: mk.ffn_fp8(ops, grp, tiles=t)),
                          ("bf16 grouped_mm FFN", bf16),
                          (f"{recipe} x quantisation", lambda q=QUANT_X[recipe], x=x: q(x))):
             t = cuda_ms(fn, warmup=a.warmup, iters=a.iters).median_ms
