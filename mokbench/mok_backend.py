@@ -43,11 +43,9 @@ def default_fp8_recipe(arch: int = 90) -> str:
     16384 16.981 / 18.960 / 21.388 / 19.965; Kimi 384 x 4096 7.316 / 8.350 / 8.736 / 45.655;
     Kimi K2.7 Code 48 x 16384 19.284 / 21.033 / 24.164 / 22.205; Qwen3.5 64 x 16384 7.578 /
     8.867 / 9.527 / 12.372, at 6.4e-02 of the float32 layer (TE 6.6e-02). rowwise_all's
-    expert FFN alone is the faster one (14.781 against 16.661 ms, benchmarks/fp8_ffn_recipes.py),
-    but inside the megakernel its gate+up items, each covering a whole row block then, lost
-    more than its pure down loop gained (they are now one tile each, the last one of a row
-    block requantising it: not yet timed). Blackwell (``arch`` 100 and up): "mx", MXFP8, the
-    block-scaled tensor-core format there (unverified on hardware)."""
+    gate+up items each covered a whole row block then; they are now one tile each, the last
+    one of a row block requantising it (not yet timed). Blackwell (``arch`` 100 and up):
+    "mx", MXFP8, the block-scaled tensor-core format there (unverified on hardware)."""
     return "mx" if arch >= 100 else "rowwise"
 
 
@@ -77,9 +75,10 @@ def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int
     gate+up and four down tiles per work item where experts are well loaded (at least 2048
     rows per local expert on average: tokens x topk / local_experts), else one, and one
     without ``local_experts`` or on Blackwell (``arch`` 100 and up: compute capability x 10);
-    the backward's dX items read their dG/dU rows through TMA (``bwd_dx_tma``) on Hopper:
-    backward 46.939 against 47.938 ms at Kimi 48 x 16384 with the shared expert on one H200
-    (``benchmarks/mok_backward_time.py``), unmeasured on Blackwell; and its dA items cover
+    the backward's dX items read their dG/dU rows through TMA (``bwd_dx_tma``) on Hopper,
+    where the profiling script ``benchmarks/mok_backward_time.py`` timed it faster (its
+    figures in notes/mok-kernel.md; sweeps/h200-bf16-train.toml times it beside the copies),
+    unmeasured on Blackwell; and its dA items cover
     block_n intermediate columns (``bwd_wide_da``) on Hopper: backward 41.711 / 30.017 /
     46.921 / 16.517 ms against 41.736 / 30.065 / 47.018 / 16.840 with block_n / 2 in the four
     scenarios of sweeps/h200-bf16-train.toml (results/20261130-213907-h200-bf16-train,

@@ -128,7 +128,8 @@ class MoKConfig:
         and the schedule then pads every expert's rows to it (``row_align``), so the forward
         runs its block_m-row tiles on the same schedule and the backward its own. For the FP8
         forward, whose tiles are 64 rows on Hopper, while the BF16 backward ran far faster at
-        128 (Kimi 48 x 16384 on one H200: 37.186 against 48.781 ms; notes/mok-kernel.md).
+        128 (Kimi 48 x 16384 on one H200: 37.186 against 48.781 ms in
+        results/20261130-215158-h200-fp8).
         Costs the forward up to bwd_block_m - block_m padding rows per expert.
     fp8: the forward's FP8 recipe (``tl_gemm_fp8``): "none" (bf16), "blockwise" (1x128
         activation and 128x128 weight scales, as TransformerEngine's Float8BlockScaling),
@@ -240,8 +241,7 @@ class MoKConfig:
                and self.bwd_block_m % self.block_m == 0
                and self.minibatch % max(self.bwd_block_m, 1) == 0, "bwd_block_m",
                self.bwd_block_m, f"0 | 16 | 32 | 64 | 128 | 256, a multiple of block_m "
-               f"({self.block_m}) "
-               f"dividing minibatch ({self.minibatch})")
+               f"({self.block_m}) dividing minibatch ({self.minibatch})")
         _check(not (self.bwd_pull_ahead and (self.bwd_fused_pull or self.bwd_direct_rows)),
                "bwd_pull_ahead", self.bwd_pull_ahead,
                "0 when bwd_fused_pull or bwd_direct_rows is true (one pull at a time)")
@@ -287,9 +287,9 @@ class MoKConfig:
 
     @property
     def row_align(self) -> int:
-        """Every expert's schedule rows are padded to a multiple of this: the larger of the
-        forward's and the backward's row blocks."""
-        return max(self.block_m, self.bwd_bm)
+        """Every expert's schedule rows are padded to a multiple of this: the backward's row
+        block, a multiple of the forward's (``bwd_block_m`` is checked to be one)."""
+        return self.bwd_bm
 
     def da_cols(self, intermediate: int) -> int:
         """Intermediate columns per dA tile of the backward (DAC): block_n with

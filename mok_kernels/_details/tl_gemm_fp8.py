@@ -23,14 +23,15 @@ Recipes (``RECIPE``), each a pair of activation and weight scalings (``tl_quant`
                  elsewhere).
     4 ROWWISE_ALL both GEMMs ROWWISE, so neither K loop rescales: the gate+up GEMM as
                  ROWWISE, h one scale per row over all I columns, w2 one per output column.
-                 One work item computes every gate+up tile of its row block (a row's amax
-                 needs them all): each tile's epilogue stores h in bf16 into the row's own
-                 storage and keeps the row's running amax; after the last tile the item
-                 re-reads the rows and overwrites them in place with e4m3 and the row scale.
+                 A row's scale needs every h column: each tile's epilogue stores h in bf16
+                 into the row's own storage; once a row block's tiles are all in, its rows
+                 are overwritten in place with e4m3 and the row scale (the standalone
+                 kernel: the one program of the row block; the megakernel: the gate+up item
+                 whose tiles complete it, ``requant_whole_rows``).
 The gate+up epilogue quantises h = silu(gate) * up in registers, one 1x128 block (BN = 256
 interleaved columns give 128 h columns) or four 1x32 MX blocks per row and tile, so h
 reaches memory already in FP8 with its scales: no separate quantisation pass (ROWWISE_ALL:
-one pass over the item's own rows, in L2, after its last tile).
+one pass over each row block's rows, after its last tile).
 
 ``F32_DOT`` (Triton's interpreter on CPU) widens the e4m3 operands to fp32 before the dot;
 the products and sums are then exact up to fp32 rounding, as on the tensor cores.
@@ -283,28 +284,22 @@ def gate_up_fp8_tiles(a_rows16, a_mask, w1, sw1, j0, h_rows16, pre_row_ptrs, w1_
     group's e4m3 weights (K-major [2I, H]) and scales (``fp8_tile``). h is quantised in the epilogue
     (1x128, or MX 1x32 with the mx recipe); SAVE_PRE also stores the pre-activations in bf16
     (the backward's input, in w1's interleaved column layout)."""
-    if RECIPE == 4:  # ROWWISE_ALL: h in bf16; the caller requantises the whole rows once
-        # every tile of the row block is in (``requant_whole_rows``)
-        a_rows, sa_rows = fp8_row_views(a_rows16, H, 2)
-        for jj in tl.range(0, GJ):
-            j = j0 + jj
-            acc = fp8_tile(a_rows, a_mask, sa_rows, w1, sw1, j * BN, H, 2 * I, BM, BN, BK, 2,
-                           F32_DOT, w1_desc, w_row0, TMA)
-            if SAVE_PRE:
-                wcols = j * BN + tl.arange(0, BN)
-                tl.store(pre_row_ptrs[:, None] + wcols[None, :], acc.to(tl.bfloat16))
+    # ROWWISE_ALL: the A side is ROWWISE, and h stays bf16 (the caller requantises the whole
+    # rows once every tile of the row block is in: ``requant_whole_rows``)
+    A_RECIPE: tl.constexpr = 2 if RECIPE == 4 else RECIPE
+    H_RECIPE: tl.constexpr = 3 if RECIPE == 3 else 1
+    a_rows, sa_rows = fp8_row_views(a_rows16, H, A_RECIPE)
+    h_rows, sh_rows = fp8_row_views(h_rows16, I, H_RECIPE)
+    for jj in tl.range(0, GJ):
+        j = j0 + jj
+        acc = fp8_tile(a_rows, a_mask, sa_rows, w1, sw1, j * BN, H, 2 * I, BM, BN, BK,
+                       A_RECIPE, F32_DOT, w1_desc, w_row0, TMA)
+        if SAVE_PRE:
+            wcols = j * BN + tl.arange(0, BN)
+            tl.store(pre_row_ptrs[:, None] + wcols[None, :], acc.to(tl.bfloat16))
+        if RECIPE == 4:
             swiglu_bf16_epilogue(acc, h_rows16, j, BM, BN, F32_DOT)
-    else:
-        H_RECIPE: tl.constexpr = 3 if RECIPE == 3 else 1
-        a_rows, sa_rows = fp8_row_views(a_rows16, H, RECIPE)
-        h_rows, sh_rows = fp8_row_views(h_rows16, I, H_RECIPE)
-        for jj in tl.range(0, GJ):
-            j = j0 + jj
-            acc = fp8_tile(a_rows, a_mask, sa_rows, w1, sw1, j * BN, H, 2 * I, BM, BN, BK,
-                           RECIPE, F32_DOT, w1_desc, w_row0, TMA)
-            if SAVE_PRE:
-                wcols = j * BN + tl.arange(0, BN)
-                tl.store(pre_row_ptrs[:, None] + wcols[None, :], acc.to(tl.bfloat16))
+        else:
             swiglu_quant_epilogue(acc, h_rows, sh_rows, j, BM, BN, H_RECIPE, POW2, F32_DOT)
 
 
