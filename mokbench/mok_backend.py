@@ -35,31 +35,33 @@ CONFIG_ENV = "MOKBENCH_MOK_CONFIG"
 
 
 def default_fp8_recipe(arch: int = 90) -> str:
-    """The FP8 recipe a cell gets without the ``fp8`` knob. Hopper: "rowwise" (one scale per
-    activation row and weight column in the gate+up GEMM, applied after a pure tensor-core K
-    loop; h in 1x128 blocks for the down GEMM). Training forward in ms, rowwise against
-    rowwise_all, blockwise (TransformerEngine's Float8BlockScaling recipe) and TE's own FP8,
-    one H200 (results/20261130-215158-h200-fp8, results/20261130-215143-h200-fp8): Kimi 48 x
-    16384 16.981 / 18.960 / 21.388 / 19.965; Kimi 384 x 4096 7.316 / 8.350 / 8.736 / 45.655;
-    Kimi K2.7 Code 48 x 16384 19.284 / 21.033 / 24.164 / 22.205; Qwen3.5 64 x 16384 7.578 /
-    8.867 / 9.527 / 12.372, at 6.4e-02 of the float32 layer (TE 6.6e-02). rowwise_all's
-    gate+up items each covered a whole row block then; they are now one tile each, the last
-    one of a row block requantising it (not yet timed). Blackwell (``arch`` 100 and up):
-    "mx", MXFP8, the block-scaled tensor-core format there (unverified on hardware)."""
-    return "mx" if arch >= 100 else "rowwise"
+    """The FP8 recipe a cell gets without the ``fp8`` knob. Hopper: "rowwise_all" (one scale
+    per activation row and weight column in both GEMMs, each applied after a pure tensor-core
+    K loop; the gate+up item that completes a row block requantises its h rows), at 128-row
+    blocks. Training forward in ms, rowwise_all at 128-row blocks against rowwise at 64 (the
+    default before) and TE's own FP8, one H200 (results/20261130-234427-h200-fp8-gpu0, -gpu1,
+    results/20261130-234702-h200-fp8, results/20261130-234703-h200-fp8): Kimi 48 x 16384 12.382
+    / 17.301 / 19.969; Kimi K2.7 Code 48 x 16384 13.732 / 19.583 / 22.022; Kimi 384 x 4096
+    5.510 / 7.482 / 57.249; Qwen3.5 64 x 16384 5.775 / 7.701 / 16.762, at 6.5e-02 of the
+    float32 layer (TE 6.6e-02). Blackwell (``arch`` 100 and up): "mx", MXFP8, the block-scaled
+    tensor-core format there (unverified on hardware)."""
+    return "mx" if arch >= 100 else "rowwise_all"
 
 
 def fp8_config_fields(arch: int = 90, recipe: str | None = None) -> dict:
     """What the FP8 path needs on top of the defaults: the recipe, interleaved gate/up,
     block_n 256, block_k 128 (one scale step per K step), K-major e4m3 weight tiles through
-    TMA (pipelined; the pointer-load build of the blockwise tiles spills on sm_90); 64-row
-    tiles on Hopper (the blockwise tiles spill at 128 rows), 128 on Blackwell for MXFP8 (the M
-    of a block-scaled tcgen05 MMA); one tile per work item (not measured yet). The backward
-    (the BF16 one) at 128-row blocks whatever the forward's (``bwd_block_m``): at Kimi 48 x
-    16384 on one H200 it took 48.781 ms after the FP8 forward at 64-row blocks and 37.186
-    with both at 128 (results/20261130-215158-h200-fp8)."""
+    TMA (pipelined; the pointer-load build of the blockwise tiles spills on sm_90); one tile per
+    work item (not measured yet). Row blocks: 128 for rowwise_all on Hopper (its FFN alone 11.561
+    ms at Kimi 48 x 16384 against rowwise's 19.420 at 128 rows, where rowwise's 1x128 h tiles
+    spill; ``benchmarks/fp8_ffn_recipes.py``, notes/mok-kernel.md) and for MXFP8 on Blackwell
+    (the M of a block-scaled tcgen05 MMA); 64 for blockwise and rowwise on Hopper (their 128-row
+    tiles spill). The backward (the BF16 one) at 128-row blocks whatever the forward's
+    (``bwd_block_m``): at Kimi 48 x 16384 on one H200 it took 48.781 ms after the FP8 forward
+    at 64-row blocks (results/20261130-215158-h200-fp8) and 41.129 at 128
+    (results/20261130-234427-h200-fp8-gpu0)."""
     recipe = recipe or default_fp8_recipe(arch)
-    bm = 128 if recipe == "mx" and arch >= 100 else 64
+    bm = 128 if recipe == "rowwise_all" or (recipe == "mx" and arch >= 100) else 64
     return {"fp8": recipe, "gate_up_interleaved": True, "block_n": 256, "block_k": 128,
             "tma": True, "block_m": bm, "gate_up_tiles": 1, "down_tiles": 1,
             "bwd_block_m": 128 if bm < 128 else 0}

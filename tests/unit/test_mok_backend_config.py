@@ -74,20 +74,23 @@ def _scenario(precision: str):
 
 
 def test_fp8_cells_get_the_fp8_path(monkeypatch):
-    """precision fp8: the FP8 forward with the rowwise recipe by default on Hopper (MXFP8 on
-    Blackwell), TE's blockwise one as a knob, its tile constraints, TMA weight tiles, and
-    64-row tiles on Hopper (128 for MXFP8 on Blackwell); a bf16 cell stays bf16."""
+    """precision fp8: the FP8 forward with the rowwise_all recipe at 128-row blocks by default
+    on Hopper (MXFP8 at 128 on Blackwell), rowwise and TE's blockwise as knobs at 64-row blocks
+    with the backward at 128, the FP8 tile constraints and TMA weight tiles; a bf16 cell stays
+    bf16."""
     from mokbench.mok_backend import scenario_config
 
     monkeypatch.delenv(CONFIG_ENV, raising=False)
     cfg = scenario_config(_scenario("fp8"))
     assert (cfg.fp8, cfg.block_k, cfg.block_n, cfg.block_m, cfg.tma,
-            cfg.gate_up_interleaved) == ("rowwise", 128, 256, 64, True, True)
-    assert cfg.bwd_bm == 128 and cfg.row_align == 128  # the backward at 128-row blocks
+            cfg.gate_up_interleaved) == ("rowwise_all", 128, 256, 128, True, True)
+    assert cfg.bwd_bm == 128 and cfg.row_align == 128
+    for recipe in ("rowwise", "blockwise"):
+        c = scenario_config(_scenario("fp8"), {"fp8": recipe})
+        assert (c.fp8, c.block_m, c.bwd_bm, c.row_align) == (recipe, 64, 128, 128)
     mx = scenario_config(_scenario("fp8"), {"fp8": "mx"}, arch=100)
     assert (mx.fp8, mx.block_m, mx.bwd_bm) == ("mx", 128, 128)
     assert scenario_config(_scenario("fp8"), arch=100).fp8 == "mx"
-    assert scenario_config(_scenario("fp8"), {"fp8": "blockwise"}).fp8 == "blockwise"
     assert scenario_config(_scenario("bf16")).fp8 == "none"
     assert "fp8" in get_backend("mok").capabilities.precisions
 

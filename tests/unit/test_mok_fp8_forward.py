@@ -138,7 +138,8 @@ def test_fp8_forward_in_interpreter_matches_references():
 @pytest.mark.parametrize("recipe, arch, block_m, comm, tma", [
     ("blockwise", 90, 64, 0, True), ("rowwise", 90, 64, 0, True), ("blockwise", 90, 64, 16, True),
     ("blockwise", 90, 64, 16, False), ("mx", 100, 128, 0, False), ("mx", 100, 128, 0, True),
-    ("rowwise_all", 90, 64, 0, True), ("rowwise_all", 90, 64, 16, True)])
+    ("rowwise_all", 90, 64, 0, True), ("rowwise_all", 90, 64, 16, True),
+    ("rowwise_all", 90, 128, 0, True), ("rowwise_all", 90, 128, 16, True)])
 def test_fp8_megakernel_builds_without_spills(recipe, arch, block_m, comm, tma):
     """Kimi shape; comm: with communication programs (dispatch moves the FP8 rows); tma: the
     FP8 weight tiles through TMA descriptors (the backend's default). The K-major weight tiles
@@ -150,8 +151,9 @@ def test_fp8_megakernel_builds_without_spills(recipe, arch, block_m, comm, tma):
     lw = mk.compile_megakernel(cfg, 7168, 2048, arch=arch, comm_programs=comm)
     assert not lw.spills, lw.ptxas_log
     assert not re.search(r"ttg\.local_alloc %\S+ : \(tensor<\d+x\d+xf8", lw.ttgir)
-    if arch == 90:
-        assert lw.mma_instructions == ["wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3"]
+    if arch == 90:  # 128-row blocks: each warpgroup's MMA covers all 256 columns
+        n = 256 if block_m == 128 else 128
+        assert lw.mma_instructions == [f"wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3"]
     else:
         assert any("mxf8f6f4.block_scale" in i for i in lw.mma_instructions), \
             lw.mma_instructions
@@ -199,10 +201,11 @@ def test_dispatch_moves_half_the_bytes_of_bf16_rows():
     assert fp8_row_elements(7168, ROWWISE) == 3586
 
 
-@pytest.mark.parametrize("recipe", ["blockwise", "rowwise"])
-def test_fp8_training_backward_fits_in_shared_memory(recipe):
+@pytest.mark.parametrize("recipe, block_m", [("blockwise", 64), ("rowwise", 64),
+                                             ("rowwise_all", 128)])
+def test_fp8_training_backward_fits_in_shared_memory(recipe, block_m):
     """The backward of an FP8 training forward is the bf16 megakernel at the FP8 config's
-    block_n 256, its own 128-row blocks (``bwd_block_m``; the forward's are 64) and a bf16
+    block_n 256, 128-row blocks (``bwd_block_m`` where the forward's are 64) and a bf16
     reduction step of 64: at the forward's block_k 128 its dX tiles needed 320 KB of shared
     memory at four stages (327712 bytes reported by Triton 3.6 on an H200, more than the
     227 KB of sm_90)."""
@@ -211,7 +214,7 @@ def test_fp8_training_backward_fits_in_shared_memory(recipe):
     fields = {**default_config_fields(7168, 2048, 16384, 8, 132, 1, 48),
               **fp8_config_fields(90, recipe)}
     cfg = mk.MoKConfig.for_shape(7168, 2048, **fields)
-    assert (cfg.block_m, cfg.bwd_bm) == (64, 128)
+    assert (cfg.block_m, cfg.bwd_bm) == (block_m, 128)
     lw = mk.compile_megakernel(cfg, 7168, 2048, shared=True, kernel="backward")
     assert lw.shared_bytes <= 232448, lw.shared_bytes
     # the BF16 backward's own build with the shared expert: a few dozen bytes of spill
