@@ -98,17 +98,23 @@ def sweep(
     calibrate_first: bool = typer.Option(False, "--calibrate", help="measure ceilings first"),
 ) -> None:
     """Expand a sweep into cells and run each through torchrun; print the summary."""
-    from mokbench.runner import run_sweep
+    from mokbench.runner import run_sweep, stop_on_sigterm
 
     try:
-        run_dir = run_sweep(sweep_file, backends=_split(backends), nproc_per_node=nproc_per_node,
-                            nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
-                            out=out, resume=resume, dry_run=dry_run, timeout_s=timeout_s,
-                            device=device, calibrate_first=calibrate_first, console=console)
-    except KeyboardInterrupt:
-        console.print("[yellow]interrupted[/yellow]: finished rows are kept; complete the run "
+        with stop_on_sigterm():
+            run_dir = run_sweep(sweep_file, backends=_split(backends),
+                                nproc_per_node=nproc_per_node, nnodes=nnodes,
+                                node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, out=out,
+                                resume=resume, dry_run=dry_run, timeout_s=timeout_s,
+                                device=device, calibrate_first=calibrate_first,
+                                console=console)
+    except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM (runner.SweepStopped)
+        from mokbench.runner import SweepStopped
+
+        console.print(f"[yellow]interrupted[/yellow]{f' by {stop}' if str(stop) else ''}: the "
+                      "running cell was stopped, finished rows are kept; complete the run "
                       "with [bold]mokbench sweep --resume RUN_DIR[/bold]")
-        raise typer.Exit(130) from None
+        raise typer.Exit(143 if isinstance(stop, SweepStopped) else 130) from None
     if run_dir is not None and node_rank == 0:
         _print_report(run_dir, finish=True)
 

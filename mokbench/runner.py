@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from rich.console import Console
@@ -26,6 +29,31 @@ from mokbench.sweep import Sweep, expand, load_sweep, read_sweep_text
 
 CPU_DEFAULT_RANKS = 2
 DESCRIPTION_CHARS = 40  # the progress bar's label, so bar and counts fit 80 columns
+
+
+class SweepStopped(KeyboardInterrupt):
+    """SIGTERM during a sweep, handled as Ctrl-C: the running cell's process group is killed
+    (``launch.run_process``), finished rows are kept, ``--resume`` completes the run."""
+
+
+@contextlib.contextmanager
+def stop_on_sigterm():
+    """Turn SIGTERM into :class:`SweepStopped` while a sweep runs (main thread only). Why:
+    without it the sweep process dies at once and leaves the running cell's torchrun, which
+    has its own process group, running on the GPUs; scripts and job schedulers stop a job
+    with SIGTERM, and a shell's background job ignores SIGINT."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, _frame):
+        raise SweepStopped(signal.Signals(signum).name)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def local_gpus(device: str) -> int:

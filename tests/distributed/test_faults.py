@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -62,7 +63,24 @@ def test_a_crashed_worker_row_carries_its_own_exception(tmp_path):
         assert row["reason"] == "exit code 1: RuntimeError: deliberate crash outside a pass"
 
 
-def test_ctrl_c_then_resume(tmp_path):
+def _processes_naming(text: str) -> list[str]:
+    """Command lines of the live processes that contain ``text`` (Linux /proc)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            cmd = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # the process ended meanwhile
+            continue
+        if text in cmd:
+            found.append(cmd)
+    return found
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_ctrl_c_then_resume(tmp_path, sig, code):
+    """Ctrl-C (SIGINT) or SIGTERM in a hanging cell: the sweep exits with 130 / 143 and says
+    how to resume, the cell's torchrun and workers are gone (they have their own process
+    group), finished rows are kept, and --resume runs only what is missing."""
     f = tmp_path / "s.toml"
     f.write_text(SWEEP.format(backends='"nccl_torch", "fault_hang", "nccl_torch_compile"'))
     out = tmp_path / "out"
@@ -77,11 +95,12 @@ def test_ctrl_c_then_resume(tmp_path):
             break
         time.sleep(0.5)
     time.sleep(3)  # now inside the hanging cell
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     text = proc.communicate(timeout=60)[0]
-    assert proc.returncode == 130, text
+    assert proc.returncode == code, text
     assert "--resume" in text
     run_dir = only_run_dir(out)
+    assert not _processes_naming(str(run_dir / "cells")), "the stopped cell left processes"
     first = read_rows(run_dir / "rows.jsonl")
     assert [r["backend"] for r in first] == ["nccl_torch"] * 3
 
