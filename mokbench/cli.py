@@ -96,6 +96,8 @@ def sweep(
     timeout_s: float = typer.Option(900.0, help="per-cell wall-clock limit, seconds"),
     device: str = typer.Option("auto", help="auto | cpu (force gloo on CPU)"),
     calibrate_first: bool = typer.Option(False, "--calibrate", help="measure ceilings first"),
+    parallel: int = typer.Option(1, help="cells at once on this node, each on GPUs of its own "
+                                         "(a cell of world size W takes W GPUs)"),
 ) -> None:
     """Expand a sweep into cells and run each through torchrun; print the summary."""
     from mokbench.runner import run_sweep, stop_on_sigterm
@@ -107,7 +109,7 @@ def sweep(
                                 node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, out=out,
                                 resume=resume, dry_run=dry_run, timeout_s=timeout_s,
                                 device=device, calibrate_first=calibrate_first,
-                                console=console)
+                                console=console, parallel=parallel)
     except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM (runner.SweepStopped)
         from mokbench.runner import SweepStopped
 

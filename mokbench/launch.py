@@ -7,6 +7,10 @@ torchrun with G ranks on each), the other nodes take no part in it, a cell of W 
 node 0 alone, and only node 0 writes rows. So an 18 x 4 allocation runs an EP-64 sweep on its
 first 16 nodes.
 
+``--parallel N`` (one node): up to N cells at once, each on GPUs of its own
+(``CUDA_VISIBLE_DEVICES``; a cell of world size W takes W of them; on CPU, N cells of gloo
+ranks). Rows then carry ``parallel_cells`` and ``cell_gpus``.
+
 A cell whose process crashes, hangs past its timeout or runs out of memory becomes a row with
 that status and the tail of its error; the sweep goes on, rows already written stay.
 """
@@ -22,6 +26,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +49,7 @@ class LaunchOptions:
     timeout_s: float = 900.0
     device: str = "auto"  # "cpu" forces gloo on CPU even where GPUs exist
     gpus_on_node: int = 0
+    parallel: int = 1  # cells at once on this node, each on GPUs of its own
 
     def __post_init__(self) -> None:
         """One-line errors for flags that cannot describe a launch."""
@@ -60,6 +66,27 @@ class LaunchOptions:
         if self.device not in DEVICES:
             raise InputError(f"device={self.device!r} is invalid: allowed {' | '.join(DEVICES)}")
         rdzv_host_port(self.rdzv_endpoint)
+        top = self.gpus_on_node if self.on_gpus else None
+        if not is_int(self.parallel) or self.parallel < 1 or (top and self.parallel > top):
+            allowed = f"1..{top} (the GPUs of this node)" if top else "a positive integer"
+            raise InputError(f"parallel={self.parallel!r} is invalid: allowed {allowed}")
+        if self.parallel > 1 and self.nnodes > 1:
+            raise InputError(f"parallel={self.parallel} is invalid with nnodes {self.nnodes}: "
+                             "allowed 1 (cells of several nodes run one at a time)")
+
+    @property
+    def on_gpus(self) -> bool:
+        """Whether cells run on this node's GPUs (not gloo on CPU)."""
+        return self.device != "cpu" and self.gpus_on_node > 0
+
+    def gpu_ids(self) -> list[str]:
+        """The ids of this node's GPUs as CUDA_VISIBLE_DEVICES names them (the ones already
+        set there, else 0..G-1); [] on CPU."""
+        if not self.on_gpus:
+            return []
+        given = [g.strip() for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+                 if g.strip()]
+        return (given or [str(i) for i in range(self.gpus_on_node)])[: self.gpus_on_node]
 
     @property
     def writes_rows(self) -> bool:
@@ -219,11 +246,15 @@ def exit_text(rc: int) -> str:
     return f"killed by {name} from outside the harness (exit code {rc})"
 
 
-def run_process(cmd: list[str], log_path: Path, timeout_s: float, env: dict) -> tuple[int, bool]:
-    """Run ``cmd`` in its own process group; returns (exit code, timed_out)."""
+def run_process(cmd: list[str], log_path: Path, timeout_s: float, env: dict,
+                live: set | None = None) -> tuple[int, bool]:
+    """Run ``cmd`` in its own process group; returns (exit code, timed_out). ``live``: a set
+    that holds the process while it runs (so another thread can stop it)."""
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
+        if live is not None:
+            live.add(proc)
         try:
             return proc.wait(timeout=timeout_s), False
         except subprocess.TimeoutExpired:
@@ -232,6 +263,9 @@ def run_process(cmd: list[str], log_path: Path, timeout_s: float, env: dict) -> 
         except BaseException:
             _kill_group(proc)
             raise
+        finally:
+            if live is not None:
+                live.discard(proc)
 
 
 class CellRunner:
@@ -243,6 +277,16 @@ class CellRunner:
         self.cells_dir.mkdir(parents=True, exist_ok=True)
         self.writer = RowWriter(self.run_dir / "rows.jsonl")
         self._backends: dict = {}
+        self._lock = threading.Lock()  # rows and the backend cache, for --parallel
+        self._live: set[subprocess.Popen] = set()
+        self.stopping = False
+
+    def stop_all(self) -> None:
+        """Stop every running cell (their process groups); their rows are not written, so
+        ``--resume`` runs them again."""
+        self.stopping = True
+        for proc in list(self._live):
+            _kill_group(proc)
 
     def _row(self, cell: Cell, pass_: str, **values) -> dict:
         from mokbench.backend import registry, split_label
@@ -267,9 +311,10 @@ class CellRunner:
         """A (not set up) backend instance, for its capability record; cached per name."""
         from mokbench.backend import get_backend
 
-        if name not in self._backends:
-            self._backends[name] = get_backend(name)
-        return self._backends[name]
+        with self._lock:
+            if name not in self._backends:
+                self._backends[name] = get_backend(name)
+            return self._backends[name]
 
     def _is_baseline(self, name: str) -> bool:
         try:
@@ -292,12 +337,15 @@ class CellRunner:
 
     def _emit(self, rows: list[dict]) -> None:
         if self.opts.writes_rows:
-            for r in rows:
-                self.writer.append(r)
+            with self._lock:
+                for r in rows:
+                    self.writer.append(r)
 
-    def run(self, cell: Cell, index: int = 0) -> list[dict]:
+    def run(self, cell: Cell, index: int = 0, gpus: tuple[str, ...] | None = None
+            ) -> list[dict]:
         """Launch the cell, wait (bounded), and write one row per pass (none where this node
-        takes no part in the cell)."""
+        takes no part in the cell, or when :meth:`stop_all` stopped it). ``gpus``: the GPUs
+        the cell gets (``--parallel``), else every GPU of the node."""
         if not takes_part(cell, self.opts):
             return []
         try:
@@ -319,24 +367,31 @@ class CellRunner:
         if self.opts.device == "cpu":
             env["MOKBENCH_DEVICE"] = "cpu"
         env.setdefault("OMP_NUM_THREADS", "1" if self.opts.device == "cpu" else "4")
+        extra = {}
+        if self.opts.parallel > 1:
+            extra["parallel_cells"] = self.opts.parallel
+            if gpus:
+                env["CUDA_VISIBLE_DEVICES"] = extra["cell_gpus"] = ",".join(gpus)
         log_path = self.cells_dir / f"{cell.stem}.log"
         t0 = time.monotonic()
         rc, timed_out = run_process(torchrun_command(cell, cell_file, self.opts, index), log_path,
-                                    self.opts.timeout_s, env)
+                                    self.opts.timeout_s, env, self._live)
         wall = time.monotonic() - t0
+        if self.stopping:
+            return []
         log_text = log_path.read_text(errors="replace") if log_path.exists() else ""
         rows = []
         for p in cell.scenario.passes:
             res_file = self.cells_dir / f"{cell.stem}.{p}.json"
             if res_file.exists():
                 result = json.loads(res_file.read_text())
-                rows.append(self._row(cell, p, cell_wall_s=wall, **result))
+                rows.append(self._row(cell, p, cell_wall_s=wall, **extra, **result))
             elif timed_out:
-                rows.append(self._row(cell, p, status="timeout", cell_wall_s=wall,
+                rows.append(self._row(cell, p, status="timeout", cell_wall_s=wall, **extra,
                                       reason=f"timeout after {self.opts.timeout_s:g} s: "
                                              + _tail(log_text)))
             else:
-                rows.append(self._row(cell, p, status="failed", cell_wall_s=wall,
+                rows.append(self._row(cell, p, status="failed", cell_wall_s=wall, **extra,
                                       reason=f"{exit_text(rc)}: " + _tail(log_text)))
         self._emit(rows)
         return rows

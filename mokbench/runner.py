@@ -10,6 +10,8 @@ import signal
 import subprocess
 import sys
 import threading
+from collections import deque
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
 from rich.console import Console
@@ -65,14 +67,16 @@ def local_gpus(device: str) -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def _options(nproc_per_node, nnodes, node_rank, rdzv_endpoint, timeout_s, device) -> LaunchOptions:
+def _options(nproc_per_node, nnodes, node_rank, rdzv_endpoint, timeout_s, device,
+             parallel: int = 1) -> LaunchOptions:
     if device not in DEVICES:
         raise InputError(f"device={device!r} is invalid: allowed {' | '.join(DEVICES)}")
     gpus = local_gpus(device)
     nproc = nproc_per_node if nproc_per_node is not None else (gpus or CPU_DEFAULT_RANKS)
     return LaunchOptions(nproc_per_node=nproc, nnodes=nnodes, node_rank=node_rank,
                          rdzv_endpoint=rdzv_endpoint, timeout_s=timeout_s,
-                         device="cpu" if not gpus else device, gpus_on_node=gpus)
+                         device="cpu" if not gpus else device, gpus_on_node=gpus,
+                         parallel=parallel)
 
 
 def _finished_keys(run_dir: Path) -> set[tuple[str, str]]:
@@ -115,17 +119,33 @@ def _prepare_run_dir(sw: Sweep, out: Path, resume: Path | None, opts: LaunchOpti
         if Path(out).exists() and not Path(out).is_dir():
             raise InputError(f"out={str(out)!r} is a file: allowed a folder (created if missing)")
         try:
-            run_dir.mkdir(parents=True, exist_ok=True)
+            run_dir = _new_folder(run_dir)
             (run_dir / f"sweep{sw.source_suffix}").write_text(sw.source_text)
         except OSError as exc:
             raise InputError(f"out={str(out)!r} is not writable ({exc.strerror or exc}): allowed "
                              "a folder this user can write") from None
         env = {"sweep": sw.name, "device": opts.device,
-               "nproc_per_node": opts.nproc_per_node, "nnodes": opts.nnodes}
+               "nproc_per_node": opts.nproc_per_node, "nnodes": opts.nnodes,
+               "parallel": opts.parallel}
         if backends:  # --backends: the report tells the cells it left out from unfinished ones
             env["backends"] = list(backends)
         write_env(run_dir, env)
     return run_dir
+
+
+def _new_folder(path: Path) -> Path:
+    """Create ``path``, or ``path-2``, ``path-3``, ... where a sweep of the same name started
+    in the same second already made it (two sweeps must not share a run folder)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for n in range(1, 1000):
+        candidate = path if n == 1 else path.with_name(f"{path.name}-{n}")
+        try:
+            candidate.mkdir()
+            return candidate
+        except FileExistsError:
+            continue
+    raise InputError(f"out={str(path.parent)!r} has 999 run folders named {path.name}: allowed "
+                     "a folder with room for another")
 
 
 def _resume_options(resume: Path, nproc_per_node, nnodes) -> tuple[int | None, int]:
@@ -162,13 +182,14 @@ def run_sweep(sweep_file: Path | None, *, data: dict | None = None, backends=Non
               rdzv_endpoint: str = "localhost:29500", out: Path = Path("results"),
               resume: Path | None = None, dry_run: bool = False, timeout_s: float = 900.0,
               device: str = "auto", calibrate_first: bool = False,
-              console: Console | None = None) -> Path | None:
-    """Run (or, with ``dry_run``, print) every cell of a sweep. Returns the run folder."""
+              console: Console | None = None, parallel: int = 1) -> Path | None:
+    """Run (or, with ``dry_run``, print) every cell of a sweep. Returns the run folder.
+    ``parallel``: cells at once on this node, each on GPUs of its own (launch module)."""
     console = console or Console()
     if resume is not None:
         nproc_per_node, nnodes = _resume_options(resume, nproc_per_node, nnodes)
     opts = _options(nproc_per_node, 1 if nnodes is None else nnodes, node_rank, rdzv_endpoint,
-                    timeout_s, device)
+                    timeout_s, device, parallel)
     sw = (_resume_sweep(resume, opts, backends, sweep_file) if resume is not None
           else _load(sweep_file, data, opts, backends))
     if dry_run:
@@ -190,11 +211,13 @@ def run_sweep(sweep_file: Path | None, *, data: dict | None = None, backends=Non
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console, transient=False) as progress:
         task = progress.add_task("sweep", total=len(todo))
-        for index, cell in todo:
+
+        def started(cell) -> None:
             label = f"{cell.backend} {cell.scenario.scenario_id}"
             progress.update(task, description=label if len(label) <= DESCRIPTION_CHARS
                             else label[: DESCRIPTION_CHARS - 1] + "…")
-            rows = runner.run(cell, index)
+
+        def finished(cell, rows: list[dict]) -> None:
             for r in rows:
                 ms = f"{r['median_ms']:.3f} ms" if r.get("median_ms") else ""
                 style = {"ok": "green", "skipped": "dim"}.get(r["status"], "red")
@@ -204,7 +227,49 @@ def run_sweep(sweep_file: Path | None, *, data: dict | None = None, backends=Non
                     + (f"  [dim]{r['reason'][:100]}[/dim]" if r.get("reason") else ""),
                     soft_wrap=True, markup=True, highlight=False)
             progress.advance(task)
+
+        if opts.parallel == 1:
+            for index, cell in todo:
+                started(cell)
+                finished(cell, runner.run(cell, index))
+        else:
+            _run_parallel(runner, todo, opts, started, finished)
     return run_dir
+
+
+def _run_parallel(runner: CellRunner, todo: list, opts: LaunchOptions, started, finished
+                  ) -> None:
+    """Up to ``opts.parallel`` cells at once, in sweep order (a cell that needs more GPUs than
+    are free waits for them; no cell overtakes it). A cell of world size W gets W free GPUs of
+    the node; on CPU every cell counts as one. Ctrl-C or SIGTERM stops every running cell
+    (no rows for them) and propagates."""
+    ids = opts.gpu_ids()
+    free = list(ids)
+    pending = deque(todo)
+    running: dict = {}
+    with ThreadPoolExecutor(max_workers=opts.parallel) as pool:
+        try:
+            while pending or running:
+                while pending and len(running) < opts.parallel:
+                    index, cell = pending[0]
+                    need = cell.scenario.world_size if ids else 0
+                    if need > len(ids):  # cannot be placed: runner.run writes the skip rows
+                        need = 0
+                    if need > len(free):
+                        break
+                    gpus = tuple(free[:need])
+                    del free[:need]
+                    pending.popleft()
+                    started(cell)
+                    running[pool.submit(runner.run, cell, index, gpus or None)] = (cell, gpus)
+                done, _ = wait(running, timeout=0.5, return_when=FIRST_COMPLETED)
+                for future in done:
+                    cell, gpus = running.pop(future)
+                    free = sorted(free + list(gpus), key=ids.index)
+                    finished(cell, future.result())
+        except BaseException:
+            runner.stop_all()
+            raise
 
 
 def print_dry_run(sw: Sweep, opts: LaunchOptions, console: Console) -> None:

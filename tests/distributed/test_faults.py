@@ -111,3 +111,41 @@ def test_ctrl_c_then_resume(tmp_path, sig, code):
     assert rows[:3] == first, "finished rows must be kept as they were"
     assert sum(r["backend"] == "nccl_torch" for r in rows) == 3, "finished cell not redone"
     assert [r["status"] for r in rows if r["backend"] == "fault_hang"] == ["timeout"] * 3
+
+
+def test_parallel_cells_stop_together_and_resume(tmp_path):
+    """--parallel 2 on CPU (gloo): the two eager cells finish side by side with the hanging
+    ones; SIGTERM stops both hanging cells (no process left, no rows for them), and --resume
+    --parallel 2 times both out at once."""
+    f = tmp_path / "s.toml"
+    f.write_text(SWEEP.format(backends='"nccl_torch", "fault_hang"')
+                 .replace("tokens_per_rank = [32]", "tokens_per_rank = [32, 48]"))
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "mokbench.cli", "sweep", str(f), "--device",
+                             "cpu", "--timeout-s", "300", "--parallel", "2", "--out", str(out)],
+                            cwd=REPO, env=cli_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 180
+    while time.time() < deadline:  # both nccl_torch cells done: six rows
+        dirs = list(out.glob("*/rows.jsonl")) if out.exists() else []
+        if dirs and len(read_rows(dirs[0])) >= 6:
+            break
+        time.sleep(0.5)
+    time.sleep(3)  # both hanging cells running now
+    proc.send_signal(signal.SIGTERM)
+    text = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 143, text
+    run_dir = only_run_dir(out)
+    assert not _processes_naming(str(run_dir / "cells")), "a stopped cell left processes"
+    first = read_rows(run_dir / "rows.jsonl")
+    assert [(r["backend"], r["status"], r["parallel_cells"]) for r in first] == \
+        [("nccl_torch", "ok", 2)] * 6
+
+    t0 = time.time()
+    r = mokbench("sweep", "--resume", str(run_dir), "--device", "cpu", "--timeout-s", "20",
+                 "--parallel", "2")
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = read_rows(run_dir / "rows.jsonl")
+    assert rows[:6] == first
+    assert [r["status"] for r in rows[6:]] == ["timeout"] * 6
+    assert time.time() - t0 < 2 * 20, "the two hanging cells timed out side by side"

@@ -63,6 +63,10 @@ def test_a_node_without_a_part_writes_and_launches_nothing(tmp_path):
     ({"timeout_s": float("nan")}, "timeout_s=nan"),
     ({"rdzv_endpoint": "h:65535"}, "rdzv_endpoint='h:65535'"),
     ({"rdzv_endpoint": ":29500"}, "rdzv_endpoint=':29500'"),
+    ({"parallel": 0}, "parallel=0 is invalid: allowed a positive integer"),
+    ({"parallel": 3, "gpus_on_node": 2}, "parallel=3 is invalid: allowed 1..2 (the GPUs of "
+                                         "this node)"),
+    ({"parallel": 2, "nnodes": 2}, "parallel=2 is invalid with nnodes 2: allowed 1"),
 ])
 def test_launch_options_check_themselves(kwargs, needle):
     with pytest.raises(InputError) as e:
@@ -139,3 +143,11 @@ def test_exit_text_names_a_signal_from_outside():
     assert exit_text(-15) == "killed by SIGTERM from outside the harness (exit code -15)"
     assert exit_text(-9) == "killed by SIGKILL from outside the harness (exit code -9)"
     assert exit_text(-200) == "killed by signal 200 from outside the harness (exit code -200)"
+
+
+def test_parallel_cells_get_the_gpus_cuda_visible_devices_names(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6")
+    assert LaunchOptions(gpus_on_node=3, parallel=3).gpu_ids() == ["4", "5", "6"]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert LaunchOptions(gpus_on_node=2, parallel=2).gpu_ids() == ["0", "1"]
+    assert LaunchOptions(gpus_on_node=2, device="cpu", parallel=8).gpu_ids() == []
