@@ -18,7 +18,11 @@ $MOKBENCH_TE_COMM=deepep|nccl_a2a forces one. The shared expert is two te.pytorc
 Precision: bf16; fp8 = ``te.pytorch.autocast`` with Float8BlockScaling on SM90 and
 MXFP8BlockScaling on SM100 (TE's grouped FP8 GEMM needs rows per expert padded, hence the
 padded permute). TE GEMM weights are [out, in] (``common.out_in_layout``): weight{e} of fc1
-is w1_EHF[e].T ([F, H]), of fc2 w2_EIH[e].T ([H, I]).
+is w1_EHF[e].T ([F, H]), of fc2 w2_EIH[e].T ([H, I]). Under fp8 the weights are quantised
+once, in the first forward after setup (an untimed check), and TE's cached FP8 copies are used
+from then on (``is_first_microbatch`` True, then False: what TE offers for microbatches
+between weight updates, and what Megatron's TE wrappers do after their first call), as mok
+quantises its weights once at setup; the variant says ``weights=cached``.
 """
 
 from __future__ import annotations
@@ -181,8 +185,11 @@ class TEBackend(BackendBase):
             self.comm = NcclA2A(ctx, s.num_experts)
         else:
             self.comm = None
-        recipe = "" if self.recipe is None else f",recipe={type(self.recipe).__name__}"
+        recipe = ("" if self.recipe is None
+                  else f",recipe={type(self.recipe).__name__},weights=cached")
         self.variant = f"comm={self.comm_name}{recipe}"
+        self.first_microbatch: bool | None = None  # fp8: True for the first forward only
+        self._weights_quantised = False
 
     def _recipe(self, precision: str) -> tuple[Any, int]:
         """(TE recipe or None, rows-per-expert alignment of the padded permute)."""
@@ -214,8 +221,8 @@ class TEBackend(BackendBase):
             if sum(m_splits) == 0:
                 return x_RH * 0
             x_MH, row_id_map = te.moe_permute(x_RH, routing_map_RE, num_out_tokens=sum(m_splits))
-        h_MF = self.fc1(x_MH, m_splits)
-        out_MH = self.fc2(swiglu(h_MF), m_splits)
+        h_MF = self.fc1(x_MH, m_splits, is_first_microbatch=self.first_microbatch)
+        out_MH = self.fc2(swiglu(h_MF), m_splits, is_first_microbatch=self.first_microbatch)
         return te.moe_unpermute(out_MH, row_id_map, merging_probs=probs_RE,
                                 restore_shape=x_RH.shape, **pad)
 
@@ -239,11 +246,16 @@ class TEBackend(BackendBase):
         T = x_TH.shape[0]
         pad = -T % self.align if self.recipe is not None else 0
         x_PH = torch.nn.functional.pad(x_TH, (0, 0, 0, pad)) if pad else x_TH
-        return self.shared[1](swiglu(self.shared[0](x_PH)))[:T]
+        mb = self.first_microbatch
+        return self.shared[1](swiglu(self.shared[0](x_PH, is_first_microbatch=mb)),
+                              is_first_microbatch=mb)[:T]
 
     def forward(self, x_TH, topk_idx_TK, topk_weights_TK):
         if self.recipe is None:
             return self._layer(x_TH, topk_idx_TK, topk_weights_TK)
+        # FP8 weights: quantised in the first forward, TE's cached copies afterwards
+        self.first_microbatch = not self._weights_quantised
+        self._weights_quantised = True
         with self.te.autocast(enabled=True, recipe=self.recipe):
             return self._layer(x_TH, topk_idx_TK, topk_weights_TK)
 

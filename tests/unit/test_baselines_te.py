@@ -96,6 +96,7 @@ class FakeTE(types.ModuleType):
         self.autocast_recipes: list[object] = []
         self.splits: list[list[int]] = []
         self.linear_rows: list[int] = []
+        self.first_microbatch: list[bool | None] = []  # per GEMM module call
 
     def moe_permute(self, inp, routing_map, num_out_tokens):
         out, row_id_map, counts = _permute(inp, routing_map)
@@ -124,8 +125,9 @@ class FakeTE(types.ModuleType):
                     self.register_parameter(f"weight{i}", torch.nn.Parameter(
                         torch.empty(out_features, in_features, dtype=params_dtype)))
 
-            def forward(self, x, m_splits):
+            def forward(self, x, m_splits, is_first_microbatch=None):
                 te.splits.append(list(m_splits))
+                te.first_microbatch.append(is_first_microbatch)
                 parts = torch.split(x, m_splits)
                 return torch.cat([p @ getattr(self, f"weight{i}").t()
                                   for i, p in enumerate(parts)])
@@ -135,8 +137,9 @@ class FakeTE(types.ModuleType):
         te = self
 
         class _L(torch.nn.Linear):
-            def forward(self, x):
+            def forward(self, x, is_first_microbatch=None):
                 te.linear_rows.append(x.shape[0])
+                te.first_microbatch.append(is_first_microbatch)
                 return super().forward(x)
         return _L(in_features, out_features, bias=bias, dtype=params_dtype)
 
@@ -207,3 +210,23 @@ def test_layer_through_nccl_a2a_slots(fake_te, monkeypatch):
     assert bwd.ok, bwd.reason()
     assert len(fake_te.splits[-1]) == sc.local_experts
     assert sum(fake_te.splits[-1]) == sc.tokens_per_rank * sc.shape.topk  # one row per slot
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_fp8_weights_are_quantised_once(fake_te, precision):
+    """fp8: every GEMM module gets is_first_microbatch=True in the first forward after setup
+    (TE quantises and caches its FP8 weights) and False after (the cached copies), as mok
+    quantises its weights once at setup; bf16 leaves TE's default (None)."""
+    sc = Scenario(preset("tiny"), tokens_per_rank=20, world_size=1, precision=precision)
+    be = tem.TEBackend()
+    _run(be, sc)
+    first = list(fake_te.first_microbatch)
+    inputs = make_inputs(sc, 1, "cpu")  # a second forward on the same setup
+    be.forward(inputs.x_TH, inputs.topk_idx_TK, inputs.topk_weights_TK)
+    later = fake_te.first_microbatch[len(first):]
+    assert len(first) == len(later) == 4  # fc1, fc2 and the shared expert's two Linears
+    if precision == "fp8":
+        assert first == [True] * 4 and later == [False] * 4
+        assert be.variant.endswith(",weights=cached")
+    else:
+        assert first == later == [None] * 4 and "weights" not in be.variant
