@@ -9,6 +9,10 @@ Legend: T tokens on this rank, E experts (global), K top-k.
   global). Top-k of ``log p_e + Gumbel noise`` samples k distinct experts without replacement with
   probabilities proportional to p_e; the router weights are the softmax of those scores over the
   top-k.
+- ``rank_local``: each token draws one EP rank (uniformly, seeded), then scores ~ randn over
+  that rank's experts only (global ids rank * E/W + j); top-k and softmax as ``uniform``. All
+  of a token's experts sit on one rank, so a dispatch that moves a token once per destination
+  rank moves at most one row per token, and one that moves a row per (token, k) slot k.
 
 Routing is generated on the CPU with a torch.Generator and then moved, so it does not depend on
 the device kind.
@@ -36,6 +40,13 @@ def make_routing(scenario: Scenario, rank: int,
     gen = torch.Generator().manual_seed(scenario.seed + rank)
     if scenario.routing == "uniform":
         scores_TE = torch.randn(T, E, generator=gen)
+    elif scenario.routing == "rank_local":
+        W, L = scenario.world_size, scenario.local_experts
+        home_T = torch.randint(W, (T,), generator=gen)
+        local_TL = torch.randn(T, L, generator=gen)
+        scores_TE = torch.full((T, E), float("-inf"))
+        cols_TL = home_T[:, None] * L + torch.arange(L)[None, :]
+        scores_TE.scatter_(1, cols_TL, local_TL)
     else:
         u_TE = torch.rand(T, E, generator=gen).clamp_(1e-12, 1 - 1e-7)
         gumbel_TE = -torch.log(-torch.log(u_TE))

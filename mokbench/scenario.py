@@ -19,7 +19,7 @@ PASSES = ("forward", "backward", "inference")
 PASS_LABELS = {"forward": "forward (training)", "backward": "backward",
                "inference": "inference (no_grad)"}
 PRECISIONS = ("bf16", "fp8")
-ROUTINGS = ("uniform", "imbalanced")
+ROUTINGS = ("uniform", "imbalanced", "rank_local")
 DEFAULT_SEED = 1234
 DIM_ALIGN = 16  # hidden / intermediate multiple of this (16-byte rows, tensor-core tiles)
 
@@ -116,7 +116,9 @@ class Scenario:
     """One layer configuration at one EP size. Tokens are per rank; experts are split evenly.
 
     ``zipf_s`` only matters for ``routing="imbalanced"``: expert popularity follows a Zipf law
-    with that exponent (0 = uniform popularity).
+    with that exponent (0 = uniform popularity). ``routing="rank_local"`` puts all top-k
+    experts of a token on one EP rank (so it needs top-k <= local experts): the extreme of
+    node-limited routing, and the case where a token crosses the links at most once.
     """
 
     shape: ModelShape
@@ -139,6 +141,10 @@ class Scenario:
                self.shape.num_experts, f"a multiple of world_size ({self.world_size})")
         _check(self.precision in PRECISIONS, "precision", self.precision, " | ".join(PRECISIONS))
         _check(self.routing in ROUTINGS, "routing", self.routing, " | ".join(ROUTINGS))
+        if self.routing == "rank_local" and self.shape.topk > self.local_experts:
+            allowed = " | ".join(r for r in ROUTINGS if r != "rank_local")
+            raise ScenarioError(f"routing='rank_local' is invalid with topk {self.shape.topk} > "
+                                f"{self.local_experts} local experts: allowed {allowed}")
         _check(is_number(self.zipf_s) and self.zipf_s >= 0, "zipf_s", self.zipf_s,
                "a finite number >= 0")
         _check(isinstance(self.shared_expert, bool), "shared_expert", self.shared_expert,
@@ -157,7 +163,8 @@ class Scenario:
     def scenario_id(self) -> str:
         """Readable, unique id of everything that changes the numbers (not the timing counts)."""
         s = self.shape
-        rt = self.routing if self.routing == "uniform" else f"zipf{self.zipf_s:g}"
+        rt = {"uniform": "uniform", "rank_local": "ranklocal"}.get(self.routing,
+                                                                   f"zipf{self.zipf_s:g}")
         se = "+se" if self.shared_expert else ""
         seed = "" if self.seed == DEFAULT_SEED else f"-seed{self.seed}"  # old ids stay valid
         return (f"{s.name}-E{s.num_experts}H{s.hidden}I{s.intermediate}k{s.topk}{se}"
