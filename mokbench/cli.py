@@ -100,25 +100,28 @@ def sweep(
                                          "(a cell of world size W takes W GPUs)"),
 ) -> None:
     """Expand a sweep into cells and run each through torchrun; print the summary."""
-    from mokbench.runner import run_sweep, stop_on_sigterm
+    run_dir = _run_sweep_stoppable(
+        sweep_file, backends=_split(backends), nproc_per_node=nproc_per_node, nnodes=nnodes,
+        node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, out=out, resume=resume,
+        dry_run=dry_run, timeout_s=timeout_s, device=device, calibrate_first=calibrate_first,
+        console=console, parallel=parallel)
+    if run_dir is not None and node_rank == 0:
+        _print_report(run_dir, finish=True)
+
+
+def _run_sweep_stoppable(sweep_file: Path | None, **kwargs) -> Path | None:
+    """``runner.run_sweep`` with Ctrl-C and SIGTERM handled: the running cell is stopped,
+    finished rows stay, the message says how to resume; exit 130 (Ctrl-C) or 143 (SIGTERM)."""
+    from mokbench.runner import SweepStopped, run_sweep, stop_on_sigterm
 
     try:
         with stop_on_sigterm():
-            run_dir = run_sweep(sweep_file, backends=_split(backends),
-                                nproc_per_node=nproc_per_node, nnodes=nnodes,
-                                node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, out=out,
-                                resume=resume, dry_run=dry_run, timeout_s=timeout_s,
-                                device=device, calibrate_first=calibrate_first,
-                                console=console, parallel=parallel)
-    except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM (runner.SweepStopped)
-        from mokbench.runner import SweepStopped
-
+            return run_sweep(sweep_file, **kwargs)
+    except KeyboardInterrupt as stop:
         console.print(f"[yellow]interrupted[/yellow]{f' by {stop}' if str(stop) else ''}: the "
                       "running cell was stopped, finished rows are kept; complete the run "
                       "with [bold]mokbench sweep --resume RUN_DIR[/bold]")
         raise typer.Exit(143 if isinstance(stop, SweepStopped) else 130) from None
-    if run_dir is not None and node_rank == 0:
-        _print_report(run_dir, finish=True)
 
 
 @app.command()
@@ -140,8 +143,6 @@ def run(
     device: str = typer.Option("auto"),
 ) -> None:
     """Run one scenario from flags (quick ad hoc use); writes a run folder like `sweep`."""
-    from mokbench.runner import run_sweep
-
     _positive(world_size=world_size)
     spec: dict = {"tokens_per_rank": tokens, "precision": precision, "routing": routing,
                   "zipf_s": zipf_s, "seed": seed, "shared_expert": shared_expert,
@@ -158,8 +159,8 @@ def run(
     data = {"name": "adhoc", "backends": _split(backends), "timing": {"warmup": warmup,
                                                                       "iters": iters},
             "world_sizes": [world_size or "auto"], "scenarios": [spec]}
-    run_dir = run_sweep(None, data=data, out=out, timeout_s=timeout_s, device=device,
-                        console=console)
+    run_dir = _run_sweep_stoppable(None, data=data, out=out, timeout_s=timeout_s,
+                                   device=device, console=console)
     if run_dir is not None:
         _print_report(run_dir, finish=True)
 
