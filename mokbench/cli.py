@@ -112,7 +112,8 @@ def sweep(
 def _run_sweep_stoppable(sweep_file: Path | None, **kwargs) -> Path | None:
     """``runner.run_sweep`` with Ctrl-C and SIGTERM handled: the running cell is stopped,
     finished rows stay, the message says how to resume; exit 130 (Ctrl-C) or 143 (SIGTERM)."""
-    from mokbench.runner import SweepStopped, run_sweep, stop_on_sigterm
+    from mokbench.cellpool import SweepStopped, stop_on_sigterm
+    from mokbench.runner import run_sweep
 
     try:
         with stop_on_sigterm():

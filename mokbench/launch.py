@@ -7,7 +7,7 @@ torchrun with G ranks on each), the other nodes take no part in it, a cell of W 
 node 0 alone, and only node 0 writes rows. So an 18 x 4 allocation runs an EP-64 sweep on its
 first 16 nodes.
 
-``--parallel N`` (one node): up to N cells at once, each on GPUs of its own
+``--parallel N`` (one node; ``cellpool``): up to N cells at once, each on GPUs of its own
 (``CUDA_VISIBLE_DEVICES``; a cell of world size W takes W of them; on CPU, N cells of gloo
 ranks). Rows then carry ``parallel_cells`` and ``cell_gpus``.
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 import threading
 import time
 
+from mokbench.cellpool import run_parallel
 from mokbench.launch import LaunchOptions
-from mokbench.runner import _new_folder, _run_parallel
+from mokbench.runner import _new_folder
 from mokbench.scenario import Scenario, preset
 from mokbench.sweep import Cell
 
@@ -41,7 +42,7 @@ def test_parallel_cells_never_share_a_gpu(monkeypatch):
     opts = LaunchOptions(nproc_per_node=4, gpus_on_node=4, parallel=4)
     runner, order = _FakeRunner(), []
     sizes = [1, 1, 2, 4, 1, 2, 1, 1, 8]  # 8 > 4 GPUs: placed as a skip (runner.run decides)
-    _run_parallel(runner, _cells(sizes), opts, lambda c: order.append(id(c)),
+    run_parallel(runner, _cells(sizes), opts, lambda c: order.append(id(c)),
                   lambda c, rows: None)
     assert sorted(runner.spans) == list(range(len(sizes)))
     for i, w in enumerate(sizes):
@@ -61,7 +62,7 @@ def test_parallel_cells_never_share_a_gpu(monkeypatch):
 def test_parallel_on_cpu_runs_n_cells_at_once():
     opts = LaunchOptions(nproc_per_node=2, device="cpu", parallel=3)
     runner, rows = _FakeRunner(), []
-    _run_parallel(runner, _cells([2] * 7), opts, lambda c: None,
+    run_parallel(runner, _cells([2] * 7), opts, lambda c: None,
                   lambda c, r: rows.extend(r))
     assert sorted(r["index"] for r in rows) == list(range(7))
     spans = runner.spans.values()
