@@ -10,7 +10,7 @@ sweep=$1; shift
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 COLUMNS=200
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 out=${OUT:-/tmp/out}
-root=${MB_ROOT:-/tmp/mb}  # one root per concurrent sweep (e.g. one per GPU)
+root=${MB_ROOT:-/tmp/mb}  # one root per concurrent sweep; one sweep over all GPUs: pass --parallel N
 mkdir -p "$out"
 timeout -s INT "${SWEEP_LIMIT_S:-540}" python -m mokbench.cli sweep "$sweep" --calibrate --out "$root" "$@" 2>&1 | tee "$out/sweep.log" \
   | grep -v "━" | tail -60
