@@ -188,8 +188,7 @@ class TEBackend(BackendBase):
         recipe = ("" if self.recipe is None
                   else f",recipe={type(self.recipe).__name__},weights=cached")
         self.variant = f"comm={self.comm_name}{recipe}"
-        self.first_microbatch: bool | None = None  # fp8: True for the first forward only
-        self._weights_quantised = False
+        self._weights_quantised = False  # fp8: TE caches its FP8 weights in the first forward
 
     def _recipe(self, precision: str) -> tuple[Any, int]:
         """(TE recipe or None, rows-per-expert alignment of the padded permute)."""
@@ -206,8 +205,9 @@ class TEBackend(BackendBase):
         except ImportError:
             return recipe, 32 if name.startswith("MXFP8") else 16
 
-    def _experts(self, x_RH, routing_map_RE, probs_RE):
-        """TE permute -> grouped SwiGLU FFN -> unpermute merged with probs: [R, H]."""
+    def _experts(self, x_RH, routing_map_RE, probs_RE, first: bool | None):
+        """TE permute -> grouped SwiGLU FFN -> unpermute merged with probs: [R, H].
+        ``first``: TE's ``is_first_microbatch`` (None in bf16)."""
         te = self.te
         pad = {}
         if self.recipe is not None:
@@ -221,24 +221,24 @@ class TEBackend(BackendBase):
             if sum(m_splits) == 0:
                 return x_RH * 0
             x_MH, row_id_map = te.moe_permute(x_RH, routing_map_RE, num_out_tokens=sum(m_splits))
-        h_MF = self.fc1(x_MH, m_splits, is_first_microbatch=self.first_microbatch)
-        out_MH = self.fc2(swiglu(h_MF), m_splits, is_first_microbatch=self.first_microbatch)
+        h_MF = self.fc1(x_MH, m_splits, is_first_microbatch=first)
+        out_MH = self.fc2(swiglu(h_MF), m_splits, is_first_microbatch=first)
         return te.moe_unpermute(out_MH, row_id_map, merging_probs=probs_RE,
                                 restore_shape=x_RH.shape, **pad)
 
-    def _layer(self, x_TH, topk_idx_TK, topk_weights_TK):
+    def _layer(self, x_TH, topk_idx_TK, topk_weights_TK, first: bool | None = None):
         if self.comm is None:
             routing_map, probs = dense_routing(topk_idx_TK - self.first, topk_weights_TK, self.E)
-            y_TH = self._experts(x_TH, routing_map, probs)
+            y_TH = self._experts(x_TH, routing_map, probs, first)
         else:
             x_RH, w_RK, idx_RK, handle = self.comm.dispatch(x_TH, topk_idx_TK, topk_weights_TK)
             routing_map, probs = dense_routing(idx_RK, w_RK, self.E)
-            y_TH = self.comm.combine(self._experts(x_RH, routing_map, probs), handle)
+            y_TH = self.comm.combine(self._experts(x_RH, routing_map, probs, first), handle)
         if self.shared is not None:
-            y_TH = y_TH + self._shared_expert(x_TH)
+            y_TH = y_TH + self._shared_expert(x_TH, first)
         return y_TH
 
-    def _shared_expert(self, x_TH):
+    def _shared_expert(self, x_TH, first: bool | None):
         """The shared expert on all T tokens. Under fp8 its rows are padded with zeros to the
         recipe's alignment and cut back after: TE's block-scaled GEMMs need the reduction
         dimension divisible by 16, which in the weight-gradient GEMM is the token count
@@ -246,18 +246,16 @@ class TEBackend(BackendBase):
         T = x_TH.shape[0]
         pad = -T % self.align if self.recipe is not None else 0
         x_PH = torch.nn.functional.pad(x_TH, (0, 0, 0, pad)) if pad else x_TH
-        mb = self.first_microbatch
-        return self.shared[1](swiglu(self.shared[0](x_PH, is_first_microbatch=mb)),
-                              is_first_microbatch=mb)[:T]
+        return self.shared[1](swiglu(self.shared[0](x_PH, is_first_microbatch=first)),
+                              is_first_microbatch=first)[:T]
 
     def forward(self, x_TH, topk_idx_TK, topk_weights_TK):
         if self.recipe is None:
             return self._layer(x_TH, topk_idx_TK, topk_weights_TK)
         # FP8 weights: quantised in the first forward, TE's cached copies afterwards
-        self.first_microbatch = not self._weights_quantised
-        self._weights_quantised = True
+        first, self._weights_quantised = not self._weights_quantised, True
         with self.te.autocast(enabled=True, recipe=self.recipe):
-            return self._layer(x_TH, topk_idx_TK, topk_weights_TK)
+            return self._layer(x_TH, topk_idx_TK, topk_weights_TK, first)
 
     def _modules(self) -> list[Any]:
         return [self.fc1, self.fc2, *(self.shared or ())]

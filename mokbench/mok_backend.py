@@ -52,13 +52,13 @@ def fp8_config_fields(arch: int = 90, recipe: str | None = None) -> dict:
     """What the FP8 path needs on top of the defaults: the recipe, interleaved gate/up,
     block_n 256, block_k 128 (one scale step per K step), K-major e4m3 weight tiles through
     TMA (pipelined; the pointer-load build of the blockwise tiles spills on sm_90); one tile per
-    work item (not measured yet). Row blocks: 128 for rowwise_all on Hopper (its FFN alone 11.561
-    ms at Kimi 48 x 16384 against rowwise's 19.420 at 128 rows, where rowwise's 1x128 h tiles
-    spill; ``benchmarks/fp8_ffn_recipes.py``, notes/mok-kernel.md) and for MXFP8 on Blackwell
-    (the M of a block-scaled tcgen05 MMA); 64 for blockwise and rowwise on Hopper (their 128-row
-    tiles spill). The backward (the BF16 one) at 128-row blocks whatever the forward's
-    (``bwd_block_m``): at Kimi 48 x 16384 on one H200 it took 48.781 ms after the FP8 forward
-    at 64-row blocks (results/20261130-215158-h200-fp8) and 41.129 at 128
+    work item (not measured yet). Row blocks: 128 for rowwise_all on Hopper (its sm_90 build
+    does not spill there, rowwise's 1x128 h tiles do; its timings: ``default_fp8_recipe``, and
+    the profiling script ``benchmarks/fp8_ffn_recipes.py`` in notes/mok-kernel.md) and for
+    MXFP8 on Blackwell (the M of a block-scaled tcgen05 MMA); 64 for blockwise and rowwise on
+    Hopper (their 128-row tiles spill). The backward (the BF16 one) at 128-row blocks whatever
+    the forward's (``bwd_block_m``): at Kimi 48 x 16384 on one H200 it took 48.781 ms after the
+    FP8 forward at 64-row blocks (results/20261130-215158-h200-fp8) and 41.129 at 128
     (results/20261130-234427-h200-fp8-gpu0)."""
     recipe = recipe or default_fp8_recipe(arch)
     bm = 128 if recipe == "rowwise_all" or (recipe == "mx" and arch >= 100) else 64
