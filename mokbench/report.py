@@ -11,10 +11,14 @@ Formulas (per row, i.e. per (scenario, backend, pass)):
                                 (the dense GEMM TFLOP/s measured by ``mokbench calibrate``)
     within_noise              = this row's [p10_ms, p90_ms] overlaps the fastest baseline's
                                 (a speedup that the iteration spread could account for)
+    speedup_vs_bf16           = median_ms of the same backend label and pass at the same
+                                scenario in bf16 (same run) / median_ms of this row, for
+                                rows of another precision (FP8 over its own bf16)
 
-Both derived columns are NaN where they cannot be computed (row not ok, no ok baseline for the
-scenario and pass, no ceiling stored for the precision); within_noise is False there and on
-the fastest baseline's own row. Terminal tables are drawn by :mod:`mokbench.tables`.
+The derived columns are NaN where they cannot be computed (row not ok, no ok baseline for the
+scenario and pass, no ceiling stored for the precision, no ok bf16 twin); within_noise is
+False there and on the fastest baseline's own row. Terminal tables are drawn by
+:mod:`mokbench.tables`.
 """
 
 from __future__ import annotations
@@ -54,8 +58,9 @@ TIMING_NOTE = (
 FORMULA_NOTE = (
     "TFLOP/s = per-rank layer FLOPs / median time (forward and inference 6*(T + T*k)*H*I with "
     "the shared expert, 6*T*k*H*I without; backward 2x forward). Speedup = fastest ok baseline "
-    "median (same scenario and pass) / this median. Ceiling = TFLOP/s / dense GEMM TFLOP/s "
-    "measured on this machine for the precision."
+    "median (same scenario and pass) / this median. vs own bf16 (rows of another precision) = "
+    "the same backend's bf16 median at the same scenario and pass in this run / this median. "
+    "Ceiling = TFLOP/s / dense GEMM TFLOP/s measured on this machine for the precision."
 )
 
 
@@ -143,19 +148,35 @@ def _order(df: pd.DataFrame) -> pd.DataFrame:
     return df.loc[order].reset_index(drop=True)
 
 
+def _bf16_twin_key(scenario_id: str, precision: Any) -> str:
+    """The id the same scenario has in bf16 (ids end in ``-<precision>-<routing>[-seed]``)."""
+    return str(scenario_id).replace(f"-{precision}-", "-bf16-", 1)
+
+
+def _speedup_vs_bf16(out: pd.DataFrame, ok: pd.Series) -> pd.Series:
+    """bf16 median / this median for ok rows of another precision whose backend label ran the
+    same scenario and pass in bf16, ok, in the same run; NaN elsewhere."""
+    bf16 = out[ok & (out["precision"] == "bf16")]
+    ms = dict(zip(zip(bf16["scenario_id"], bf16["backend"], bf16["pass"]), bf16["median_ms"]))
+    keys = zip(out["scenario_id"], out["precision"], out["backend"], out["pass"])
+    twin = [ms.get((_bf16_twin_key(s, p), b, q), math.nan) if p != "bf16" else math.nan
+            for s, p, b, q in keys]
+    return (pd.Series(twin, index=out.index, dtype=float) / out["median_ms"]).where(ok)
+
+
 def summarize(df: pd.DataFrame, env: dict[str, Any] | None) -> pd.DataFrame:
     """The rows plus ``best_baseline``, ``speedup_vs_best_baseline`` and ``ceiling_frac``.
 
     speedup = best_baseline_ms / median_ms, where best_baseline_ms is the smallest median_ms among
     rows with is_baseline and status "ok" for the same scenario_id and pass (failed, timed-out or
     skipped baselines are ignored). NaN when the row is not ok or no baseline ran ok.
-    within_noise: see the module docstring.
+    within_noise, speedup_vs_bf16: see the module docstring.
     ceiling_frac = tflops / env["ceilings"]["<precision>_tflops"]; NaN when no ceiling is stored.
     """
     if df.empty:
         return df.assign(best_baseline=None, best_baseline_ms=math.nan,
                          speedup_vs_best_baseline=math.nan, ceiling_frac=math.nan,
-                         within_noise=False)
+                         within_noise=False, speedup_vs_bf16=math.nan)
     out = df.copy()
     out["is_baseline"] = _baseline_mask(out)
     out = out.merge(_best_baselines(out), on=["scenario_id", "pass"], how="left")
@@ -165,6 +186,7 @@ def summarize(df: pd.DataFrame, env: dict[str, Any] | None) -> pd.DataFrame:
     ok = (out["status"] == "ok") & (out["median_ms"] > 0)
     out["speedup_vs_best_baseline"] = (out["best_baseline_ms"] / out["median_ms"]).where(ok)
     out["within_noise"] = _within_noise(out, ok)
+    out["speedup_vs_bf16"] = _speedup_vs_bf16(out, ok)
     ceilings = (env or {}).get("ceilings") or {}
     ceiling = out["precision"].map(lambda p: _ceiling(ceilings, p)).astype(float)
     out["ceiling_frac"] = (out["tflops"] / ceiling).where(ok)
@@ -185,13 +207,13 @@ def _md_escape(s: str) -> str:
 
 
 MD_COLUMNS = [("median ms", "median"), ("p10–p90 ms", "spread"), ("TFLOP/s", "tflops"),
-              ("vs best baseline", "speedup"), ("of ceiling", "ceiling"), ("peak GiB", "mem"),
-              ("max rel err", "err")]
+              ("vs best baseline", "speedup"), ("vs own bf16", "vs_bf16"),
+              ("of ceiling", "ceiling"), ("peak GiB", "mem"), ("max rel err", "err")]
 
 
 def _md_table(part: pd.DataFrame, legend: tables.Legend, show: dict[str, bool]) -> str:
     """Scenario (short label), backend (variant tag), status (reason note), then the numbers;
-    the ceiling and memory columns only where some row has them."""
+    the own-bf16, ceiling and memory columns only where some row has them."""
     cols = [(h, k) for h, k in MD_COLUMNS if show.get(k, True)]
     lines = ["| scenario | backend | status | " + " | ".join(h for h, _ in cols) + " |",
              "|---|---|---|" + "---:|" * len(cols)]

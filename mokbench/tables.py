@@ -132,6 +132,8 @@ def number_cells(row: pd.Series) -> dict[str, str]:
         "spread": (f"{num(row['p10_ms'], '.3f')}–{num(row['p90_ms'], '.3f')}" if ok else "-"),
         "tflops": tflops_text(row["tflops"]) if ok else "-",
         "speedup": speedup_cell(row) if ok else "-",
+        "vs_bf16": (num(row.get("speedup_vs_bf16"), ".2f") + "x"
+                    if ok and not pd.isna(row.get("speedup_vs_bf16", math.nan)) else "-"),
         "ceiling": f"{100 * frac:.0f}%" if has_frac else "-",
         "mem": f"{float(mem) / GIB:.2f}" if has_mem else "-",
         "err": num(row["max_rel_err"], ".2e"),
@@ -139,11 +141,13 @@ def number_cells(row: pd.Series) -> dict[str, str]:
 
 
 def optional_columns(summary: pd.DataFrame) -> dict[str, bool]:
-    """Columns shown only when some row has them: ceiling fraction, peak GPU memory."""
+    """Columns shown only when some row has them: speedup over the same backend's bf16 row,
+    ceiling fraction, peak GPU memory."""
     def has(col: str) -> bool:
         return col in summary.columns and bool(summary[col].notna().any())
 
-    return {"ceiling": has("ceiling_frac"), "mem": has("peak_mem_bytes")}
+    return {"vs_bf16": has("speedup_vs_bf16"), "ceiling": has("ceiling_frac"),
+            "mem": has("peak_mem_bytes")}
 
 
 # ---------------------------------------------------------------- rich
@@ -155,12 +159,15 @@ def _columns(stacked: bool, show: dict[str, bool]) -> list[tuple[str, str]]:
         cols = [("median ms\np10–p90", "median+spread"),
                 ("TFLOP/s\nceiling" if show["ceiling"] else "TFLOP/s",
                  "tflops+ceiling" if show["ceiling"] else "tflops"),
-                ("vs best", "speedup"),
+                ("vs best\nvs bf16" if show["vs_bf16"] else "vs best",
+                 "speedup+vs_bf16" if show["vs_bf16"] else "speedup"),
                 ("rel err\npeak GiB" if show["mem"] else "rel err",
                  "err+mem" if show["mem"] else "err")]
         return cols
     cols = [("median ms", "median"), ("p10–p90 ms", "spread"), ("TFLOP/s", "tflops"),
             ("vs best", "speedup")]
+    if show["vs_bf16"]:
+        cols.append(("vs bf16", "vs_bf16"))
     if show["ceiling"]:
         cols.append(("ceiling", "ceiling"))
     if show["mem"]:

@@ -257,3 +257,25 @@ def test_cells_the_sweep_did_not_reach_are_listed(tmp_path):
     (run / "rows.jsonl").unlink()
     run = write_run(tmp_path, done, {"nproc_per_node": 1})
     assert "## Not run" not in report.write_report(run, "md").read_text()
+
+
+def test_fp8_rows_show_their_speedup_over_the_same_backend_in_bf16(tmp_path):
+    """An FP8 row of a backend that also ran the same scenario in bf16 in the run gets
+    bf16 median / FP8 median; other rows (no twin, bf16 themselves, not ok) get NaN, and the
+    Markdown report shows the column only when some row has it."""
+    fp8, bf16 = "m-E8H64I32k2-T64-ep1-fp8-uniform", "m-E8H64I32k2-T64-ep1-bf16-uniform"
+    rows = [row(fp8, "te", "forward", 8.0, precision="fp8"),
+            row(fp8, "mok", "forward", 4.0, baseline=False, precision="fp8"),
+            row(fp8, "mok@fp8=rowwise", "forward", 5.0, baseline=False, precision="fp8"),
+            row(fp8, "mok", "backward", None, baseline=False, precision="fp8", status="failed"),
+            row(bf16, "mok", "forward", 6.0, baseline=False),
+            row(bf16, "mok", "backward", 9.0, baseline=False)]
+    s = report.summarize(pd.DataFrame(rows), {})
+    assert pick(s, fp8, "mok", "forward")["speedup_vs_bf16"] == pytest.approx(1.5)
+    for backend, pass_, scenario in (("te", "forward", fp8), ("mok@fp8=rowwise", "forward", fp8),
+                                     ("mok", "backward", fp8), ("mok", "forward", bf16)):
+        assert math.isnan(pick(s, scenario, backend, pass_)["speedup_vs_bf16"])
+    md = report.to_markdown(s, {}, "r")
+    assert "| vs own bf16 |" in md and "| 1.50x |" in md
+    plain = report.summarize(pd.DataFrame(known_rows()), {})
+    assert "| vs own bf16 |" not in report.to_markdown(plain, {}, "r")
