@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mokbench.errors import InputError, is_int, is_number
-from mokbench.results import RowWriter, new_row, scenario_columns
+from mokbench.results import RowWriter, git_commit, new_row, scenario_columns
 from mokbench.sweep import Cell
 
 ERROR_TAIL_CHARS = 600
@@ -297,7 +297,12 @@ class CellRunner:
                        device="cpu" if self.opts.device == "cpu" or not self.opts.gpus_on_node
                        else "cuda", repro=repro_command(cell),
                        registry=registry()[split_label(cell.backend)[0]],
-                       **scenario_columns(cell.scenario), **values)
+                       git_sha=self.git_sha, **scenario_columns(cell.scenario), **values)
+
+    @functools.cached_property
+    def git_sha(self) -> str | None:
+        """The commit each row was made at (a resumed run's rows may differ from env.json's)."""
+        return git_commit()
 
     @functools.cached_property
     def gpu_name(self) -> str:

@@ -248,6 +248,22 @@ def _md_env(env: dict[str, Any]) -> list[str]:
     return out
 
 
+def _md_commits(summary: pd.DataFrame, env: dict[str, Any]) -> list[str]:
+    """A line naming the commits of the rows where they are not all env.json's (a run
+    completed by ``--resume`` at a later commit); rows made before rows recorded their commit
+    are counted as env.json's."""
+    if "git_sha" not in summary.columns:
+        return []
+    first = env.get("git_sha") or "unknown"
+    shas = summary["git_sha"].fillna(first)
+    counts = shas.value_counts(sort=False)
+    if len(counts) < 2:
+        return []
+    order = sorted(counts.index, key=lambda sha: sha != first)  # env.json's commit first
+    parts = [f"{sha[:12]} ({counts[sha]} rows)" for sha in order]
+    return ["Rows from more than one commit (resumed run): " + ", ".join(parts) + ".", ""]
+
+
 def _md_not_run(not_run: list[tuple[str, str]], backends: list[str] | None = None) -> list[str]:
     """The cells of the sweep with no row, as a section: each says why where the run knows
     (``backends``: the run's ``--backends`` list from env.json; a cell of another backend was
@@ -292,6 +308,7 @@ def to_markdown(summary: pd.DataFrame, env: dict[str, Any], run_id: str,
     env_lines = _md_env(env)
     if env_lines:
         parts += ["Machine: " + "; ".join(env_lines) + ".", ""]
+    parts += _md_commits(summary, env)
     if summary.empty:
         parts += ["No rows.", "", *_md_not_run(not_run or [], env.get("backends"))]
         return "\n".join(parts).rstrip() + "\n"

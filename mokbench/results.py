@@ -120,6 +120,12 @@ def git_dirty(run_dir: Path | None = None, repo: Path | None = None) -> bool | N
     return None if out is None else bool(out)
 
 
+def git_commit() -> str | None:
+    """The commit this code runs at: MOKBENCH_GIT_SHA where set (a copy of the tree without
+    .git, shipped to a remote machine), else ``git rev-parse HEAD``; None outside a checkout."""
+    return os.environ.get("MOKBENCH_GIT_SHA") or _git("rev-parse", "HEAD")
+
+
 def _git(*args: str, cwd: Path | None = None) -> str | None:
     try:
         out = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
@@ -154,7 +160,7 @@ def capture_env(run_dir: Path | None = None) -> dict[str, Any]:
                                                                        time.gmtime()),
         # A copy of the tree without .git (e.g. shipped to a remote machine) can name its
         # commit through MOKBENCH_GIT_SHA / MOKBENCH_GIT_DIRTY.
-        "git_sha": os.environ.get("MOKBENCH_GIT_SHA") or _git("rev-parse", "HEAD"),
+        "git_sha": git_commit(),
         "git_dirty": (os.environ["MOKBENCH_GIT_DIRTY"] == "1" if "MOKBENCH_GIT_DIRTY" in os.environ
                       else bool(git_dirty(run_dir))),
         "cuda": torch.version.cuda, "gpu_count": torch.cuda.device_count(),

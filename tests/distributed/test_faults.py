@@ -80,14 +80,15 @@ def _processes_naming(text: str) -> list[str]:
 def test_ctrl_c_then_resume(tmp_path, sig, code):
     """Ctrl-C (SIGINT) or SIGTERM in a hanging cell: the sweep exits with 130 / 143 and says
     how to resume, the cell's torchrun and workers are gone (they have their own process
-    group), finished rows are kept, and --resume runs only what is missing."""
+    group), finished rows are kept, and --resume runs only what is missing; each row names
+    the commit it was made at, and the report lists both commits of the resumed run."""
     f = tmp_path / "s.toml"
     f.write_text(SWEEP.format(backends='"nccl_torch", "fault_hang", "nccl_torch_compile"'))
     out = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, "-m", "mokbench.cli", "sweep", str(f), "--device",
                              "cpu", "--timeout-s", "300", "--out", str(out)], cwd=REPO,
-                            env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+                            env=cli_env(MOKBENCH_GIT_SHA="a" * 40), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 120
     while time.time() < deadline:  # wait for the first cell's three rows (one per pass)
         dirs = list(out.glob("*/rows.jsonl")) if out.exists() else []
@@ -105,10 +106,13 @@ def test_ctrl_c_then_resume(tmp_path, sig, code):
     assert [r["backend"] for r in first] == ["nccl_torch"] * 3
 
     r = mokbench("sweep", "--resume", str(run_dir), "--device", "cpu", "--timeout-s", "20",
-                 "--backends", "nccl_torch,fault_hang")
+                 "--backends", "nccl_torch,fault_hang", env={"MOKBENCH_GIT_SHA": "b" * 40})
     assert r.returncode == 0, r.stdout + r.stderr
     rows = read_rows(run_dir / "rows.jsonl")
     assert rows[:3] == first, "finished rows must be kept as they were"
+    assert [r["git_sha"] for r in rows] == ["a" * 40] * 3 + ["b" * 40] * 3
+    report_md = (run_dir / "report.md").read_text()
+    assert f"{'a' * 12} (3 rows), {'b' * 12} (3 rows)" in report_md
     assert sum(r["backend"] == "nccl_torch" for r in rows) == 3, "finished cell not redone"
     assert [r["status"] for r in rows if r["backend"] == "fault_hang"] == ["timeout"] * 3
 
