@@ -37,7 +37,12 @@ w2_EIH [E, I, H]; in loopback they hold all L*E experts, rank-major. With
 imports mokbench.
 """
 
-from mok_kernels._details.backward import Gradients, backward
+from mok_kernels._details.backward import (
+    BackwardFp8Weights,
+    Gradients,
+    backward,
+    quantize_backward_weights,
+)
 from mok_kernels._details.config import MoKConfig, MoKConfigError, Plan, plan
 from mok_kernels._details.errors import (
     MoKCapacityError,
@@ -96,6 +101,7 @@ from mok_kernels._details.tl_quant import (
 from mok_kernels._details.workspace import Workspace, clear_workspace_cache, get_workspace
 
 __all__ = [
+    "BackwardFp8Weights",
     "FFN_KERNELS",
     "FP8_RECIPES",
     "ForwardContext",
@@ -136,6 +142,7 @@ __all__ = [
     "gate_up_tiles",
     "interleave_gate_up",
     "plan",
+    "quantize_backward_weights",
     "quantize_blockwise",
     "quantize_ffn",
     "quantize_weights",

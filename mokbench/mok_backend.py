@@ -19,7 +19,9 @@ nothing.
 FP8 (``precision = "fp8"``): the forward runs the megakernel's FP8 path
 (``MoKConfig.fp8``; knob ``fp8`` = blockwise | rowwise | mx | rowwise_all, default
 ``default_fp8_recipe``), with the weights quantised once at setup (not timed); the backward
-is the BF16 backward megakernel on the BF16 weights (the row's variant says ``bwd=bf16``).
+is the BF16 backward megakernel on the BF16 weights (the row's variant says ``bwd=bf16``),
+or with the knob ``bwd_fp8_da`` its dA items in FP8 (``bwd=fp8_da``; W_down's FP8 copy made
+once at setup, ``quantize_backward_weights``).
 """
 
 from __future__ import annotations
@@ -187,7 +189,8 @@ class _MoKLayer(torch.autograd.Function):
         import mok_kernels
 
         b = fctx.backend
-        g = mok_kernels.backward(b.config, b.ws, fctx.saved_mok, dy_TH.contiguous(), *b.w)
+        g = mok_kernels.backward(b.config, b.ws, fctx.saved_mok, dy_TH.contiguous(), *b.w,
+                                 fp8_weights=b.w_bwd8)
         fctx.saved_mok = None  # its pre-activations now hold their gradients
         b.accumulate({"w1_EHF": g.w_gate_up, "w2_EIH": g.w_down,
                       "ws1_HF": g.shared_gate_up, "ws2_IH": g.shared_down})
@@ -227,6 +230,8 @@ class MoKBackend(BackendBase):
                   None if weights.ws2_IH is None else weights.ws2_IH.contiguous())
         # FP8: the forward's weights quantised once (not timed); the backward keeps bf16.
         self.w_fwd = mok_kernels.quantize_weights(self.config, *self.w) if fp8 else self.w
+        # bwd_fp8_da: W_down's FP8 copy for the backward's dA items, also once at setup.
+        self.w_bwd8 = mok_kernels.quantize_backward_weights(self.config, self.w[1], self.w[3])
         self.params = {}
         self.grads: dict = {}
         self.graphed = (mok_kernels.GraphedForward(self.config, self.ws, self.w_fwd)
@@ -249,7 +254,9 @@ class MoKBackend(BackendBase):
                         + (f",da_tiles={c.bwd_da_tiles}" if c.bwd_da_tiles > 1 else "")
                         + (",dx_tma=1" if c.bwd_dx_tma else "")
                         + (f",pull_ahead={c.bwd_pull_ahead}" if c.bwd_pull_ahead else "")
-                        + (f",fp8={c.fp8},block_m={c.block_m},bwd=bf16" if fp8 else "")
+                        + (f",fp8={c.fp8},block_m={c.block_m},"
+                           f"bwd={'fp8_da' if c.bwd_fp8_da else 'bf16'}" if fp8 else "")
+                        + (",bwd_fp8_da=1" if c.bwd_fp8_da and not fp8 else "")
                         + (f",bwd_block_m={c.bwd_block_m}" if c.bwd_block_m else ""))
 
     def validate_options(self, scenario, options: dict) -> None:

@@ -9,7 +9,9 @@ P schedule rows, NJ = I / DAC I tiles of the dA items (router-gradient partials 
 Peer-visible per rank (one symmetric buffer in real EP, one [L, ...] byte buffer in loopback,
 carved alike so one byte-offset table serves all three): dy [T, H] bf16 (pulled by the ranks
 that ran the token's experts: reverse-combine), p [T, K] fp32 (the router weights, read by
-the same ranks to pre-scale), drp [T, K, NJ] fp32 (router-gradient partials, pushed back).
+the same ranks to pre-scale), drp [T, K, NJ] fp32 (router-gradient partials, pushed back),
+and with ``bwd_fp8_da`` dyq [T, H] (dY as FP8 rows in bf16-row storage: H e4m3 values, then
+the row's fp32 scale; read by the dA items of the ranks that ran the token's experts).
 dX rows are pushed into the forward's combine buffer [T, S, H] (reverse-dispatch) and summed
 by the home rank in fixed slot order.
 """
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from mok_kernels._details.config import MoKConfig
+from mok_kernels._details.ffn_fp8 import quantize_tokens_into
 from mok_kernels._details.forward import (
     ForwardContext,
     _check_weights,
@@ -51,10 +54,45 @@ class Gradients:
 
 
 @dataclass
+class BackwardFp8Weights:
+    """The down projection's weights as the FP8 dA items read them (``bwd_fp8_da``),
+    quantised once (``quantize_backward_weights``): e4m3 rows of W_down (each of its I rows
+    over H is the K-major B operand of dA = dY @ W_down^T) with one fp32 scale per row.
+
+    w2q_NH [L*E*I, H] e4m3 and sw2_N [L*E*I] fp32 (the routed experts), ws2q_IH [I, H] e4m3
+    and sws2_I [I] fp32 (the shared expert) or None."""
+
+    w2q_NH: torch.Tensor
+    sw2_N: torch.Tensor
+    ws2q_IH: torch.Tensor | None
+    sws2_I: torch.Tensor | None
+
+
+def quantize_backward_weights(config: MoKConfig, w_down: torch.Tensor,
+                              shared_down: torch.Tensor | None = None
+                              ) -> BackwardFp8Weights | None:
+    """What ``backward`` needs besides the bf16 weights for this config: the FP8 copies of
+    W_down [L*E, I, H] (and the shared [I, H]) with ``bwd_fp8_da``, else None. Call once per
+    weight update (not per backward), as the forward's ``quantize_weights``."""
+    if not config.bwd_fp8_da:
+        return None
+    from mok_kernels._details.tl_quant import quantize_rowwise
+
+    pow2 = config.fp8_pow2_scales
+    q, s = quantize_rowwise(w_down.reshape(-1, w_down.shape[-1]), pow2_scales=pow2)
+    sq = ss = None
+    if shared_down is not None:
+        sq, ss = quantize_rowwise(shared_down, pow2_scales=pow2)
+    return BackwardFp8Weights(q, s.reshape(-1).contiguous(), sq,
+                              None if ss is None else ss.reshape(-1).contiguous())
+
+
+@dataclass
 class BackwardBuffers:
     dy_LTH: torch.Tensor
     p_LTK: torch.Tensor
     drp_LTKJ: torch.Tensor
+    dyq_LTH: torch.Tensor | None  # dY as FP8 rows (bwd_fp8_da), else None
     tab16_R: torch.Tensor  # int64 element offsets (bf16) of each rank's carve from this one
     tab32_R: torch.Tensor  # the same in fp32 elements
     counters_LC: torch.Tensor
@@ -91,9 +129,10 @@ def backward_scratch(ws: Workspace) -> BackwardScratch:
         dyg_LPH=torch.empty(L, P, H, dtype=bf, device=dev) if pulled else None)
 
 
-def _carve(T: int, H: int, K: int, NJ: int) -> tuple[list[int], int]:
-    """Byte offsets of dy, p, drp inside one (symmetric) buffer, and its size."""
-    return carve([T * H * 2, T * K * 4, T * K * NJ * 4])
+def _carve(T: int, H: int, K: int, NJ: int, fp8_da: bool = False) -> tuple[list[int], int]:
+    """Byte offsets of dy, p, drp (and dyq with ``fp8_da``) inside one (symmetric) buffer,
+    and its size."""
+    return carve([T * H * 2, T * K * 4, T * K * NJ * 4] + ([T * H * 2] if fp8_da else []))
 
 
 def _buffers(ws: Workspace) -> BackwardBuffers:
@@ -102,7 +141,7 @@ def _buffers(ws: Workspace) -> BackwardBuffers:
         return ws.extra["bwd"]
     cfg, L, T, H, K, dev = ws.config, ws.L, ws.T, ws.H, ws.K, ws.device
     NJ = ws.I // cfg.da_cols(ws.I)
-    offs, nbytes = _carve(T, H, K, NJ)
+    offs, nbytes = _carve(T, H, K, NJ, cfg.bwd_fp8_da)
     handle = None
     if ws.handle is not None:  # real EP: one symmetric buffer, offsets from the peers' bases
         import torch.distributed._symmetric_memory as symm_mem
@@ -123,6 +162,7 @@ def _buffers(ws: Workspace) -> BackwardBuffers:
         dy_LTH=view(0, T * H * 2, torch.bfloat16, (T, H)),
         p_LTK=view(1, T * K * 4, torch.float32, (T, K)),
         drp_LTKJ=view(2, T * K * NJ * 4, torch.float32, (T, K, NJ)),
+        dyq_LTH=view(3, T * H * 2, torch.bfloat16, (T, H)) if cfg.bwd_fp8_da else None,
         tab16_R=torch.tensor([b // 2 for b in tab], dtype=torch.int64, device=dev),
         tab32_R=torch.tensor([b // 4 for b in tab], dtype=torch.int64, device=dev),
         counters_LC=torch.zeros(L, counters_per_rank(cfg, ws.P, ws.E), dtype=torch.int32,
@@ -170,6 +210,30 @@ def _descriptors(ws: Workspace, weights: tuple) -> tuple:
     bk = backward_block_k(cfg)
     b1, b2 = [cfg.block_n, bk], [cfg.da_cols(ws.I), bk]
     return desc(w1, F, b1), desc(w2, ws.H, b2), desc(ws1, F, b1), desc(ws2, ws.H, b2)
+
+
+def _fp8_da_args(ws: Workspace, bb: BackwardBuffers,
+                 fp8_weights: BackwardFp8Weights | None) -> dict:
+    """The FP8 dA items' arguments (``bwd_fp8_da``): the FP8 dY rows and the e4m3 W_down rows
+    through [DAC, BK] TMA boxes, with their scales; all None without the knob."""
+    names = ("dyq_base", "w2q_desc", "ws2q_desc", "sw2q_ptr", "sws2q_ptr")
+    if not ws.config.bwd_fp8_da:
+        return dict.fromkeys(names)
+    if fp8_weights is None:
+        raise ValueError("bwd_fp8_da needs the FP8 copies of W_down: pass "
+                         "fp8_weights=quantize_backward_weights(config, w_down, shared_down)")
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    box = [ws.config.da_cols(ws.I), backward_block_k(ws.config)]
+    fw = fp8_weights
+    if tuple(fw.w2q_NH.shape) != (ws.L * ws.E * ws.I, ws.H) or (ws.shared and fw.ws2q_IH is None):
+        raise ValueError(f"fp8_weights: w2q {tuple(fw.w2q_NH.shape)} does not fit this "
+                         f"workspace (want {(ws.L * ws.E * ws.I, ws.H)}, shared "
+                         f"{'needed' if ws.shared else 'unused'})")
+    shared = ws.shared and fw.ws2q_IH is not None
+    return dict(dyq_base=bb.dyq_LTH, w2q_desc=TensorDescriptor.from_tensor(fw.w2q_NH, box),
+                ws2q_desc=TensorDescriptor.from_tensor(fw.ws2q_IH, box) if shared else None,
+                sw2q_ptr=fw.sw2_N, sws2q_ptr=fw.sws2_I if shared else None)
 
 
 def backward_block_k(cfg: MoKConfig) -> int:
@@ -243,26 +307,29 @@ def backward_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots:
                 PULLERS=min(cfg.bwd_pull_programs or programs, programs),
                 DIRECT=cfg.bwd_direct_rows, DXT=cfg.bwd_dx_tiles, DAT=cfg.bwd_da_tiles,
                 DXTMA=cfg.bwd_dx_tma, PA=cfg.bwd_pull_ahead,
-                FENCE=cfg.bwd_fused_pull or cfg.bwd_pull_ahead > 0)
+                FENCE=cfg.bwd_fused_pull or cfg.bwd_pull_ahead > 0, FP8DA=cfg.bwd_fp8_da)
 
 
 def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tensor,
                          weights: tuple, sc: BackwardScratch, *,
                          withhold: int, programs: int, phases: int,
-                         interpreting: bool, x_src: torch.Tensor | None = None
+                         interpreting: bool, x_src: torch.Tensor | None = None,
+                         fp8_weights: BackwardFp8Weights | None = None
                          ) -> dict[str, object]:
     """Every argument of ``mok_backward_kernel`` by name: buffers, TMA descriptors, scalars
     and compile-time constants. The one list of them, for the launch and for
     ``lowering.compile_megakernel`` (which derives the types from it). ``pre_LPF``: the
     training forward's pre-activations; ``programs``: programs per logical rank;
     ``x_src``: where the x rows are pulled from (``bwd_fused_pull``, ``bwd_pull_ahead``;
-    default the workspace's token buffer)."""
+    default the workspace's token buffer); ``fp8_weights``: ``bwd_fp8_da``'s W_down copies."""
     cfg, bb = ws.config, _buffers(ws)
     if cfg.bwd_fused_pull or cfg.bwd_direct_rows or cfg.bwd_pull_ahead:
         pull = dict(x_base=ws.x_LTH if x_src is None else x_src, x_tab=ws.x_tab_R,
                     dy_base=bb.dy_LTH, tab16=bb.tab16_R, xg_ptr=sc.xg_LPH, dyg_ptr=sc.dyg_LPH)
     else:  # the pull kernel runs before the launch: constexpr None here
         pull = dict.fromkeys(("x_base", "x_tab", "dy_base", "tab16", "xg_ptr", "dyg_ptr"))
+        if cfg.bwd_fp8_da:  # the FP8 dA items gather dY's FP8 rows at the home ranks
+            pull["tab16"] = bb.tab16_R
     descs = _descriptors(ws, weights) + _activation_descriptors(cfg, pre_LPF, sc.hs_LPI,
                                                                 sc.xg_LPH, sc.dyg_LPH)
     names = ("w1_desc", "w2_desc", "ws1_desc", "ws2_desc", "pre_a_desc", "hs_c_desc",
@@ -274,7 +341,7 @@ def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tens
         gstart_ptr=group_starts(st.counts_LG, cfg.row_align),
         pre_ptr=pre_LPF, hs_ptr=sc.hs_LPI, ctr_ptr=bb.counters_LC, err_ptr=ws.errors_L4,
         dw1_ptr=sc.dw1_EHF, dw2_ptr=sc.dw2_EIH, dws1_ptr=sc.dws1_LHF, dws2_ptr=sc.dws2_LIH,
-        **dict(zip(names, descs, strict=True)), **pull,
+        **dict(zip(names, descs, strict=True)), **pull, **_fp8_da_args(ws, bb, fp8_weights),
         T=ws.T, E=ws.E, NG=ws.E + int(ws.shared), P=ws.P, NCTR=bb.counters_LC.shape[1],
         budget=cfg.spin_budget, withhold=withhold,
         **backward_constants(cfg, hidden=ws.H, intermediate=ws.I, slots=ws.S,
@@ -285,10 +352,12 @@ def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tens
 def backward(config: MoKConfig, ws: Workspace, context: ForwardContext, dy_TH: torch.Tensor,
              w_gate_up: torch.Tensor, w_down: torch.Tensor,
              shared_gate_up: torch.Tensor | None = None,
-             shared_down: torch.Tensor | None = None, *, _withhold: int = 0,
+             shared_down: torch.Tensor | None = None, *,
+             fp8_weights: BackwardFp8Weights | None = None, _withhold: int = 0,
              _phases: int = 15) -> Gradients:
     """Gradients of the layer for the training forward that made ``context`` (once per
-    context: the saved pre-activations are overwritten by their gradients)."""
+    context: the saved pre-activations are overwritten by their gradients). ``fp8_weights``:
+    with ``bwd_fp8_da``, ``quantize_backward_weights(config, w_down, shared_down)``."""
     from mok_kernels._details.tl_backward import mok_backward_kernel, pull_rows_kernel
     from mok_kernels._details.tl_mega import weighted_sum_kernel
 
@@ -302,6 +371,11 @@ def backward(config: MoKConfig, ws: Workspace, context: ForwardContext, dy_TH: t
     bb = _buffers(ws)
     st = context.schedule.tensors
     bb.dy_LTH.copy_(dy_TH.view(bb.dy_LTH.shape))
+    if config.bwd_fp8_da:  # dY quantised once, at its home rank (one scale per token row)
+        rows_NH = torch.empty(L * T, H, dtype=torch.bfloat16, device=ws.device)
+        quantize_tokens_into("rowwise", dy_TH.reshape(L * T, H), rows_NH,
+                             pow2_scales=config.fp8_pow2_scales)
+        bb.dyq_LTH.copy_(rows_NH.view(bb.dyq_LTH.shape))  # rank-strided in loopback
     bb.p_LTK.copy_(context.p_NK.view(bb.p_LTK.shape))
     x_src = _token_source(ws, context.x_TH, fp8=False)  # real EP: x back into the peer buffer
     sc = backward_scratch(ws)
@@ -318,7 +392,8 @@ def backward(config: MoKConfig, ws: Workspace, context: ForwardContext, dy_TH: t
     extra = {} if _interpreting() else {"launch_cooperative_grid": True}
     args = backward_kernel_args(ws, st, context.pre_LPF, weights, sc,
                                 withhold=_withhold, programs=progs, phases=_phases,
-                                interpreting=_interpreting(), x_src=x_src)
+                                interpreting=_interpreting(), x_src=x_src,
+                                fp8_weights=fp8_weights)
     mok_backward_kernel[(L * progs,)](**args, num_warps=config.num_warps,
                                       num_stages=backward_stages(config), **extra)
     ws.barrier()

@@ -131,6 +131,14 @@ class MoKConfig:
         128 (Kimi 48 x 16384 on one H200: 37.186 against 48.781 ms in
         results/20261130-215158-h200-fp8).
         Costs the forward up to bwd_block_m - block_m padding rows per expert.
+    bwd_fp8_da: the backward's dA items (dgrad of the down projection, dA = dY @ W_down^T,
+        a sixth of the backward's FLOPs) run FP8 tiles with fp32 accumulation, row-wise
+        scaled (pure tensor-core K loops, both scales applied after): dY quantised once per
+        token at its home rank (one scale per row over H) and read by the dA items straight
+        from there (no pull of these rows), W_down quantised once per (expert, intermediate
+        row) over H (``quantize_backward_weights``, passed to ``backward``). The dG/dU rows,
+        the dX and weight-gradient items stay bf16. First stage of the FP8 backward (the
+        plan in notes/mok-kernel.md); off by default: not yet timed on a GPU.
     fp8: the forward's FP8 recipe (``tl_gemm_fp8``): "none" (bf16), "blockwise" (1x128
         activation and 128x128 weight scales, as TransformerEngine's Float8BlockScaling),
         "rowwise" (per row / per weight column, applied after the K loop; h still 1x128),
@@ -173,6 +181,7 @@ class MoKConfig:
     bwd_dx_tma: bool = False
     bwd_pull_ahead: int = 0
     bwd_block_m: int = 0
+    bwd_fp8_da: bool = False
     fp8: str = "none"
     fp8_pow2_scales: bool = False
 
@@ -245,6 +254,8 @@ class MoKConfig:
         _check(not (self.bwd_pull_ahead and (self.bwd_fused_pull or self.bwd_direct_rows)),
                "bwd_pull_ahead", self.bwd_pull_ahead,
                "0 when bwd_fused_pull or bwd_direct_rows is true (one pull at a time)")
+        _check(isinstance(self.bwd_fp8_da, bool), "bwd_fp8_da", self.bwd_fp8_da,
+               "true | false")
         _check(self.fp8 in FP8_MODES, "fp8", self.fp8, " | ".join(FP8_MODES))
         _check(isinstance(self.fp8_pow2_scales, bool), "fp8_pow2_scales", self.fp8_pow2_scales,
                "true | false")

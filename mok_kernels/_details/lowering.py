@@ -75,7 +75,11 @@ def kernel_args(config: MoKConfig, hidden: int, intermediate: int, *, topk: int 
     ``backward_kernel_args``), built over a workspace, schedule and weights on the ``meta``
     device (shapes and dtypes, no memory): one logical rank, one minibatch of tokens, one
     local expert."""
-    from mok_kernels._details.backward import backward_kernel_args, backward_scratch
+    from mok_kernels._details.backward import (
+        BackwardFp8Weights,
+        backward_kernel_args,
+        backward_scratch,
+    )
     from mok_kernels._details.ffn_fp8 import Fp8Weight
     from mok_kernels._details.forward import forward_kernel_args
     from mok_kernels._details.schedule import build_schedule_tensors
@@ -113,9 +117,21 @@ def kernel_args(config: MoKConfig, hidden: int, intermediate: int, *, topk: int 
         return forward_kernel_args(ws, st, *w, y_NH=meta(ws.T, H), p_NK=p_NK, x_LTH=ws.x_LTH,
                                    pre_LPF=None, withhold=0, programs=programs,
                                    comm=comm_programs, interpreting=False)
+    fp8_weights = None
+    if cfg.bwd_fp8_da:  # the FP8 dA items' e4m3 W_down rows and their scales
+
+        def e4m3(*shape: int) -> torch.Tensor:
+            return torch.empty(*shape, dtype=torch.float8_e4m3fn, device="meta")
+
+        def f32(n: int) -> torch.Tensor:
+            return torch.empty(n, dtype=torch.float32, device="meta")
+
+        fp8_weights = BackwardFp8Weights(e4m3(ws.E * I, H), f32(ws.E * I),
+                                         e4m3(I, H) if shared else None,
+                                         f32(I) if shared else None)
     return backward_kernel_args(ws, st, meta(1, ws.P, 2 * I), w,
                                 backward_scratch(ws), withhold=0, programs=programs,
-                                phases=phases, interpreting=False)
+                                phases=phases, interpreting=False, fp8_weights=fp8_weights)
 
 
 _ELEMENT = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32",

@@ -24,7 +24,8 @@ pulled: the A, C and D items gather the dY and x rows they need from the tokens'
 Work items, claimed from one ticket counter per logical rank in the global order A, B, C, D
 (``PHASES``, a bit mask, skips kinds for profiling; 15 runs all):
     A  dgrad down, one per (row block b, DAT I tiles of DAC = BN/2 or BN columns):
-       dA = dY @ W_down^T; epilogue: SwiGLU
+       dA = dY @ W_down^T (``FP8DA``: FP8 tiles on the dY rows quantised at their home
+       ranks, gathered from there, and W_down's e4m3 rows, row-wise scales); epilogue: SwiGLU
        backward from the saved gate/up pre-activations (h = silu(gate) * up recomputed),
        the router-weight partial sum_cols(dA * h) pushed to the home rank (routed rows), r * h
        stored for C, and dG, dU (scaled by the router weight) written over the
@@ -59,6 +60,7 @@ import triton.language as tl
 
 from mok_kernels._details import errors
 from mok_kernels._details.tl_gemm import mma
+from mok_kernels._details.tl_gemm_fp8 import fp8_row_views, fp8_tile
 from mok_kernels._details.tl_mega import _slot_rows, _weight_desc
 from mok_kernels._details.tl_sync import no_error, wait_geq
 
@@ -213,6 +215,26 @@ def _da_tile(jt, prow, valid, dy_rows, d2, w_row0, dyg_a_desc, H: tl.constexpr,
 
 
 @triton.jit
+def _da_tile_fp8(jt, rank, t, valid, lr, g, E, dyq_base, tab16, w2q_desc, ws2q_desc, sw2q_ptr,
+                 sws2q_ptr, H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr,
+                 BK: tl.constexpr, DAC: tl.constexpr, F32_DOT: tl.constexpr,
+                 HAS_SHARED: tl.constexpr):
+    """``FP8DA``: dA_raw [BM, DAC] of I tile jt from the FP8 dY rows of the rows' tokens at
+    their home ranks (``dyq_base`` + ``tab16``: H e4m3 values, then one fp32 scale per row)
+    and group g's e4m3 W_down rows (through ``w2q_desc`` / ``ws2q_desc``, one fp32 scale per
+    row of W_down): a pure FP8 K loop over H, both scales applied after it (``fp8_tile``,
+    ROWWISE). Padding rows read 0."""
+    a_rows, sa_rows = fp8_row_views(_home_rows(dyq_base, tab16, rank, t, valid, H), H, 2)
+    d, w_row0 = _weight_desc(lr, g, E, w2q_desc, ws2q_desc, I, True, HAS_SHARED)
+    sw = sw2q_ptr + (lr * E + g).to(tl.int64) * I
+    if HAS_SHARED:
+        if g == E:
+            sw = sws2q_ptr
+    return fp8_tile(a_rows, valid, sa_rows, 0, sw, jt * DAC, H, I, BM, DAC, BK, 2, F32_DOT,
+                    d, w_row0, True)
+
+
+@triton.jit
 def _da_epilogue(acc, jt, rows, prow, pre, hs, rank, t, k, routed, p_base, drp_base, tab32,
                  pre_a_desc, I: tl.constexpr, K: tl.constexpr, BM: tl.constexpr,
                  BN: tl.constexpr, DAC: tl.constexpr, INTERLEAVED: tl.constexpr):
@@ -255,11 +277,14 @@ def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, 
                      HAS_SHARED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                      BK: tl.constexpr, DAC: tl.constexpr, F32_DOT: tl.constexpr,
                      INTERLEAVED: tl.constexpr, dy_base=None, tab16=None,
-                     DIRECT: tl.constexpr = False, DAT: tl.constexpr = 1):
+                     DIRECT: tl.constexpr = False, DAT: tl.constexpr = 1,
+                     FP8DA: tl.constexpr = False, dyq_base=None, w2q_desc=None,
+                     ws2q_desc=None, sw2q_ptr=None, sws2q_ptr=None):
     """A item: dA[rows of block b, I tiles jt0*DAT .. of DAC columns] and its epilogue
     (``_da_epilogue``); DAT tiles per item in one flattened loop (the next tile's loads
     overlap a tile's epilogue), and the item signals +DAT. DIRECT: the dY rows are gathered
-    from their home ranks (``dy_base`` + ``tab16``) instead of read from the pulled rows."""
+    from their home ranks (``dy_base`` + ``tab16``) instead of read from the pulled rows.
+    FP8DA: FP8 tiles (``_da_tile_fp8``) instead of the bf16 ones."""
     g = tl.load(grp + b)
     rows = b * BM + tl.arange(0, BM)
     valid, rank, t, k, routed = _row_meta(src, rows, T, S, K)
@@ -267,15 +292,25 @@ def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, 
     prow = lr * P + b * BM
     dy_rows = _home_rows(dy_base, tab16, rank, t, valid, H) if DIRECT else 0
     if DAT == 1:  # one tile, no loop: the instructions of the GPU-tested one-tile item
-        acc = _da_tile(jt0, prow, valid, dy_rows, d2, w_row0, dyg_a_desc, H, BM, BK, DAC,
-                       F32_DOT, DIRECT)
+        if FP8DA:
+            acc = _da_tile_fp8(jt0, rank, t, valid, lr, g, E, dyq_base, tab16, w2q_desc,
+                               ws2q_desc, sw2q_ptr, sws2q_ptr, H, I, BM, BK, DAC, F32_DOT,
+                               HAS_SHARED)
+        else:
+            acc = _da_tile(jt0, prow, valid, dy_rows, d2, w_row0, dyg_a_desc, H, BM, BK, DAC,
+                           F32_DOT, DIRECT)
         _da_epilogue(acc, jt0, rows, prow, pre, hs, rank, t, k, routed, p_base, drp_base,
                      tab32, pre_a_desc, I, K, BM, BN, DAC, INTERLEAVED)
     else:
         for jj in tl.range(0, DAT, flatten=True):
             jt = jt0 * DAT + jj
-            acc = _da_tile(jt, prow, valid, dy_rows, d2, w_row0, dyg_a_desc, H, BM, BK, DAC,
-                           F32_DOT, DIRECT)
+            if FP8DA:
+                acc = _da_tile_fp8(jt, rank, t, valid, lr, g, E, dyq_base, tab16, w2q_desc,
+                                   ws2q_desc, sw2q_ptr, sws2q_ptr, H, I, BM, BK, DAC, F32_DOT,
+                                   HAS_SHARED)
+            else:
+                acc = _da_tile(jt, prow, valid, dy_rows, d2, w_row0, dyg_a_desc, H, BM, BK,
+                               DAC, F32_DOT, DIRECT)
             _da_epilogue(acc, jt, rows, prow, pre, hs, rank, t, k, routed, p_base, drp_base,
                          tab32, pre_a_desc, I, K, BM, BN, DAC, INTERLEAVED)
     if (withhold != 3) | (b != 0) | (jt0 != 0):
@@ -466,10 +501,15 @@ def mok_backward_kernel(
         INTERLEAVED: tl.constexpr, PHASES: tl.constexpr, PULL: tl.constexpr,
         BR: tl.constexpr, CH: tl.constexpr, PULLERS: tl.constexpr = 0,
         DIRECT: tl.constexpr = False, DXT: tl.constexpr = 1, DAT: tl.constexpr = 1,
-        DXTMA: tl.constexpr = False, PA: tl.constexpr = 0, FENCE: tl.constexpr = False):
+        DXTMA: tl.constexpr = False, PA: tl.constexpr = 0, FENCE: tl.constexpr = False,
+        FP8DA: tl.constexpr = False, dyq_base=None, w2q_desc=None, ws2q_desc=None,
+        sw2q_ptr=None, sws2q_ptr=None):
     """One persistent program per SM; see the module docstring for the work order. FENCE:
     rows pulled in this launch (PULL or PA): the C and D items fence the async proxy after
-    their group's acquire."""
+    their group's acquire. FP8DA (``bwd_fp8_da``): the A items' FP8 tiles read dY as FP8
+    rows at its home ranks (``dyq_base``, same rank offsets ``tab16`` as dY) and W_down's
+    e4m3 rows (``w2q_desc`` / ``ws2q_desc``) with their fp32 scales (``sw2q_ptr`` /
+    ``sws2q_ptr``)."""
     HALF: tl.constexpr = BN // 2
     NA: tl.constexpr = I // (DAC * DAT)  # A items per row block
     NB: tl.constexpr = H // (BN * DXT)  # B items per row block
@@ -531,7 +571,9 @@ def mok_backward_kernel(
                                              dyg_a_desc, p_base, drp_base, tab32, w2_desc,
                                              ws2_desc, pre_a_desc, T, E, NBMAX, withhold, H,
                                              I, S, K, HAS_SHARED, BM, BN, BK, DAC, F32_DOT,
-                                             INTERLEAVED, dy_base, tab16, DIRECT, DAT)
+                                             INTERLEAVED, dy_base, tab16, DIRECT, DAT, FP8DA,
+                                             dyq_base, w2q_desc, ws2q_desc, sw2q_ptr,
+                                             sws2q_ptr)
             elif PHASES & 1:
                 b = tk // NA
                 if PULL:  # its rows pulled by an item of this launch (plain stores; TMA here)
@@ -542,7 +584,9 @@ def mok_backward_kernel(
                     _dgrad_down_item(b, tk % NA, lr, src, grp, P, pre, hs, ctr, dyg_a_desc,
                                      p_base, drp_base, tab32, w2_desc, ws2_desc, pre_a_desc, T,
                                      E, NBMAX, withhold, H, I, S, K, HAS_SHARED, BM, BN, BK,
-                                     DAC, F32_DOT, INTERLEAVED, dy_base, tab16, DIRECT, DAT)
+                                     DAC, F32_DOT, INTERLEAVED, dy_base, tab16, DIRECT, DAT,
+                                     FP8DA, dyq_base, w2q_desc, ws2q_desc, sw2q_ptr,
+                                     sws2q_ptr)
         elif tk < end_b:
             i = tk - end_a
             if PA > 0:

@@ -28,6 +28,7 @@ from mok_kernels import MoKConfig, MoKConfigError, plan
     ({"bwd_dx_tiles": 0}, "bwd_dx_tiles"),
     ({"bwd_da_tiles": 65}, "bwd_da_tiles"),
     ({"bwd_dx_tma": 1}, "bwd_dx_tma"),
+    ({"bwd_fp8_da": "yes"}, "bwd_fp8_da"),
     ({"bwd_pull_ahead": -1}, "bwd_pull_ahead"),
     ({"bwd_pull_ahead": True}, "bwd_pull_ahead"),
     ({"bwd_pull_ahead": 2, "bwd_fused_pull": True}, "bwd_pull_ahead"),

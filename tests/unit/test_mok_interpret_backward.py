@@ -150,3 +150,92 @@ def test_backward_in_interpreter_matches_autograd():
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("ok") == 9 and out.stdout.count("pull ok") == 2, out.stdout
     assert out.stdout.count("block ok") == 2, out.stdout
+
+
+FP8_DA_SCRIPT = textwrap.dedent("""
+    import torch
+    import mok_kernels as mk
+    from mok_kernels._details.tl_quant import quantize_rowwise
+    from mokbench.reference import reference_all_experts
+
+    def rel(a, b):
+        return ((a.float() - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+    def deq(t):  # the values the FP8 dA items multiply: e4m3 rows times their row scale
+        q, s = quantize_rowwise(t)
+        return (q.float() * s.unsqueeze(-1)).bfloat16()
+
+    for L, T, E, K, shared in [(1, 24, 4, 2, True), (2, 13, 3, 2, False)]:
+        H, I = 64, 32
+        torch.manual_seed(3 + L)
+        x = torch.randn(L * T, H).bfloat16()
+        idx = torch.stack([torch.randperm(L * E)[:K] for _ in range(L * T)])
+        p = torch.softmax(torch.randn(L * T, K), 1)
+        w1 = (torch.randn(L * E, H, 2 * I) * H ** -0.5).bfloat16()
+        w2 = (torch.randn(L * E, I, H) * I ** -0.5).bfloat16()
+        ws1 = (torch.randn(H, 2 * I) * H ** -0.5).bfloat16() if shared else None
+        ws2 = (torch.randn(I, H) * I ** -0.5).bfloat16() if shared else None
+        dy = torch.randn(L * T, H).bfloat16()
+        il = mk.interleave_gate_up
+        W = (il(w1), w2, il(ws1) if shared else None, ws2)
+        runs = {}
+        for fp8da in (False, True):
+            cfg = mk.MoKConfig(minibatch=32, macrobatch=64, block_m=16, block_n=32,
+                               block_k=16, num_warps=4, num_stages=1, spin_budget=1000,
+                               tma=True, gate_up_interleaved=True, bwd_fp8_da=fp8da)
+            ws = mk.get_workspace(cfg, tokens=T, hidden=H, intermediate=I, local_experts=E,
+                                  topk=K, shared=shared, device="cpu", loopback_ranks=L)
+            f8 = mk.quantize_backward_weights(cfg, w2, ws2)
+            assert (f8 is None) == (not fp8da)
+            grads = []
+            for _ in range(2):
+                y, saved = mk.forward_train(cfg, ws, mk.build_schedule(ws, idx), x, p, *W)
+                grads.append(mk.backward(cfg, ws, saved, dy, *W, fp8_weights=f8))
+            mk.check_errors(ws)
+            for a, b in zip(vars(grads[0]).values(), vars(grads[1]).values()):
+                assert (a is None and b is None) or torch.equal(a, b)  # bitwise rerun
+            runs[fp8da] = grads[0]
+            if fp8da:  # without the FP8 copies of W_down: a clear error, not a wrong result
+                y, saved = mk.forward_train(cfg, ws, mk.build_schedule(ws, idx), x, p, *W)
+                try:
+                    mk.backward(cfg, ws, saved, dy, *W)
+                    raise SystemExit("no error without fp8_weights")
+                except ValueError as e:
+                    assert "quantize_backward_weights" in str(e), e
+        g, g16 = runs[True], runs[False]
+        # dW_down is the bf16 C items' (bf16 dY, r*h): bitwise what the bf16 backward gives
+        assert torch.equal(g.w_down, g16.w_down)
+        if shared:
+            assert torch.equal(g.shared_down, g16.shared_down)
+        # everything downstream of dA against the reference layer on the dequantised dY and
+        # W_down (the FP8 dA items' exact inputs), and the exact layer within the FP8 bound
+        exact = reference_all_experts(x, idx, p, w1, w2, ws1, ws2, dy_NH=dy)
+        q = reference_all_experts(x, idx, p, w1, deq(w2), ws1,
+                                  deq(ws2) if shared else None, dy_NH=deq(dy))
+        got = {"dx_TH": g.dx_TH, "dprobs_TK": g.d_router_weights_TK, "w1_EHF": g.w_gate_up}
+        if shared:
+            got["ws1_HF"] = g.shared_gate_up
+        for name, val in got.items():
+            want_q = q.dx_TH if name == "dx_TH" else (
+                q.dprobs_TK if name == "dprobs_TK" else q.dweights[name])
+            want = exact.dx_TH if name == "dx_TH" else (
+                exact.dprobs_TK if name == "dprobs_TK" else exact.dweights[name])
+            assert torch.isfinite(val).all(), name
+            assert rel(val, want_q) < 2e-2, (L, name, rel(val, want_q))
+            assert rel(val, want) < 1e-1, (L, name, rel(val, want))
+        print("fp8 da ok", L, shared)
+""")
+
+
+def test_fp8_dgrad_of_down_in_interpreter_matches_the_quantised_reference():
+    """``bwd_fp8_da``: the dA items' FP8 tiles (dY quantised per token row at its home rank,
+    W_down per row, row-wise scales after a pure FP8 K loop) against the reference layer on
+    the dequantised dY and W_down (2e-2, the interpreter's bf16 truncation) and the exact
+    layer (0.1, the FP8 bound); dW_down bitwise the bf16 backward's, bitwise reruns, and a
+    clear error without the FP8 weight copies."""
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(repo))
+    out = subprocess.run([sys.executable, "-c", FP8_DA_SCRIPT], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("fp8 da ok") == 2, out.stdout
