@@ -20,8 +20,9 @@ FP8 (``precision = "fp8"``): the forward runs the megakernel's FP8 path
 (``MoKConfig.fp8``; knob ``fp8`` = blockwise | rowwise | mx | rowwise_all, default
 ``default_fp8_recipe``), with the weights quantised once at setup (not timed); the backward
 is the BF16 backward megakernel on the BF16 weights (the row's variant says ``bwd=bf16``),
-or with the knob ``bwd_fp8_da`` its dA items in FP8 (``bwd=fp8_da``; W_down's FP8 copy made
-once at setup, ``quantize_backward_weights``).
+or with the knobs ``bwd_fp8_da`` / ``bwd_fp8_dx`` its dA / dX items in FP8 (``bwd=fp8_da``,
+``fp8_dx``, ``fp8_da_dx``; the weights' FP8 copies made once at setup,
+``quantize_backward_weights``).
 """
 
 from __future__ import annotations
@@ -168,6 +169,13 @@ def scenario_config(scenario, options: dict | None = None, num_sms: int = 132,
     return cfg
 
 
+def backward_kind(cfg) -> str:
+    """The backward's precision for a row's variant: "bf16", or which dgrad items run FP8
+    ("fp8_da", "fp8_dx", "fp8_da_dx")."""
+    items = [n for n, on in (("da", cfg.bwd_fp8_da), ("dx", cfg.bwd_fp8_dx)) if on]
+    return "fp8_" + "_".join(items) if items else "bf16"
+
+
 class _MoKLayer(torch.autograd.Function):
     """y = MoE(x, router weights); backward through the backward megakernel. The weights are
     not autograd inputs: their gradients land in ``backend.grads`` (canonical layout)."""
@@ -231,7 +239,8 @@ class MoKBackend(BackendBase):
         # FP8: the forward's weights quantised once (not timed); the backward keeps bf16.
         self.w_fwd = mok_kernels.quantize_weights(self.config, *self.w) if fp8 else self.w
         # bwd_fp8_da: W_down's FP8 copy for the backward's dA items, also once at setup.
-        self.w_bwd8 = mok_kernels.quantize_backward_weights(self.config, self.w[1], self.w[3])
+        self.w_bwd8 = mok_kernels.quantize_backward_weights(self.config, self.w[1], self.w[3],
+                                                            self.w[0], self.w[2])
         self.params = {}
         self.grads: dict = {}
         self.graphed = (mok_kernels.GraphedForward(self.config, self.ws, self.w_fwd)
@@ -254,9 +263,10 @@ class MoKBackend(BackendBase):
                         + (f",da_tiles={c.bwd_da_tiles}" if c.bwd_da_tiles > 1 else "")
                         + (",dx_tma=1" if c.bwd_dx_tma else "")
                         + (f",pull_ahead={c.bwd_pull_ahead}" if c.bwd_pull_ahead else "")
-                        + (f",fp8={c.fp8},block_m={c.block_m},"
-                           f"bwd={'fp8_da' if c.bwd_fp8_da else 'bf16'}" if fp8 else "")
-                        + (",bwd_fp8_da=1" if c.bwd_fp8_da and not fp8 else "")
+                        + (f",fp8={c.fp8},block_m={c.block_m},bwd={backward_kind(c)}"
+                           if fp8 else "")
+                        + (f",bwd={backward_kind(c)}"
+                           if (c.bwd_fp8_da or c.bwd_fp8_dx) and not fp8 else "")
                         + (f",bwd_block_m={c.bwd_block_m}" if c.bwd_block_m else ""))
 
     def validate_options(self, scenario, options: dict) -> None:

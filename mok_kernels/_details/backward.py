@@ -55,36 +55,58 @@ class Gradients:
 
 @dataclass
 class BackwardFp8Weights:
-    """The down projection's weights as the FP8 dA items read them (``bwd_fp8_da``),
-    quantised once (``quantize_backward_weights``): e4m3 rows of W_down (each of its I rows
-    over H is the K-major B operand of dA = dY @ W_down^T) with one fp32 scale per row.
+    """The weights as the FP8 dgrad items read them, quantised once
+    (``quantize_backward_weights``): e4m3 rows, each with one fp32 scale, K-major for their
+    GEMM. ``bwd_fp8_da``: W_down's I rows over H (dA = dY @ W_down^T); ``bwd_fp8_dx``:
+    W_gate_up's H rows over 2I, in the kernel's column layout (dX = dGU @ W_gate_up^T).
 
-    w2q_NH [L*E*I, H] e4m3 and sw2_N [L*E*I] fp32 (the routed experts), ws2q_IH [I, H] e4m3
-    and sws2_I [I] fp32 (the shared expert) or None."""
+    w2q_NH [L*E*I, H] e4m3, sw2_N [L*E*I] fp32, ws2q_IH [I, H], sws2_I [I] (shared expert);
+    w1q_NF [L*E*H, 2I] e4m3, sw1_N [L*E*H] fp32, ws1q_HF [H, 2I], sws1_H [H]. None where the
+    knob is off or there is no shared expert."""
 
-    w2q_NH: torch.Tensor
-    sw2_N: torch.Tensor
-    ws2q_IH: torch.Tensor | None
-    sws2_I: torch.Tensor | None
+    w2q_NH: torch.Tensor | None = None
+    sw2_N: torch.Tensor | None = None
+    ws2q_IH: torch.Tensor | None = None
+    sws2_I: torch.Tensor | None = None
+    w1q_NF: torch.Tensor | None = None
+    sw1_N: torch.Tensor | None = None
+    ws1q_HF: torch.Tensor | None = None
+    sws1_H: torch.Tensor | None = None
+
+
+def _rows_e4m3(w: torch.Tensor | None, pow2: bool) -> tuple:
+    """(e4m3 rows [N, K], fp32 scales [N]) of w [..., K], one scale per row; (None, None)."""
+    if w is None:
+        return None, None
+    from mok_kernels._details.tl_quant import quantize_rowwise
+
+    q, s = quantize_rowwise(w.reshape(-1, w.shape[-1]), pow2_scales=pow2)
+    return q, s.reshape(-1).contiguous()
 
 
 def quantize_backward_weights(config: MoKConfig, w_down: torch.Tensor,
-                              shared_down: torch.Tensor | None = None
+                              shared_down: torch.Tensor | None = None,
+                              w_gate_up: torch.Tensor | None = None,
+                              shared_gate_up: torch.Tensor | None = None
                               ) -> BackwardFp8Weights | None:
-    """What ``backward`` needs besides the bf16 weights for this config: the FP8 copies of
-    W_down [L*E, I, H] (and the shared [I, H]) with ``bwd_fp8_da``, else None. Call once per
-    weight update (not per backward), as the forward's ``quantize_weights``."""
-    if not config.bwd_fp8_da:
+    """What ``backward`` needs besides the bf16 weights for this config: with ``bwd_fp8_da``
+    the FP8 copies of W_down [L*E, I, H] (and the shared [I, H]), with ``bwd_fp8_dx`` those of
+    W_gate_up [L*E, H, 2I] (and the shared [H, 2I]) in the layout the kernel reads (the
+    config's gate/up layout: pass the weights as given to ``backward``); None with neither.
+    Call once per weight update (not per backward), as the forward's ``quantize_weights``."""
+    if not (config.bwd_fp8_da or config.bwd_fp8_dx):
         return None
-    from mok_kernels._details.tl_quant import quantize_rowwise
-
     pow2 = config.fp8_pow2_scales
-    q, s = quantize_rowwise(w_down.reshape(-1, w_down.shape[-1]), pow2_scales=pow2)
-    sq = ss = None
-    if shared_down is not None:
-        sq, ss = quantize_rowwise(shared_down, pow2_scales=pow2)
-    return BackwardFp8Weights(q, s.reshape(-1).contiguous(), sq,
-                              None if ss is None else ss.reshape(-1).contiguous())
+    out = BackwardFp8Weights()
+    if config.bwd_fp8_da:
+        out.w2q_NH, out.sw2_N = _rows_e4m3(w_down, pow2)
+        out.ws2q_IH, out.sws2_I = _rows_e4m3(shared_down, pow2)
+    if config.bwd_fp8_dx:
+        if w_gate_up is None:
+            raise ValueError("bwd_fp8_dx: quantize_backward_weights needs w_gate_up")
+        out.w1q_NF, out.sw1_N = _rows_e4m3(w_gate_up, pow2)
+        out.ws1q_HF, out.sws1_H = _rows_e4m3(shared_gate_up, pow2)
+    return out
 
 
 @dataclass
@@ -112,6 +134,7 @@ class BackwardScratch:
     hs_LPI: torch.Tensor  # r * h of every schedule row
     xg_LPH: torch.Tensor | None  # pulled x rows (None with bwd_direct_rows)
     dyg_LPH: torch.Tensor | None  # pulled dY rows (None with bwd_direct_rows)
+    gq_LPG: torch.Tensor | None = None  # bwd_fp8_dx: dG/dU as FP8 rows (2I e4m3, a scale)
 
 
 def backward_scratch(ws: Workspace) -> BackwardScratch:
@@ -126,7 +149,15 @@ def backward_scratch(ws: Workspace) -> BackwardScratch:
         dws2_LIH=torch.empty((L, I, H) if ws.shared else (1,), dtype=bf, device=dev),
         hs_LPI=torch.empty(L, P, I, dtype=bf, device=dev),
         xg_LPH=torch.empty(L, P, H, dtype=bf, device=dev) if pulled else None,
-        dyg_LPH=torch.empty(L, P, H, dtype=bf, device=dev) if pulled else None)
+        dyg_LPH=torch.empty(L, P, H, dtype=bf, device=dev) if pulled else None,
+        gq_LPG=(torch.empty(L, P, dgu_row_elements(I), dtype=bf, device=dev)
+                if ws.config.bwd_fp8_dx else None))
+
+
+def dgu_row_elements(intermediate: int) -> int:
+    """bf16 elements per FP8 dG/dU row of ``bwd_fp8_dx``: 2I e4m3 bytes and a 4-byte scale,
+    rounded up to 16 bytes so every row starts 16-byte aligned (vector loads)."""
+    return -(-(2 * intermediate + 4) // 16) * 8
 
 
 def _carve(T: int, H: int, K: int, NJ: int, fp8_da: bool = False) -> tuple[list[int], int]:
@@ -212,6 +243,37 @@ def _descriptors(ws: Workspace, weights: tuple) -> tuple:
     return desc(w1, F, b1), desc(w2, ws.H, b2), desc(ws1, F, b1), desc(ws2, ws.H, b2)
 
 
+def _need_fp8_weights(fp8_weights: BackwardFp8Weights | None, name: str,
+                      knob: str) -> BackwardFp8Weights:
+    if fp8_weights is None or getattr(fp8_weights, name) is None:
+        raise ValueError(f"{knob} needs the FP8 weight copies: pass fp8_weights="
+                         "quantize_backward_weights(config, w_down, shared_down, w_gate_up, "
+                         "shared_gate_up)")
+    return fp8_weights
+
+
+def _fp8_dx_args(ws: Workspace, sc: BackwardScratch,
+                 fp8_weights: BackwardFp8Weights | None) -> dict:
+    """The FP8 dX items' arguments (``bwd_fp8_dx``): the FP8 dG/dU scratch rows and the e4m3
+    W_gate_up rows through [BN, BK] TMA boxes, with their scales; all None without the knob."""
+    names = ("gq_ptr", "w1q_desc", "ws1q_desc", "sw1q_ptr", "sws1q_ptr")
+    if not ws.config.bwd_fp8_dx:
+        return dict.fromkeys(names)
+    fw = _need_fp8_weights(fp8_weights, "w1q_NF", "bwd_fp8_dx")
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    F = 2 * ws.I
+    if tuple(fw.w1q_NF.shape) != (ws.L * ws.E * ws.H, F) or (ws.shared and fw.ws1q_HF is None):
+        raise ValueError(f"fp8_weights: w1q {tuple(fw.w1q_NF.shape)} does not fit this "
+                         f"workspace (want {(ws.L * ws.E * ws.H, F)}, shared "
+                         f"{'needed' if ws.shared else 'unused'})")
+    box = [ws.config.block_n, backward_block_k(ws.config)]
+    shared = ws.shared
+    return dict(gq_ptr=sc.gq_LPG, w1q_desc=TensorDescriptor.from_tensor(fw.w1q_NF, box),
+                ws1q_desc=TensorDescriptor.from_tensor(fw.ws1q_HF, box) if shared else None,
+                sw1q_ptr=fw.sw1_N, sws1q_ptr=fw.sws1_H if shared else None)
+
+
 def _fp8_da_args(ws: Workspace, bb: BackwardBuffers,
                  fp8_weights: BackwardFp8Weights | None) -> dict:
     """The FP8 dA items' arguments (``bwd_fp8_da``): the FP8 dY rows and the e4m3 W_down rows
@@ -219,9 +281,7 @@ def _fp8_da_args(ws: Workspace, bb: BackwardBuffers,
     names = ("dyq_base", "w2q_desc", "ws2q_desc", "sw2q_ptr", "sws2q_ptr")
     if not ws.config.bwd_fp8_da:
         return dict.fromkeys(names)
-    if fp8_weights is None:
-        raise ValueError("bwd_fp8_da needs the FP8 copies of W_down: pass "
-                         "fp8_weights=quantize_backward_weights(config, w_down, shared_down)")
+    fp8_weights = _need_fp8_weights(fp8_weights, "w2q_NH", "bwd_fp8_da")
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     box = [ws.config.da_cols(ws.I), backward_block_k(ws.config)]
@@ -307,7 +367,9 @@ def backward_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots:
                 PULLERS=min(cfg.bwd_pull_programs or programs, programs),
                 DIRECT=cfg.bwd_direct_rows, DXT=cfg.bwd_dx_tiles, DAT=cfg.bwd_da_tiles,
                 DXTMA=cfg.bwd_dx_tma, PA=cfg.bwd_pull_ahead,
-                FENCE=cfg.bwd_fused_pull or cfg.bwd_pull_ahead > 0, FP8DA=cfg.bwd_fp8_da)
+                FENCE=cfg.bwd_fused_pull or cfg.bwd_pull_ahead > 0, FP8DA=cfg.bwd_fp8_da,
+                FP8DX=cfg.bwd_fp8_dx, GQW=dgu_row_elements(intermediate),
+                RQC=min(128, 2 * intermediate), POW2=cfg.fp8_pow2_scales)
 
 
 def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tensor,
@@ -342,6 +404,7 @@ def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tens
         pre_ptr=pre_LPF, hs_ptr=sc.hs_LPI, ctr_ptr=bb.counters_LC, err_ptr=ws.errors_L4,
         dw1_ptr=sc.dw1_EHF, dw2_ptr=sc.dw2_EIH, dws1_ptr=sc.dws1_LHF, dws2_ptr=sc.dws2_LIH,
         **dict(zip(names, descs, strict=True)), **pull, **_fp8_da_args(ws, bb, fp8_weights),
+        **_fp8_dx_args(ws, sc, fp8_weights),
         T=ws.T, E=ws.E, NG=ws.E + int(ws.shared), P=ws.P, NCTR=bb.counters_LC.shape[1],
         budget=cfg.spin_budget, withhold=withhold,
         **backward_constants(cfg, hidden=ws.H, intermediate=ws.I, slots=ws.S,

@@ -139,6 +139,13 @@ class MoKConfig:
         row) over H (``quantize_backward_weights``, passed to ``backward``). The dG/dU rows,
         the dX and weight-gradient items stay bf16. First stage of the FP8 backward (the
         plan in notes/mok-kernel.md); off by default: not yet timed on a GPU.
+    bwd_fp8_dx: the backward's dX items (dgrad of gate+up, dX = [dG dU] @ W_gate_up^T, a
+        third of the backward's FLOPs) run FP8 tiles, row-wise scaled: the dA item whose
+        counter add completes a row block reads the block's dG/dU rows back (bf16, as the
+        dW_gate_up items still read them), quantises them, one scale per row over 2I, into
+        scratch rows, then releases the row block to its dX items; W_gate_up is quantised
+        once per (expert, hidden row) over 2I (``quantize_backward_weights``). Second stage
+        of the FP8 backward; off by default: not yet timed on a GPU.
     fp8: the forward's FP8 recipe (``tl_gemm_fp8``): "none" (bf16), "blockwise" (1x128
         activation and 128x128 weight scales, as TransformerEngine's Float8BlockScaling),
         "rowwise" (per row / per weight column, applied after the K loop; h still 1x128),
@@ -182,6 +189,7 @@ class MoKConfig:
     bwd_pull_ahead: int = 0
     bwd_block_m: int = 0
     bwd_fp8_da: bool = False
+    bwd_fp8_dx: bool = False
     fp8: str = "none"
     fp8_pow2_scales: bool = False
 
@@ -255,6 +263,8 @@ class MoKConfig:
                "bwd_pull_ahead", self.bwd_pull_ahead,
                "0 when bwd_fused_pull or bwd_direct_rows is true (one pull at a time)")
         _check(isinstance(self.bwd_fp8_da, bool), "bwd_fp8_da", self.bwd_fp8_da,
+               "true | false")
+        _check(isinstance(self.bwd_fp8_dx, bool), "bwd_fp8_dx", self.bwd_fp8_dx,
                "true | false")
         _check(self.fp8 in FP8_MODES, "fp8", self.fp8, " | ".join(FP8_MODES))
         _check(isinstance(self.fp8_pow2_scales, bool), "fp8_pow2_scales", self.fp8_pow2_scales,

@@ -118,7 +118,7 @@ def kernel_args(config: MoKConfig, hidden: int, intermediate: int, *, topk: int 
                                    pre_LPF=None, withhold=0, programs=programs,
                                    comm=comm_programs, interpreting=False)
     fp8_weights = None
-    if cfg.bwd_fp8_da:  # the FP8 dA items' e4m3 W_down rows and their scales
+    if cfg.bwd_fp8_da or cfg.bwd_fp8_dx:  # the FP8 dgrad items' e4m3 weight rows + scales
 
         def e4m3(*shape: int) -> torch.Tensor:
             return torch.empty(*shape, dtype=torch.float8_e4m3fn, device="meta")
@@ -126,9 +126,15 @@ def kernel_args(config: MoKConfig, hidden: int, intermediate: int, *, topk: int 
         def f32(n: int) -> torch.Tensor:
             return torch.empty(n, dtype=torch.float32, device="meta")
 
-        fp8_weights = BackwardFp8Weights(e4m3(ws.E * I, H), f32(ws.E * I),
-                                         e4m3(I, H) if shared else None,
-                                         f32(I) if shared else None)
+        fp8_weights = BackwardFp8Weights()
+        if cfg.bwd_fp8_da:
+            fp8_weights.w2q_NH, fp8_weights.sw2_N = e4m3(ws.E * I, H), f32(ws.E * I)
+            if shared:
+                fp8_weights.ws2q_IH, fp8_weights.sws2_I = e4m3(I, H), f32(I)
+        if cfg.bwd_fp8_dx:
+            fp8_weights.w1q_NF, fp8_weights.sw1_N = e4m3(ws.E * H, 2 * I), f32(ws.E * H)
+            if shared:
+                fp8_weights.ws1q_HF, fp8_weights.sws1_H = e4m3(H, 2 * I), f32(H)
     return backward_kernel_args(ws, st, meta(1, ws.P, 2 * I), w,
                                 backward_scratch(ws), withhold=0, programs=programs,
                                 phases=phases, interpreting=False, fp8_weights=fp8_weights)

@@ -32,7 +32,9 @@ Work items, claimed from one ticket counter per logical rank in the global order
        pre-activations in place; signals the row block and the group.
     B  dgrad gate+up, one per (row block b, DXT H tiles of BN); waits for b's A items:
        dX = [dG dU] @ W_gate_up^T (one GEMM over 2I), pushed to the home rank's (token, k)
-       slot (reverse-dispatch).
+       slot (reverse-dispatch). ``FP8DX``: the A item whose add completes row block b
+       quantises its dG/dU rows (one scale per row over 2I) into the FP8 scratch rows, then
+       adds 1 more; the B items wait for that and run FP8 tiles with W_gate_up's e4m3 rows.
     C  weight gradient of down, one per (group g, I tile of HALF, H tile of BN); waits for
        every A item of g: dW_down[g] = (r h)[rows of g]^T @ dY[rows of g].
     D  weight gradient of gate+up, one per (group g, H tile of HALF, 2I tile of BN); waits for
@@ -62,6 +64,7 @@ from mok_kernels._details import errors
 from mok_kernels._details.tl_gemm import mma
 from mok_kernels._details.tl_gemm_fp8 import fp8_row_views, fp8_tile
 from mok_kernels._details.tl_mega import _slot_rows, _weight_desc
+from mok_kernels._details.tl_quant import e4m3_scales, finite_amax, to_e4m3, to_f32
 from mok_kernels._details.tl_sync import no_error, wait_geq
 
 # The error codes of errors.py, as constexprs for the kernel.
@@ -235,6 +238,43 @@ def _da_tile_fp8(jt, rank, t, valid, lr, g, E, dyq_base, tab16, w2q_desc, ws2q_d
 
 
 @triton.jit
+def _requant_dgu_rows(src_rows, dst_rows16, F: tl.constexpr, BM: tl.constexpr,
+                      RQC: tl.constexpr, POW2: tl.constexpr, F32_DOT: tl.constexpr):
+    """``FP8DX``: the BM bf16 dG/dU rows of F = 2I values at ``src_rows`` (written by the A
+    items, acquired by the caller) as FP8 rows at ``dst_rows16`` (F e4m3 values, then one
+    fp32 scale per row over all F: ``fp8_row_views``): their max |v| in RQC-column chunks,
+    then the quantised chunks. The bf16 rows stay for the dW_gate_up items."""
+    offs = tl.arange(0, RQC)
+    amax = tl.zeros((BM,), dtype=tl.float32)
+    for c0 in tl.range(0, F, RQC):
+        v = to_f32(tl.load(src_rows[:, None] + (c0 + offs)[None, :]), F32_DOT)
+        amax = tl.maximum(amax, finite_amax(v, 1))
+    inv, scale = e4m3_scales(amax, POW2)
+    q_rows, s_rows = fp8_row_views(dst_rows16, F, 2)
+    for c0 in tl.range(0, F, RQC):
+        v = to_f32(tl.load(src_rows[:, None] + (c0 + offs)[None, :]), F32_DOT)
+        tl.store(q_rows[:, None] + (c0 + offs)[None, :], to_e4m3(v * inv[:, None], F32_DOT))
+    tl.store(s_rows, scale)
+
+
+@triton.jit
+def _dx_tile_fp8(jn, gq_rows16, lr, g, E, w1q_desc, ws1q_desc, sw1q_ptr, sws1q_ptr,
+                 H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                 BK: tl.constexpr, F32_DOT: tl.constexpr, HAS_SHARED: tl.constexpr):
+    """``FP8DX``: dX [BM, BN] of H tile jn from the row block's FP8 dG/dU rows (one scale
+    per row) and group g's e4m3 W_gate_up rows (one scale per hidden row): a pure FP8 K loop
+    over 2I, both scales after it (``fp8_tile``, ROWWISE)."""
+    a_rows, sa_rows = fp8_row_views(gq_rows16, 2 * I, 2)
+    d, w_row0 = _weight_desc(lr, g, E, w1q_desc, ws1q_desc, H, True, HAS_SHARED)
+    sw = sw1q_ptr + (lr * E + g).to(tl.int64) * H
+    if HAS_SHARED:
+        if g == E:
+            sw = sws1q_ptr
+    return fp8_tile(a_rows, tl.full((BM,), 1, tl.int1), sa_rows, 0, sw, jn * BN, 2 * I, H, BM,
+                    BN, BK, 2, F32_DOT, d, w_row0, True)
+
+
+@triton.jit
 def _da_epilogue(acc, jt, rows, prow, pre, hs, rank, t, k, routed, p_base, drp_base, tab32,
                  pre_a_desc, I: tl.constexpr, K: tl.constexpr, BM: tl.constexpr,
                  BN: tl.constexpr, DAC: tl.constexpr, INTERLEAVED: tl.constexpr):
@@ -279,7 +319,9 @@ def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, 
                      INTERLEAVED: tl.constexpr, dy_base=None, tab16=None,
                      DIRECT: tl.constexpr = False, DAT: tl.constexpr = 1,
                      FP8DA: tl.constexpr = False, dyq_base=None, w2q_desc=None,
-                     ws2q_desc=None, sw2q_ptr=None, sws2q_ptr=None):
+                     ws2q_desc=None, sw2q_ptr=None, sws2q_ptr=None,
+                     FP8DX: tl.constexpr = False, gq=None, GQW: tl.constexpr = 0,
+                     RQC: tl.constexpr = 128, POW2: tl.constexpr = False):
     """A item: dA[rows of block b, I tiles jt0*DAT .. of DAC columns] and its epilogue
     (``_da_epilogue``); DAT tiles per item in one flattened loop (the next tile's loads
     overlap a tile's epilogue), and the item signals +DAT. DIRECT: the dY rows are gathered
@@ -315,7 +357,16 @@ def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, 
                          tab32, pre_a_desc, I, K, BM, BN, DAC, INTERLEAVED)
     if (withhold != 3) | (b != 0) | (jt0 != 0):
         tl.debug_barrier()
-        tl.atomic_add(ctr + 1 + b, DAT, sem="release", scope="gpu")
+        if FP8DX:  # the item that completes the row block quantises its dG/dU rows
+            old = tl.atomic_add(ctr + 1 + b, DAT, sem="acq_rel", scope="gpu")
+            if old + DAT == I // DAC:
+                tl.debug_barrier()  # every thread after the acquire of the other items' rows
+                _requant_dgu_rows(pre + rows.to(tl.int64) * (2 * I),
+                                  gq + rows.to(tl.int64) * GQW, 2 * I, BM, RQC, POW2, F32_DOT)
+                tl.debug_barrier()
+                tl.atomic_add(ctr + 1 + b, 1, sem="release", scope="gpu")
+        else:
+            tl.atomic_add(ctr + 1 + b, DAT, sem="release", scope="gpu")
         tl.atomic_add(ctr + 1 + NBMAX + g, DAT, sem="release", scope="gpu")
 
 
@@ -344,24 +395,31 @@ def _dgrad_gate_up_item(b, jn0, lr, src, grp, pre, ctr, err, comb_base, comb_tab
                         S: tl.constexpr, HAS_SHARED: tl.constexpr, BM: tl.constexpr,
                         BN: tl.constexpr, BK: tl.constexpr, DAC: tl.constexpr,
                         F32_DOT: tl.constexpr, DXT: tl.constexpr = 1, pre_b_desc=None, P=0,
-                        DXTMA: tl.constexpr = False):
+                        DXTMA: tl.constexpr = False, FP8DX: tl.constexpr = False, gq=None,
+                        GQW: tl.constexpr = 0, w1q_desc=None, ws1q_desc=None, sw1q_ptr=None,
+                        sws1q_ptr=None):
     """B item: dX[rows of block b, H tiles jn0*DXT ..] = dGU @ W_gate_up^T, pushed to the
     home slots. dGU and W_gate_up share one column layout, so the contraction over 2I needs
     no reordering. DXT H tiles per item in one flattened loop, so the software pipeline loads
     the next tile's first steps during a tile's store (as the forward's tiles do). DXTMA: the
     dGU rows through TMA (``pre_b_desc`` over [L*P, 2I]), after an async-proxy fence."""
-    ok = wait_geq(ctr + 1 + b, I // DAC, err, budget, _E_DGRAD_ROWBLOCK, b)
+    ok = wait_geq(ctr + 1 + b, I // DAC + FP8DX, err, budget, _E_DGRAD_ROWBLOCK, b)
     if ok != 0:
         if DXTMA:  # the A items' plain stores of these rows, before TMA reads them
             _async_proxy_fence(ok, F32_DOT)
         g = tl.load(grp + b)
         rows = b * BM + tl.arange(0, BM)
         pre_rows = pre + rows.to(tl.int64) * (2 * I)
+        gq_rows = gq + rows.to(tl.int64) * GQW if FP8DX else 0
         prow = lr * P + b * BM
         d1, w_row0 = _weight_desc(lr, g, E, w1_desc, ws1_desc, H, True, HAS_SHARED)
         if DXT == 1:  # one tile, no loop: as the GPU-tested one-tile item (slots after the GEMM)
-            acc = _dx_tile(jn0, pre_rows, d1, w_row0, I, BM, BN, BK, F32_DOT, pre_b_desc, prow,
-                           DXTMA)
+            if FP8DX:
+                acc = _dx_tile_fp8(jn0, gq_rows, lr, g, E, w1q_desc, ws1q_desc, sw1q_ptr,
+                                   sws1q_ptr, H, I, BM, BN, BK, F32_DOT, HAS_SHARED)
+            else:
+                acc = _dx_tile(jn0, pre_rows, d1, w_row0, I, BM, BN, BK, F32_DOT, pre_b_desc,
+                               prow, DXTMA)
             dst, valid = _slot_rows(src, rows, rows >= 0, T, S, comb_tab, comb_base, H)
             cols = jn0 * BN + tl.arange(0, BN)
             tl.store(dst[:, None] + cols[None, :], acc.to(tl.bfloat16), mask=valid[:, None])
@@ -369,8 +427,12 @@ def _dgrad_gate_up_item(b, jn0, lr, src, grp, pre, ctr, err, comb_base, comb_tab
             dst, valid = _slot_rows(src, rows, rows >= 0, T, S, comb_tab, comb_base, H)
             for jj in tl.range(0, DXT, flatten=True):
                 jn = jn0 * DXT + jj
-                acc = _dx_tile(jn, pre_rows, d1, w_row0, I, BM, BN, BK, F32_DOT, pre_b_desc,
-                               prow, DXTMA)
+                if FP8DX:
+                    acc = _dx_tile_fp8(jn, gq_rows, lr, g, E, w1q_desc, ws1q_desc, sw1q_ptr,
+                                       sws1q_ptr, H, I, BM, BN, BK, F32_DOT, HAS_SHARED)
+                else:
+                    acc = _dx_tile(jn, pre_rows, d1, w_row0, I, BM, BN, BK, F32_DOT,
+                                   pre_b_desc, prow, DXTMA)
                 cols = jn * BN + tl.arange(0, BN)
                 tl.store(dst[:, None] + cols[None, :], acc.to(tl.bfloat16),
                          mask=valid[:, None])
@@ -503,13 +565,18 @@ def mok_backward_kernel(
         DIRECT: tl.constexpr = False, DXT: tl.constexpr = 1, DAT: tl.constexpr = 1,
         DXTMA: tl.constexpr = False, PA: tl.constexpr = 0, FENCE: tl.constexpr = False,
         FP8DA: tl.constexpr = False, dyq_base=None, w2q_desc=None, ws2q_desc=None,
-        sw2q_ptr=None, sws2q_ptr=None):
+        sw2q_ptr=None, sws2q_ptr=None, FP8DX: tl.constexpr = False, gq_ptr=None,
+        w1q_desc=None, ws1q_desc=None, sw1q_ptr=None, sws1q_ptr=None, GQW: tl.constexpr = 0,
+        RQC: tl.constexpr = 128, POW2: tl.constexpr = False):
     """One persistent program per SM; see the module docstring for the work order. FENCE:
     rows pulled in this launch (PULL or PA): the C and D items fence the async proxy after
     their group's acquire. FP8DA (``bwd_fp8_da``): the A items' FP8 tiles read dY as FP8
     rows at its home ranks (``dyq_base``, same rank offsets ``tab16`` as dY) and W_down's
     e4m3 rows (``w2q_desc`` / ``ws2q_desc``) with their fp32 scales (``sw2q_ptr`` /
-    ``sws2q_ptr``)."""
+    ``sws2q_ptr``). FP8DX (``bwd_fp8_dx``): the B items' FP8 tiles on the FP8 dG/dU rows
+    (``gq_ptr`` [L, P, GQW], quantised by the A item that completes a row block, RQC columns
+    at a time) and W_gate_up's e4m3 rows (``w1q_desc`` / ``ws1q_desc``, scales ``sw1q_ptr`` /
+    ``sws1q_ptr``)."""
     HALF: tl.constexpr = BN // 2
     NA: tl.constexpr = I // (DAC * DAT)  # A items per row block
     NB: tl.constexpr = H // (BN * DXT)  # B items per row block
@@ -525,6 +592,7 @@ def mok_backward_kernel(
     gst = gstart_ptr + lr * (NG + 1)
     pre = pre_ptr + lr.to(tl.int64) * P * (2 * I)
     hs = hs_ptr + lr.to(tl.int64) * P * I
+    gq = gq_ptr + lr.to(tl.int64) * P * GQW if FP8DX else gq_ptr
     NBMAX = P // BM
     nb = total // BM
     if PA > 0:  # a dY pull item (block s) then the A items of block s - PA, per slot s
@@ -573,7 +641,7 @@ def mok_backward_kernel(
                                              I, S, K, HAS_SHARED, BM, BN, BK, DAC, F32_DOT,
                                              INTERLEAVED, dy_base, tab16, DIRECT, DAT, FP8DA,
                                              dyq_base, w2q_desc, ws2q_desc, sw2q_ptr,
-                                             sws2q_ptr)
+                                             sws2q_ptr, FP8DX, gq, GQW, RQC, POW2)
             elif PHASES & 1:
                 b = tk // NA
                 if PULL:  # its rows pulled by an item of this launch (plain stores; TMA here)
@@ -586,7 +654,7 @@ def mok_backward_kernel(
                                      E, NBMAX, withhold, H, I, S, K, HAS_SHARED, BM, BN, BK,
                                      DAC, F32_DOT, INTERLEAVED, dy_base, tab16, DIRECT, DAT,
                                      FP8DA, dyq_base, w2q_desc, ws2q_desc, sw2q_ptr,
-                                     sws2q_ptr)
+                                     sws2q_ptr, FP8DX, gq, GQW, RQC, POW2)
         elif tk < end_b:
             i = tk - end_a
             if PA > 0:
@@ -600,12 +668,16 @@ def mok_backward_kernel(
                     ok = _dgrad_gate_up_item(b, j, lr, src, grp, pre, ctr, err, comb_base,
                                              comb_tab, w1_desc, ws1_desc, T, E, budget, H, I,
                                              S, HAS_SHARED, BM, BN, BK, DAC, F32_DOT, DXT,
-                                             pre_b_desc, P, DXTMA)
+                                             pre_b_desc, P, DXTMA,
+                                             FP8DX, gq, GQW, w1q_desc, ws1q_desc, sw1q_ptr,
+                                             sws1q_ptr)
             elif PHASES & 2:
                 ok = _dgrad_gate_up_item(i // NB, i % NB, lr, src, grp, pre, ctr, err,
                                          comb_base, comb_tab, w1_desc, ws1_desc, T, E, budget,
                                          H, I, S, HAS_SHARED, BM, BN, BK, DAC, F32_DOT, DXT,
-                                         pre_b_desc, P, DXTMA)
+                                         pre_b_desc, P, DXTMA,
+                                         FP8DX, gq, GQW, w1q_desc, ws1q_desc, sw1q_ptr,
+                                         sws1q_ptr)
         elif tk < end_c:
             if PHASES & 4:
                 i = tk - end_b

@@ -233,51 +233,90 @@ def test_backend_fp8_autograd_within_the_fp8_bound(monkeypatch, recipe):
     assert res.backward.ok, res.backward.reason()
 
 
-@pytest.mark.parametrize("ranks, shared", [(1, True), (2, False)])
-def test_fp8_dgrad_of_down_matches_the_quantised_reference(ranks, shared):
-    """``bwd_fp8_da``: the dA items' FP8 tiles against the reference layer on the dequantised
-    dY and W_down (their exact inputs; bf16 tolerance), and the exact layer within the FP8
-    bound; dW_down bitwise the bf16 backward's (the C items read bf16 dY); bitwise reruns."""
+def _deq_rows(t):
+    """t [..., K] as the FP8 dgrad items read it: e4m3 rows times their row scale."""
     from mok_kernels._details.tl_quant import quantize_rowwise
 
+    q, sc = quantize_rowwise(t)
+    return (q.float() * sc.unsqueeze(-1)).bfloat16()
+
+
+def _dx_of_fp8_rows(saved, wk, L, T, E, S, H, BM):
+    """dx from the dG/dU rows the backward left in ``saved.pre_LPF`` (its bf16 gradients),
+    quantised as the FP8 dX items read them, against the quantised W_gate_up rows (kernel
+    layout), summed over each token's slots in fp32; one row block at a time."""
+    st = saved.schedule.tensors
+    dx = torch.zeros(L * T, H, device=DEV)
+    for lr in range(L):
+        total = int(st.total_L[lr])
+        for b0 in range(0, total, BM):
+            g = int(st.group_LB[lr, b0 // BM])
+            w = wk[2] if g == E else wk[0][lr * E + g]
+            part = _deq_rows(saved.pre_LPF[lr, b0:b0 + BM]).float() @ _deq_rows(w).float().T
+            src = st.src_LP[lr, b0:b0 + BM].long()
+            ok = src >= 0
+            dx.index_add_(0, (src[ok] // S), part[ok])
+    return dx
+
+
+@pytest.mark.parametrize("knobs", [{"bwd_fp8_da": True}, {"bwd_fp8_dx": True},
+                                   {"bwd_fp8_da": True, "bwd_fp8_dx": True}])
+@pytest.mark.parametrize("ranks, shared", [(1, True), (2, False)])
+def test_fp8_dgrad_items_match_the_quantised_reference(ranks, shared, knobs):
+    """``bwd_fp8_da`` / ``bwd_fp8_dx``: dA's FP8 tiles against the reference layer on the
+    dequantised dY and W_down (their exact inputs; bf16 tolerance), dX's against dx rebuilt
+    from the quantised dG/dU rows and W_gate_up rows, every gradient within the FP8 bound of
+    the exact layer, the gradients a knob does not touch bitwise the bf16 backward's, and
+    bitwise reruns."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("needs an FP8 GPU (Hopper or Blackwell)")
-
-    def deq(t):
-        q, sc = quantize_rowwise(t)
-        return (q.float() * sc.unsqueeze(-1)).bfloat16()
-
     H, I, E, K, T = 4096, 1024, 8, 4, 1024
     x, idx, p, w = make_layer(ranks, T, H, I, E, K, shared, 3)
     dy = torch.randn(ranks * T, H, device=DEV, generator=torch.Generator(DEV).manual_seed(4)
                      ).bfloat16()
+    wk = (mk.interleave_gate_up(w[0]), w[1],
+          mk.interleave_gate_up(w[2]) if shared else None, w[3])
     out = {}
-    for fp8da in (False, True, True):
-        cfg = cfg_for(H, I, gate_up_interleaved=True, bwd_fp8_da=fp8da)
+    for key in ("bf16", "fp8", "fp8"):
+        cfg = cfg_for(H, I, gate_up_interleaved=True, **(knobs if key == "fp8" else {}))
         ws = mk.get_workspace(cfg, tokens=T, hidden=H, intermediate=I, local_experts=E,
                               topk=K, shared=shared, device=DEV, loopback_ranks=ranks)
-        wk = (mk.interleave_gate_up(w[0]), w[1],
-              mk.interleave_gate_up(w[2]) if shared else None, w[3])
         y, saved = mk.forward_train(cfg, ws, mk.build_schedule(ws, idx), x, p, *wk)
         g = mk.backward(cfg, ws, saved, dy, *wk,
-                        fp8_weights=mk.quantize_backward_weights(cfg, w[1], w[3]))
+                        fp8_weights=mk.quantize_backward_weights(cfg, wk[1], wk[3], wk[0],
+                                                                 wk[2]))
         mk.check_errors(ws)
-        if fp8da in out:
-            for a, b in zip(vars(out[fp8da]).values(), vars(g).values()):
+        if key in out:
+            for a, b in zip(vars(out[key]).values(), vars(g).values()):
                 assert (a is None and b is None) or torch.equal(a, b)
-        out[fp8da] = g
-    g, g16 = out[True], out[False]
-    assert torch.equal(g.w_down, g16.w_down)
+        else:
+            out[key] = g
+            last_saved, last_cfg = saved, cfg
+    g, g16 = out["fp8"], out["bf16"]
     exact = reference_grads(x, idx, p, w, dy)
-    quant = reference_grads(x, idx, p, (w[0], deq(w[1]), w[2], deq(w[3]) if shared else None),
-                            deq(dy))
     mine = grads_of(y, g)
-    for name in ("dx", "dp", "dw1") + (("dws1",) if shared else ()):
-        o = mine[name].float()
-        assert torch.isfinite(o).all(), name
-        err_q = ((o - quant[name]).norm() / quant[name].norm()).item()
-        err = ((o - exact[name]).norm() / exact[name].norm()).item()
-        assert err_q < TOL and err < 1e-1, (name, err_q, err)
+    for name, r in exact.items():
+        if r is not None and name != "y":
+            o = mine[name].float()
+            assert torch.isfinite(o).all(), name
+            assert ((o - r).norm() / r.norm()).item() < 1e-1, name
+    assert torch.equal(g.w_down, g16.w_down)  # the C items read bf16 dY and r*h
+    if not knobs.get("bwd_fp8_da"):  # dX alone: only dx differs from the bf16 backward
+        for name in ("d_router_weights_TK", "w_gate_up", "shared_gate_up"):
+            a, b = getattr(g, name), getattr(g16, name)
+            assert (a is None and b is None) or torch.equal(a, b), name
+        want = _dx_of_fp8_rows(last_saved, wk, ranks, T, E, K + int(shared), H,
+                               last_cfg.block_m)
+        err = ((g.dx_TH.float() - want).norm() / want.norm()).item()
+        assert err < TOL, err
+    if not knobs.get("bwd_fp8_dx"):  # dA alone: against the layer on the quantised inputs
+        quant = reference_grads(x, idx, p, (w[0], _deq_rows(w[1]), w[2],
+                                            _deq_rows(w[3]) if shared else None),
+                                _deq_rows(dy))
+        for name in ("dx", "dp", "dw1") + (("dws1",) if shared else ()):
+            o = mine[name].float()
+            err_q = ((o - quant[name]).norm() / quant[name].norm()).item()
+            assert err_q < TOL, (name, err_q)
 
 
 EP_SCRIPT = r"""
@@ -295,7 +334,8 @@ mine = slice(rank * T, (rank + 1) * T)
 for comm, direct, fp8da in ((0, False, False), (8, False, False), (0, True, False),
                             (8, False, True)):
     cfg = mk.MoKConfig.for_shape(H, I, minibatch=256, macrobatch=768, tma=True,
-                                 fwd_comm_sms=comm, bwd_direct_rows=direct, bwd_fp8_da=fp8da)
+                                 fwd_comm_sms=comm, bwd_direct_rows=direct, bwd_fp8_da=fp8da,
+                                 bwd_fp8_dx=fp8da)
     ws = mk.get_workspace(cfg, tokens=T, hidden=H, intermediate=I, local_experts=E, topk=K,
                           shared=True, device="cuda", group=dist.group.WORLD)
     mine_e = slice(rank * E, (rank + 1) * E)
@@ -303,7 +343,7 @@ for comm, direct, fp8da in ((0, False, False), (8, False, False), (0, True, Fals
     sched = mk.build_schedule(ws, idx[mine])
     y, saved = mk.forward_train(cfg, ws, sched, x[mine], p[mine], *wk)
     g = mk.backward(cfg, ws, saved, dy[mine].contiguous(), *wk,
-                    fp8_weights=mk.quantize_backward_weights(cfg, wk[1], wk[3]))
+                    fp8_weights=mk.quantize_backward_weights(cfg, wk[1], wk[3], wk[0], wk[2]))
     mk.check_errors(ws)
     out = grads_of(y, g)
     for name, r in ref.items():
@@ -316,7 +356,7 @@ for comm, direct, fp8da in ((0, False, False), (8, False, False), (0, True, Fals
         else:
             r = r[mine_e]
         err = ((out[name].float() - r).norm() / r.norm()).item()
-        # bwd_fp8_da: dY read as FP8 rows from the peer rank; downstream of dA the FP8 bound
+        # bwd_fp8_da + _dx: dY read as FP8 rows from the peer rank, dX in FP8: the FP8 bound
         tol = 1e-1 if fp8da and name in ("dx", "dp", "dw1", "dws1") else 1e-2
         assert err < tol, (rank, comm, direct, fp8da, name, err)
     print("rank", rank, "comm", comm, "direct", direct, "fp8da", fp8da, "ok")

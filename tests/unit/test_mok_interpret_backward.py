@@ -152,7 +152,7 @@ def test_backward_in_interpreter_matches_autograd():
     assert out.stdout.count("block ok") == 2, out.stdout
 
 
-FP8_DA_SCRIPT = textwrap.dedent("""
+FP8_DGRAD_SCRIPT = textwrap.dedent("""
     import torch
     import mok_kernels as mk
     from mok_kernels._details.tl_quant import quantize_rowwise
@@ -161,9 +161,26 @@ FP8_DA_SCRIPT = textwrap.dedent("""
     def rel(a, b):
         return ((a.float() - b).norm() / b.norm().clamp_min(1e-30)).item()
 
-    def deq(t):  # the values the FP8 dA items multiply: e4m3 rows times their row scale
+    def deq(t):  # the values the FP8 items multiply: e4m3 rows times their row scale
         q, s = quantize_rowwise(t)
         return (q.float() * s.unsqueeze(-1)).bfloat16()
+
+    def dx_of_fp8_rows(saved, W, L, T, E, K, S, H, BM):
+        # dx from the dG/dU rows the backward left in saved.pre_LPF (its bf16 gradients),
+        # each row and each W_gate_up row quantised as the FP8 dX items read them, summed
+        # over each token's slots in fp32
+        st = saved.schedule.tensors
+        dx = torch.zeros(L * T, H)
+        for lr in range(L):
+            for r in range(int(st.total_L[lr])):
+                slot = int(st.src_LP[lr, r])
+                if slot < 0:
+                    continue
+                g = int(st.group_LB[lr, r // BM])
+                w = W[2] if g == E else W[0][lr * E + g]  # [H, 2I], the kernel's layout
+                dgu = deq(saved.pre_LPF[lr, r][None]).float()
+                dx[slot // S] += (dgu @ deq(w).float().T)[0]
+        return dx
 
     for L, T, E, K, shared in [(1, 24, 4, 2, True), (2, 13, 3, 2, False)]:
         H, I = 64, 32
@@ -178,15 +195,17 @@ FP8_DA_SCRIPT = textwrap.dedent("""
         dy = torch.randn(L * T, H).bfloat16()
         il = mk.interleave_gate_up
         W = (il(w1), w2, il(ws1) if shared else None, ws2)
+        exact = reference_all_experts(x, idx, p, w1, w2, ws1, ws2, dy_NH=dy)
         runs = {}
-        for fp8da in (False, True):
+        for da, dx in ((False, False), (True, False), (False, True), (True, True)):
             cfg = mk.MoKConfig(minibatch=32, macrobatch=64, block_m=16, block_n=32,
                                block_k=16, num_warps=4, num_stages=1, spin_budget=1000,
-                               tma=True, gate_up_interleaved=True, bwd_fp8_da=fp8da)
+                               tma=True, gate_up_interleaved=True, bwd_fp8_da=da,
+                               bwd_fp8_dx=dx)
             ws = mk.get_workspace(cfg, tokens=T, hidden=H, intermediate=I, local_experts=E,
                                   topk=K, shared=shared, device="cpu", loopback_ranks=L)
-            f8 = mk.quantize_backward_weights(cfg, w2, ws2)
-            assert (f8 is None) == (not fp8da)
+            f8 = mk.quantize_backward_weights(cfg, W[1], W[3], W[0], W[2])
+            assert (f8 is None) == (not (da or dx))
             grads = []
             for _ in range(2):
                 y, saved = mk.forward_train(cfg, ws, mk.build_schedule(ws, idx), x, p, *W)
@@ -194,48 +213,59 @@ FP8_DA_SCRIPT = textwrap.dedent("""
             mk.check_errors(ws)
             for a, b in zip(vars(grads[0]).values(), vars(grads[1]).values()):
                 assert (a is None and b is None) or torch.equal(a, b)  # bitwise rerun
-            runs[fp8da] = grads[0]
-            if fp8da:  # without the FP8 copies of W_down: a clear error, not a wrong result
+            g = runs[(da, dx)] = grads[0]
+            for name, val in vars(g).items():
+                assert val is None or torch.isfinite(val.float()).all(), (da, dx, name)
+            if dx:  # dx against the FP8 rows' own reference (tight), and the FP8 bound
+                want = dx_of_fp8_rows(saved, W, L, T, E, K, K + int(shared), H, 16)
+                assert rel(g.dx_TH, want) < 2e-2, (L, da, rel(g.dx_TH, want))
+            assert rel(g.dx_TH, exact.dx_TH) < 1e-1, (L, da, dx, rel(g.dx_TH, exact.dx_TH))
+            if (da or dx) and f8 is not None:  # without the FP8 copies: a clear error
                 y, saved = mk.forward_train(cfg, ws, mk.build_schedule(ws, idx), x, p, *W)
                 try:
                     mk.backward(cfg, ws, saved, dy, *W)
                     raise SystemExit("no error without fp8_weights")
                 except ValueError as e:
                     assert "quantize_backward_weights" in str(e), e
-        g, g16 = runs[True], runs[False]
-        # dW_down is the bf16 C items' (bf16 dY, r*h): bitwise what the bf16 backward gives
-        assert torch.equal(g.w_down, g16.w_down)
-        if shared:
-            assert torch.equal(g.shared_down, g16.shared_down)
-        # everything downstream of dA against the reference layer on the dequantised dY and
-        # W_down (the FP8 dA items' exact inputs), and the exact layer within the FP8 bound
-        exact = reference_all_experts(x, idx, p, w1, w2, ws1, ws2, dy_NH=dy)
+        g16 = runs[(False, False)]
+        # bwd_fp8_dx alone changes dx only: every other gradient is the bf16 backward's, bit
+        # for bit (the dW_gate_up items still read the bf16 dG/dU rows)
+        gx = runs[(False, True)]
+        for name in ("d_router_weights_TK", "w_gate_up", "w_down", "shared_gate_up",
+                     "shared_down"):
+            a, b = getattr(gx, name), getattr(g16, name)
+            assert (a is None and b is None) or torch.equal(a, b), name
+        # bwd_fp8_da: dW_down is the bf16 C items' (bf16 dY, r*h), bitwise the bf16 one's;
+        # downstream of dA against the reference on the dequantised dY and W_down (the FP8
+        # dA items' exact inputs), and the exact layer within the FP8 bound
+        ga = runs[(True, False)]
+        assert torch.equal(ga.w_down, g16.w_down)
         q = reference_all_experts(x, idx, p, w1, deq(w2), ws1,
                                   deq(ws2) if shared else None, dy_NH=deq(dy))
-        got = {"dx_TH": g.dx_TH, "dprobs_TK": g.d_router_weights_TK, "w1_EHF": g.w_gate_up}
+        pairs = {"dx_TH": (ga.dx_TH, q.dx_TH, exact.dx_TH),
+                 "dprobs_TK": (ga.d_router_weights_TK, q.dprobs_TK, exact.dprobs_TK),
+                 "w1_EHF": (ga.w_gate_up, q.dweights["w1_EHF"], exact.dweights["w1_EHF"])}
         if shared:
-            got["ws1_HF"] = g.shared_gate_up
-        for name, val in got.items():
-            want_q = q.dx_TH if name == "dx_TH" else (
-                q.dprobs_TK if name == "dprobs_TK" else q.dweights[name])
-            want = exact.dx_TH if name == "dx_TH" else (
-                exact.dprobs_TK if name == "dprobs_TK" else exact.dweights[name])
-            assert torch.isfinite(val).all(), name
+            pairs["ws1_HF"] = (ga.shared_gate_up, q.dweights["ws1_HF"],
+                               exact.dweights["ws1_HF"])
+        for name, (val, want_q, want) in pairs.items():
             assert rel(val, want_q) < 2e-2, (L, name, rel(val, want_q))
             assert rel(val, want) < 1e-1, (L, name, rel(val, want))
-        print("fp8 da ok", L, shared)
+        print("fp8 dgrad ok", L, shared)
 """)
 
 
-def test_fp8_dgrad_of_down_in_interpreter_matches_the_quantised_reference():
-    """``bwd_fp8_da``: the dA items' FP8 tiles (dY quantised per token row at its home rank,
-    W_down per row, row-wise scales after a pure FP8 K loop) against the reference layer on
-    the dequantised dY and W_down (2e-2, the interpreter's bf16 truncation) and the exact
-    layer (0.1, the FP8 bound); dW_down bitwise the bf16 backward's, bitwise reruns, and a
-    clear error without the FP8 weight copies."""
+def test_fp8_dgrad_items_in_interpreter_match_the_quantised_reference():
+    """``bwd_fp8_da`` and ``bwd_fp8_dx``, alone and together: the dA items' FP8 tiles (dY
+    quantised per token row at its home rank, W_down per row) against the reference layer on
+    the dequantised dY and W_down, the dX items' FP8 tiles (dG/dU rows quantised by the A item
+    that completes their row block, W_gate_up per row) against dx rebuilt from the same
+    quantised rows (2e-2: the interpreter's bf16 truncation), and the exact layer within the
+    FP8 bound (0.1); the gradients a knob does not touch bitwise the bf16 backward's; bitwise
+    reruns; a clear error without the FP8 weight copies."""
     repo = Path(__file__).resolve().parents[2]
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(repo))
-    out = subprocess.run([sys.executable, "-c", FP8_DA_SCRIPT], env=env, capture_output=True,
-                         text=True, timeout=600)
+    out = subprocess.run([sys.executable, "-c", FP8_DGRAD_SCRIPT], env=env,
+                         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("fp8 da ok") == 2, out.stdout
+    assert out.stdout.count("fp8 dgrad ok") == 2, out.stdout
