@@ -251,6 +251,26 @@ FP8_DGRAD_SCRIPT = textwrap.dedent("""
         for name, (val, want_q, want) in pairs.items():
             assert rel(val, want_q) < 2e-2, (L, name, rel(val, want_q))
             assert rel(val, want) < 1e-1, (L, name, rel(val, want))
+        # with the backward's own 32-row blocks (bwd_block_m) and with two dA and two dX
+        # tiles per item (the completing add is then 2 at once): the same checks
+        for extra in ({"bwd_block_m": 32}, {"bwd_da_tiles": 2, "bwd_dx_tiles": 2}):
+            cfg = mk.MoKConfig(minibatch=32, macrobatch=64, block_m=16, block_n=32,
+                               block_k=16, num_warps=4, num_stages=1, spin_budget=1000,
+                               tma=True, gate_up_interleaved=True, bwd_fp8_da=True,
+                               bwd_fp8_dx=True, **extra)
+            ws = mk.get_workspace(cfg, tokens=T, hidden=H, intermediate=I, local_experts=E,
+                                  topk=K, shared=shared, device="cpu", loopback_ranks=L)
+            f8 = mk.quantize_backward_weights(cfg, W[1], W[3], W[0], W[2])
+            y, saved = mk.forward_train(cfg, ws, mk.build_schedule(ws, idx), x, p, *W)
+            g = mk.backward(cfg, ws, saved, dy, *W, fp8_weights=f8)
+            mk.check_errors(ws)
+            want = dx_of_fp8_rows(saved, W, L, T, E, K, K + int(shared), H, 16)
+            assert rel(g.dx_TH, want) < 2e-2, (L, extra, rel(g.dx_TH, want))
+            for name, r in (("dx", exact.dx_TH), ("dp", exact.dprobs_TK),
+                            ("dw1", exact.dweights["w1_EHF"]), ("dw2", exact.dweights["w2_EIH"])):
+                val = {"dx": g.dx_TH, "dp": g.d_router_weights_TK, "dw1": g.w_gate_up,
+                       "dw2": g.w_down}[name]
+                assert rel(val, r) < 1e-1, (L, extra, name, rel(val, r))
         print("fp8 dgrad ok", L, shared)
 """)
 
