@@ -396,7 +396,7 @@ def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tens
                                                                 sc.xg_LPH, sc.dyg_LPH)
     names = ("w1_desc", "w2_desc", "ws1_desc", "ws2_desc", "pre_a_desc", "hs_c_desc",
              "pre_d_desc", "pre_b_desc", "dyg_a_desc", "dyg_c_desc", "xg_d_desc")
-    return dict(
+    args = dict(
         p_base=bb.p_LTK,
         drp_base=bb.drp_LTKJ, tab32=bb.tab32_R, comb_base=ws.comb_LTSH, comb_tab=ws.comb_tab_R,
         src_ptr=st.src_LP, group_ptr=backward_groups(cfg, st.group_LB), total_ptr=st.total_L,
@@ -410,6 +410,9 @@ def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tens
         **backward_constants(cfg, hidden=ws.H, intermediate=ws.I, slots=ws.S,
                              shared=ws.shared, programs=programs, interpreting=interpreting,
                              phases=phases))
+    from mok_kernels._details.tl_backward import mok_backward_kernel
+
+    return {name: args[name] for name in mok_backward_kernel.arg_names}  # parameter order
 
 
 def backward(config: MoKConfig, ws: Workspace, context: ForwardContext, dy_TH: torch.Tensor,

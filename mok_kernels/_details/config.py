@@ -39,6 +39,13 @@ class MoKConfig:
     fwd_comm_sms: programs (one per SM) per EP rank that run pull dispatch and push combine;
         0 = no communication programs: the GEMM programs gather their rows straight from the
         (peer) token buffers and scatter results straight into the (peer) combine buffers.
+    dispatch_dedup: the communication programs pull a remote token's row once per
+        destination rank, for its first schedule row there, into a token cache as well as
+        the ring; the token's other rows on that rank copy it from the cache (local memory)
+        once a per-token flag says it is in. NVLink bytes of dispatch then go from one row
+        per (token, k) slot to one per (token, destination rank), as DeepEP and HybridEP send
+        (notes/mok-kernel.md, "mok at EP 2"). Needs fwd_comm_sms > 0. Off by default: not
+        yet run on a GPU.
     minibatch: schedule rows (tokens x k, padded per expert to block_m) handed to the experts
         at once; a multiple of block_m.
     macrobatch: ring capacity in rows; a multiple of minibatch (ring slots = macrobatch /
@@ -163,6 +170,7 @@ class MoKConfig:
     """
 
     fwd_comm_sms: int = 0
+    dispatch_dedup: bool = False
     minibatch: int = 2048
     macrobatch: int = 6144
     capacity_mult: float = 1.0
@@ -196,6 +204,10 @@ class MoKConfig:
     def __post_init__(self) -> None:
         _check(isinstance(self.fwd_comm_sms, int) and 0 <= self.fwd_comm_sms <= 64,
                "fwd_comm_sms", self.fwd_comm_sms, "an integer in 0..64")
+        _check(isinstance(self.dispatch_dedup, bool)
+               and not (self.dispatch_dedup and self.fwd_comm_sms == 0), "dispatch_dedup",
+               self.dispatch_dedup, "true | false; true needs fwd_comm_sms > 0 (the "
+               "communication programs pull)")
         _check(self.block_m in (16, 32, 64, 128, 256), "block_m", self.block_m,
                "16 | 32 | 64 | 128 | 256")
         _check(_is_pow2(self.block_n) and 32 <= self.block_n <= 256, "block_n", self.block_n,

@@ -18,6 +18,7 @@ ERR_WAIT_DGRAD_ROWBLOCK = 6  # backward dgrad gate+up waited for the row block's
 ERR_WAIT_DGRAD_GROUP = 7  # backward gate+up weight gradient waited for its expert's dA tiles
 ERR_WAIT_BWD_PULLED = 8  # backward dA GEMM waited for its row block's pulled dY (and x) rows
 ERR_WAIT_BWD_XPULLED = 9  # backward gate+up weight gradient waited for its expert's x rows
+ERR_WAIT_DEDUP = 10  # dispatch waited for a token's first row on this rank to be pulled
 ERR_CAPACITY = 16  # routing needed more schedule rows than capacity_mult allows
 
 WAIT_NAMES = {
@@ -30,6 +31,7 @@ WAIT_NAMES = {
     ERR_WAIT_DGRAD_GROUP: "backward gate+up weight gradient <- dA GEMM: expert rows ready",
     ERR_WAIT_BWD_PULLED: "backward dA GEMM <- pull: row block's rows pulled",
     ERR_WAIT_BWD_XPULLED: "backward gate+up weight gradient <- pull: expert's x rows pulled",
+    ERR_WAIT_DEDUP: "dispatch <- dispatch: token's first row pulled into the token cache",
 }
 
 
@@ -54,7 +56,8 @@ def describe(rank: int, code: int, detail: int, detail2: int) -> MoKError:
     if code in WAIT_NAMES:
         what = {ERR_WAIT_ROWBLOCK: "row block", ERR_WAIT_DGRAD_ROWBLOCK: "row block",
                 ERR_WAIT_DGRAD_GROUP: "expert group", ERR_WAIT_BWD_PULLED: "row block",
-                ERR_WAIT_BWD_XPULLED: "expert group"}.get(code, "minibatch")
+                ERR_WAIT_BWD_XPULLED: "expert group", ERR_WAIT_DEDUP: "token"
+                }.get(code, "minibatch")
         return MoKTimeoutError(
             f"MoK rank {rank}: wait '{WAIT_NAMES[code]}' timed out at {what} {detail}"
             " (spin_budget exhausted; a signal never came)")

@@ -48,7 +48,8 @@ def build_schedule(ws: Workspace, topk_idx_TK: torch.Tensor) -> Schedule:
     ws.barrier()
     build = compiled_schedule_builder() if ws.config.compile_schedule else build_schedule_tensors
     st = build(ws.gather_idx(), ws.ranks_L, tokens=T, local_experts=ws.E, shared=ws.shared,
-               block_m=ws.config.block_m, capacity=ws.P, align=ws.config.row_align)
+               block_m=ws.config.block_m, capacity=ws.P, align=ws.config.row_align,
+               first_rows=ws.config.dispatch_dedup)
     flag_capacity_errors(ws.errors_L4, st, ws.P)
     ws.sched = st
     return Schedule(ws, st)
@@ -157,7 +158,14 @@ def forward_kernel_args(ws: Workspace, st: ScheduleTensors, w1: torch.Tensor,
     cfg = ws.config
     h = ws.h_LQI  # SwiGLU rows: the ring of Q rows, indexed row % Q
     descs = _descriptors(ws, w1, w2, ws1, ws2, h) if cfg.tma else (None,) * 5
-    return dict(
+    dedup = dict(DEDUP=False, first_ptr=None, tcache_ptr=None, tflag_ptr=None, rank0=0,
+                 NTOK=0)
+    if cfg.dispatch_dedup:
+        tcache_LNX, tflag_LN = dedup_buffers(ws)
+        dedup = dict(DEDUP=True, first_ptr=st.first_LP, tcache_ptr=tcache_LNX,
+                     tflag_ptr=tflag_LN, rank0=ws.rank_base, NTOK=ws.R * ws.T)
+    args = dict(
+        **dedup,
         x_base=x_LTH, x_tab=ws.x_tab_R, comb_base=ws.comb_LTSH, comb_tab=ws.comb_tab_R,
         src_ptr=st.src_LP, group_ptr=st.group_LB, total_ptr=st.total_L,
         ring_ptr=ws.ring_LQH, h_ptr=h, out_ptr=ws.out_LQH,
@@ -171,6 +179,21 @@ def forward_kernel_args(ws: Workspace, st: ScheduleTensors, w1: torch.Tensor,
         **kernel_constants(cfg, hidden=ws.H, intermediate=ws.I, slots=ws.S, shared=ws.shared,
                            programs=programs, comm=comm, interpreting=interpreting,
                            save_pre=pre_LPF is not None))
+    from mok_kernels._details.tl_mega import mok_forward_kernel
+
+    return {name: args[name] for name in mok_forward_kernel.arg_names}  # parameter order
+
+
+def dedup_buffers(ws: Workspace) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dispatch_dedup``'s token cache [L, R*T, XW] bf16 (a remote token's row, pulled once
+    per rank) and its per-token flags [L, R*T] int32 (zeroed before every launch), made on
+    first use."""
+    if "dedup" not in ws.extra:
+        xw = fp8_row_elements(ws.H, ws.config.quant)
+        n = ws.R * ws.T
+        ws.extra["dedup"] = (torch.empty(ws.L, n, xw, dtype=torch.bfloat16, device=ws.device),
+                             torch.zeros(ws.L, n, dtype=torch.int32, device=ws.device))
+    return ws.extra["dedup"]
 
 
 def _weight_args(w1, w2, ws1, ws2) -> dict[str, object]:
@@ -299,6 +322,8 @@ def _run(config: MoKConfig, ws: Workspace, schedule: Schedule, x_TH: torch.Tenso
     x_src = _token_source(ws, x_TH)
     y_NH = torch.empty(ws.L * ws.T, ws.H, dtype=torch.bfloat16, device=ws.device)
     ws.counters_LC.zero_()
+    if config.dispatch_dedup:
+        dedup_buffers(ws)[1].zero_()
     if config.fused_sum:  # the megakernel writes y itself (every slot is in this process)
         ws.sums_LTJ.zero_()
     ws.barrier()

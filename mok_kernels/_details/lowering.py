@@ -93,7 +93,7 @@ def kernel_args(config: MoKConfig, hidden: int, intermediate: int, *, topk: int 
                        topk=topk, shared=shared, device="meta")
     st = build_schedule_tensors(ws.gather_idx(), ws.ranks_L, tokens=ws.T, local_experts=ws.E,
                                 shared=shared, block_m=cfg.block_m, capacity=ws.P,
-                                align=cfg.row_align)
+                                align=cfg.row_align, first_rows=cfg.dispatch_dedup)
 
     def meta(*shape: int) -> torch.Tensor:
         return torch.empty(*shape, dtype=bf, device="meta")

@@ -35,6 +35,9 @@ class ScheduleTensors:
     total_L: int32 rows used (a multiple of the alignment); 0 when the capacity was exceeded.
     counts_LG: int32 real (unpadded) rows per group.
     needed_L: int32 rows the routing needed (for the capacity error message).
+    first_LP: int32 row of the first schedule row of each row's token on that rank (the row
+        itself where it is the first; -1 for padding rows), with ``first_rows``
+        (``dispatch_dedup``), else None.
     """
 
     src_LP: torch.Tensor
@@ -42,6 +45,7 @@ class ScheduleTensors:
     total_L: torch.Tensor
     counts_LG: torch.Tensor
     needed_L: torch.Tensor
+    first_LP: torch.Tensor | None = None
 
 
 def schedule_capacity(tokens: int, ranks: int, topk: int, shared: bool, local_experts: int,
@@ -76,10 +80,12 @@ def group_keys(idx_NK: torch.Tensor, ranks_L: torch.Tensor, tokens: int, local_e
 
 def build_schedule_tensors(idx_NK: torch.Tensor, ranks_L: torch.Tensor, *, tokens: int,
                            local_experts: int, shared: bool, block_m: int, capacity: int,
-                           align: int | None = None) -> ScheduleTensors:
+                           align: int | None = None, first_rows: bool = False
+                           ) -> ScheduleTensors:
     """Schedule of every logical rank in ``ranks_L`` from the group's routing ``idx_NK``
     (global expert ids of all N = R*T tokens, rank-major); groups padded to ``align`` rows
-    (default block_m; a multiple of it), ``group_LB`` per block_m rows."""
+    (default block_m; a multiple of it), ``group_LB`` per block_m rows; with ``first_rows``
+    also ``first_LP`` (each row's token's first row on the rank: a min over its slots)."""
     key_LJ = group_keys(idx_NK, ranks_L, tokens, local_experts, shared)
     L, J = key_LJ.shape
     G = local_experts + (1 if shared else 0)
@@ -110,12 +116,24 @@ def build_schedule_tensors(idx_NK: torch.Tensor, ranks_L: torch.Tensor, *, token
     block_start_LB = torch.arange(0, P, BM, device=dev).view(1, -1).expand(L, -1).contiguous()
     group_LB = torch.searchsorted(pend_LG.contiguous(), block_start_LB, right=True)
     total_L = torch.where(overflow_L, torch.zeros_like(needed_L), needed_L)
+    first_LP = None
+    if first_rows:  # slot j's row is row_LJ[:, j] (P where not served): min over a token's S
+        N = idx_NK.shape[0]
+        S = J // N
+        row_by_slot_LJ = torch.full_like(row_LJ, P)
+        row_by_slot_LJ.scatter_(1, perm_LJ, row_LJ)  # row of slot j (sorted order undone)
+        first_LN = row_by_slot_LJ.view(L, N, S).amin(2)
+        src_LP = src_LP1[:, :P]
+        tok_LP = torch.where(src_LP >= 0, src_LP, torch.zeros_like(src_LP)) // S
+        first_LP = torch.where(src_LP >= 0, torch.gather(first_LN, 1, tok_LP),
+                               torch.full_like(src_LP, -1)).to(torch.int32)
     return ScheduleTensors(
         src_LP=src_LP1[:, :P].to(torch.int32),
         group_LB=group_LB.clamp_(max=G - 1).to(torch.int32),
         total_L=total_L.to(torch.int32),
         counts_LG=counts_LG.to(torch.int32),
         needed_L=needed_L.to(torch.int32),
+        first_LP=first_LP,
     )
 
 

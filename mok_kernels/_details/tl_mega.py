@@ -39,7 +39,7 @@ from mok_kernels._details.tl_gemm_fp8 import (
     gate_up_fp8_tiles,
     requant_whole_rows,
 )
-from mok_kernels._details.tl_sync import no_error, signal, wait_geq
+from mok_kernels._details.tl_sync import no_error, record_error, signal, wait_geq
 
 # The error codes of errors.py, as constexprs for the kernel.
 _E_RING_FREE: tl.constexpr = tl.constexpr(errors.ERR_WAIT_RING_FREE)
@@ -47,6 +47,7 @@ _E_DISPATCHED: tl.constexpr = tl.constexpr(errors.ERR_WAIT_DISPATCHED)
 _E_ROWBLOCK: tl.constexpr = tl.constexpr(errors.ERR_WAIT_ROWBLOCK)
 _E_OUTPUT: tl.constexpr = tl.constexpr(errors.ERR_WAIT_OUTPUT)
 _E_HSLOT_FREE: tl.constexpr = tl.constexpr(errors.ERR_WAIT_HSLOT_FREE)
+_E_DEDUP: tl.constexpr = tl.constexpr(errors.ERR_WAIT_DEDUP)
 
 
 @triton.jit
@@ -86,12 +87,76 @@ def _copy_rows(src_rows, smask, dst_rows, dmask, H: tl.constexpr, CR: tl.constex
 
 
 @triton.jit
+def _wait_flags(ptrs, mask, err, budget, code, detail):
+    """Wait until every ``*ptrs[i] >= 1`` where ``mask``: one acquire read each, volatile polls
+    of the ones still pending (bounded by ``budget`` and the rank's error word), a last
+    acquire, then a CTA barrier so every thread reads after them. Returns 1, or 0 on timeout
+    (recording ``(code, detail)``) or another program's error."""
+    v = tl.atomic_add(ptrs, 0, mask=mask, sem="acquire", scope="gpu")
+    pending = mask & (v < 1)
+    e = tl.load(err, volatile=True)
+    it = 0
+    while (tl.max(pending.to(tl.int32), 0) > 0) & (e == 0) & (it < budget):
+        v = tl.load(ptrs, mask=pending, other=1, volatile=True)
+        pending = pending & (v < 1)
+        e = tl.load(err, volatile=True)
+        it += 1
+    ok = (tl.max(pending.to(tl.int32), 0) == 0).to(tl.int32)
+    tl.atomic_add(ptrs, 0, mask=mask, sem="acquire", scope="gpu")
+    if ok == 0:
+        if e == 0:
+            record_error(err, code, detail)
+    tl.debug_barrier()
+    return ok
+
+
+@triton.jit
+def _dispatch_dedup(rows, rmask, src, first, T, S: tl.constexpr, x_tab, x_base, ring, Q,
+                    tcache, tflag, me, err, budget, H: tl.constexpr, XW: tl.constexpr,
+                    CH: tl.constexpr):
+    """``DEDUP``: the dispatch of CR schedule rows. A row whose token lives on another rank
+    and is not the token's first row here (``first``) copies the token's row from the token
+    cache ``tcache`` [R*T, XW] (local memory) once its flag in ``tflag`` is set; every other
+    row is pulled from the token's home rank as without DEDUP, and a first row of a remote
+    token also goes to the cache, then sets the flag (release). A chunk sets its own flags
+    before it waits on others', and a row waits only on a smaller row: no cycle."""
+    s = tl.load(src + rows, mask=rmask, other=-1)
+    valid = s >= 0
+    tok = (tl.maximum(s, 0) // S).to(tl.int64)
+    remote = valid & ((tok // T) != me)
+    f = tl.load(first + rows, mask=rmask, other=-1)
+    dup = remote & (f != rows)
+    to_cache = remote & (f == rows)
+    x_rows, valid = _token_rows(src, rows, rmask, T, S, x_tab, x_base, H)
+    ring_rows = ring + (rows % Q).to(tl.int64) * H
+    cache_rows = tcache + tok * XW
+    for h0 in range(0, XW, CH):  # pull: every row but the cached copies (padding rows: 0)
+        cols = h0 + tl.arange(0, CH)
+        cm = (cols < XW)[None, :]
+        v = tl.load(x_rows[:, None] + cols[None, :], mask=(valid & ~dup)[:, None] & cm,
+                    other=0.0)
+        tl.store(ring_rows[:, None] + cols[None, :], v, mask=(rmask & ~dup)[:, None] & cm)
+        tl.store(cache_rows[:, None] + cols[None, :], v, mask=to_cache[:, None] & cm)
+    tl.debug_barrier()  # every thread's cache stores before the flags' release
+    tl.atomic_xchg(tflag + tok, 1, mask=to_cache, sem="release", scope="gpu")
+    ok = _wait_flags(tflag + tok, dup, err, budget, _E_DEDUP,
+                     tl.max(tl.where(dup, tok, -1)).to(tl.int32))
+    for h0 in range(0, XW, CH):  # the other rows of remote tokens: from the cache
+        cols = h0 + tl.arange(0, CH)
+        cm = (cols < XW)[None, :]
+        v = tl.load(cache_rows[:, None] + cols[None, :], mask=dup[:, None] & cm, other=0.0)
+        tl.store(ring_rows[:, None] + cols[None, :], v, mask=dup[:, None] & cm)
+    return ok
+
+
+@triton.jit
 def _dispatch(m, c, src, total, ring, ctr, err, x_base, x_tab, T, Q, MMAX, budget, withhold,
               H: tl.constexpr, XW: tl.constexpr, S: tl.constexpr, C: tl.constexpr,
-              MB: tl.constexpr, CR: tl.constexpr, CH: tl.constexpr):
+              MB: tl.constexpr, CR: tl.constexpr, CH: tl.constexpr,
+              DEDUP: tl.constexpr = False, first=None, tcache=None, tflag=None, me=0):
     """Pull the token rows of minibatch m into its ring slot (this program's share): the
     first XW bf16 elements of each H-element row (H for bf16; an FP8 row's e4m3 values and
-    scales, about half of it)."""
+    scales, about half of it). DEDUP: once per (token, this rank), ``_dispatch_dedup``."""
     ok = 1
     slots = Q // MB
     if m >= slots:
@@ -103,10 +168,17 @@ def _dispatch(m, c, src, total, ring, ctr, err, x_base, x_tab, T, Q, MMAX, budge
             rr = r0 + tl.arange(0, CR)
             rmask = rr < nrows
             rows = row0 + rr
-            x_rows, valid = _token_rows(src, rows, rmask, T, S, x_tab, x_base, H)
-            _copy_rows(x_rows, valid, ring + (rows % Q).to(tl.int64) * H, rmask, XW, CR, CH)
-        if (withhold != 1) | (m != 0):
-            signal(ctr + 1 + m)
+            if DEDUP:
+                if ok != 0:
+                    ok = _dispatch_dedup(rows, rmask, src, first, T, S, x_tab, x_base, ring, Q,
+                                         tcache, tflag, me, err, budget, H, XW, CH)
+            else:
+                x_rows, valid = _token_rows(src, rows, rmask, T, S, x_tab, x_base, H)
+                _copy_rows(x_rows, valid, ring + (rows % Q).to(tl.int64) * H, rmask, XW, CR,
+                           CH)
+        if ok != 0:
+            if (withhold != 1) | (m != 0):
+                signal(ctr + 1 + m)
     return ok
 
 
@@ -134,14 +206,16 @@ def _combine(m, c, src, total, outb, ctr, err, comb_base, comb_tab, T, Q, MMAX, 
 def _comm_loop(c, src, total, ring, outb, ctr, err, x_base, x_tab, comb_base, comb_tab,
                T, Q, MMAX, budget, withhold, H: tl.constexpr, XW: tl.constexpr,
                S: tl.constexpr, C: tl.constexpr, MB: tl.constexpr, BM: tl.constexpr,
-               BN: tl.constexpr, CR: tl.constexpr, CH: tl.constexpr):
+               BN: tl.constexpr, CR: tl.constexpr, CH: tl.constexpr,
+               DEDUP: tl.constexpr = False, first=None, tcache=None, tflag=None, me=0):
     lag = Q // MB - 1
     num_mb = (total + MB - 1) // MB
     ok = 1
     for step in range(0, num_mb + lag):
         if (ok != 0) & (step < num_mb):
             ok = _dispatch(step, c, src, total, ring, ctr, err, x_base, x_tab, T, Q, MMAX,
-                           budget, withhold, H, XW, S, C, MB, CR, CH)
+                           budget, withhold, H, XW, S, C, MB, CR, CH, DEDUP, first, tcache,
+                           tflag, me)
         if (ok != 0) & (step >= lag):
             ok = _combine(step - lag, c, src, total, outb, ctr, err, comb_base, comb_tab, T, Q,
                           MMAX, budget, H, S, C, MB, BM, BN, CR, CH)
@@ -385,9 +459,13 @@ def mok_forward_kernel(
         CH: tl.constexpr, QUANT: tl.constexpr, POW2: tl.constexpr, SW1: tl.constexpr,
         SW2: tl.constexpr, F32_DOT: tl.constexpr, TMA: tl.constexpr,
         INTERLEAVED: tl.constexpr, PREFETCH: tl.constexpr, K: tl.constexpr,
-        FUSED_SUM: tl.constexpr, SAVE_PRE: tl.constexpr):
+        FUSED_SUM: tl.constexpr, SAVE_PRE: tl.constexpr, DEDUP: tl.constexpr = False,
+        first_ptr=None, tcache_ptr=None, tflag_ptr=None, rank0=0, NTOK=0):
     """One persistent program per SM. x_tab/comb_tab hold, for every EP rank r, the element
-    offset of rank r's token / combine buffer from x_base / comb_base (peer memory)."""
+    offset of rank r's token / combine buffer from x_base / comb_base (peer memory). DEDUP
+    (``dispatch_dedup``): ``first_ptr`` [L, P] each row's token's first row here,
+    ``tcache_ptr`` [L, NTOK, XW] the token cache, ``tflag_ptr`` [L, NTOK] its flags (zeroed
+    before the launch), ``rank0`` the EP rank of logical rank 0."""
     pid = tl.program_id(0)
     lr = pid // PROGS
     lp = pid % PROGS
@@ -402,8 +480,16 @@ def mok_forward_kernel(
     outb = out_ptr + lr.to(tl.int64) * Q * H
     if COMM > 0:
         if lp < COMM:
-            _comm_loop(lp, src, total, ring, outb, ctr, err, x_base, x_tab, comb_base, comb_tab,
-                       T, Q, MMAX, budget, withhold, H, XW, S, COMM, MB, BM, BN, CR, CH)
+            if DEDUP:
+                _comm_loop(lp, src, total, ring, outb, ctr, err, x_base, x_tab, comb_base,
+                           comb_tab, T, Q, MMAX, budget, withhold, H, XW, S, COMM, MB, BM, BN,
+                           CR, CH, DEDUP, first_ptr + lr.to(tl.int64) * P,
+                           tcache_ptr + lr.to(tl.int64) * NTOK * XW,
+                           tflag_ptr + lr.to(tl.int64) * NTOK, rank0 + lr)
+            else:
+                _comm_loop(lp, src, total, ring, outb, ctr, err, x_base, x_tab, comb_base,
+                           comb_tab, T, Q, MMAX, budget, withhold, H, XW, S, COMM, MB, BM, BN,
+                           CR, CH)
         else:
             _compute_loop(lr, src, grp, total, ring, hbuf, pre, outb, ctr, err, x_base, x_tab,
                           comb_base, comb_tab, w1_ptr, w2_ptr, ws1_ptr, ws2_ptr, sw1_ptr,

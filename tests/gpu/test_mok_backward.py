@@ -335,7 +335,7 @@ for comm, direct, fp8da in ((0, False, False), (8, False, False), (0, True, Fals
                             (8, False, True)):
     cfg = mk.MoKConfig.for_shape(H, I, minibatch=256, macrobatch=768, tma=True,
                                  fwd_comm_sms=comm, bwd_direct_rows=direct, bwd_fp8_da=fp8da,
-                                 bwd_fp8_dx=fp8da)
+                                 bwd_fp8_dx=fp8da, dispatch_dedup=fp8da)
     ws = mk.get_workspace(cfg, tokens=T, hidden=H, intermediate=I, local_experts=E, topk=K,
                           shared=True, device="cuda", group=dist.group.WORLD)
     mine_e = slice(rank * E, (rank + 1) * E)

@@ -30,6 +30,8 @@ from mok_kernels import MoKConfig, MoKConfigError, plan
     ({"bwd_dx_tma": 1}, "bwd_dx_tma"),
     ({"bwd_fp8_da": "yes"}, "bwd_fp8_da"),
     ({"bwd_fp8_dx": 1}, "bwd_fp8_dx"),
+    ({"dispatch_dedup": True}, "dispatch_dedup"),
+    ({"dispatch_dedup": 1, "fwd_comm_sms": 8}, "dispatch_dedup"),
     ({"bwd_pull_ahead": -1}, "bwd_pull_ahead"),
     ({"bwd_pull_ahead": True}, "bwd_pull_ahead"),
     ({"bwd_pull_ahead": 2, "bwd_fused_pull": True}, "bwd_pull_ahead"),

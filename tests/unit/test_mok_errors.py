@@ -21,7 +21,8 @@ from mok_kernels._details import (  # noqa: E402
 )
 
 KERNEL_MODULES = (tl_mega, tl_backward, tl_gemm, tl_quant, tl_sync)
-CODE_ARG = {"wait_geq": 4, "_spin": 4, "record_error": 1}  # where the calls take the code
+CODE_ARG = {"wait_geq": 4, "_spin": 4, "record_error": 1,
+            "_wait_flags": 4}  # where the calls take the code
 NAMED = {v: k for k, v in vars(errors).items() if k.startswith("ERR_") and k != "ERR_NONE"}
 
 

@@ -203,3 +203,20 @@ def test_fp8_dgrad_items_build_with_e4m3_mmas(knobs, fp8_forward):
         assert not dx_only.spills, dx_only.ptxas_log
         assert dx_only.mma_instructions == [
             "wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3"]
+
+
+@pytest.mark.parametrize("fp8_forward", [False, True])
+def test_dispatch_dedup_builds_without_spills(fp8_forward):
+    """``dispatch_dedup`` at the EP-2 defaults (16 communication programs): the forward with
+    the token cache and its flags builds like the plain pull, in the same shared memory and
+    without spills."""
+    from mokbench.mok_backend import default_config_fields, fp8_config_fields
+
+    fields = {**default_config_fields(H, I, 8192, 8, 132, 2, 6, 90),
+              **(fp8_config_fields(90) if fp8_forward else {})}
+    plain = mk.compile_megakernel(mk.MoKConfig.for_shape(H, I, **fields), H, I, shared=True,
+                                  comm_programs=16)
+    lw = mk.compile_megakernel(mk.MoKConfig.for_shape(H, I, **fields, dispatch_dedup=True), H,
+                               I, shared=True, comm_programs=16)
+    assert lw.shared_bytes == plain.shared_bytes <= SMEM_LIMIT
+    assert not lw.spills, lw.ptxas_log

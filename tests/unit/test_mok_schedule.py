@@ -150,3 +150,31 @@ def test_default_capacity_always_fits():
     st = build_schedule_tensors(idx_NK, torch.arange(ranks), tokens=tokens,
                                 local_experts=experts, shared=True, block_m=8, capacity=cap)
     assert (st.needed_L <= cap).all() and (st.total_L == st.needed_L).all()
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_first_rows_name_each_tokens_first_row_on_the_rank(shared):
+    """``first_rows`` (``dispatch_dedup``): every row's ``first_LP`` is the smallest row of
+    its token on that logical rank (the row itself for the first), -1 for padding rows; the
+    rest of the schedule is unchanged, and without it first_LP is None."""
+    torch.manual_seed(3)
+    R, T, E, K = 3, 11, 2, 4
+    idx = torch.stack([torch.randperm(R * E)[:K] for _ in range(R * T)]).int()
+    kw = dict(tokens=T, local_experts=E, shared=shared, block_m=4, capacity=256)
+    st = build_schedule_tensors(idx, torch.arange(R), first_rows=True, **kw)
+    plain = build_schedule_tensors(idx, torch.arange(R), **kw)
+    assert plain.first_LP is None
+    assert torch.equal(st.src_LP, plain.src_LP) and torch.equal(st.group_LB, plain.group_LB)
+    S = K + int(shared)
+    copies = 0
+    for lr in range(R):
+        first_of: dict[int, int] = {}
+        for r, (slot, first) in enumerate(zip(st.src_LP[lr].tolist(), st.first_LP[lr].tolist())):
+            if slot < 0:
+                assert first == -1
+                continue
+            tok = slot // S
+            first_of.setdefault(tok, r)
+            assert first == first_of[tok], (lr, r, first, first_of[tok])
+            copies += first != r
+    assert copies > 0  # the case the cache serves: several rows of a token on one rank
