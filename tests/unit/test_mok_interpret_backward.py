@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-SCRIPT = textwrap.dedent("""
+COMMON = textwrap.dedent("""
     import torch
     import mok_kernels as mk
     from mokbench.reference import reference_all_experts
@@ -45,6 +45,9 @@ SCRIPT = textwrap.dedent("""
         ws1 = (torch.randn(H, 2 * I) * H ** -0.5).bfloat16() if shared else None
         ws2 = (torch.randn(I, H) * I ** -0.5).bfloat16() if shared else None
         return x, idx, p, w1, w2, ws1, ws2, torch.randn(L * T, H).bfloat16()
+""")
+
+SCRIPT = COMMON + textwrap.dedent("""
 
     cases = [(1, 24, 4, 2, True, False, False), (2, 13, 3, 2, True, True, False),
              (3, 8, 2, 1, False, True, True), (1, 40, 6, 3, True, True, False),
@@ -152,14 +155,8 @@ def test_backward_in_interpreter_matches_autograd():
     assert out.stdout.count("block ok") == 2, out.stdout
 
 
-FP8_DGRAD_SCRIPT = textwrap.dedent("""
-    import torch
-    import mok_kernels as mk
+FP8_DGRAD_SCRIPT = COMMON + textwrap.dedent("""
     from mok_kernels._details.tl_quant import quantize_rowwise
-    from mokbench.reference import reference_all_experts
-
-    def rel(a, b):
-        return ((a.float() - b).norm() / b.norm().clamp_min(1e-30)).item()
 
     def deq(t):  # the values the FP8 items multiply: e4m3 rows times their row scale
         q, s = quantize_rowwise(t)
@@ -185,23 +182,13 @@ FP8_DGRAD_SCRIPT = textwrap.dedent("""
     for L, T, E, K, shared in [(1, 24, 4, 2, True), (2, 13, 3, 2, False)]:
         H, I = 64, 32
         torch.manual_seed(3 + L)
-        x = torch.randn(L * T, H).bfloat16()
-        idx = torch.stack([torch.randperm(L * E)[:K] for _ in range(L * T)])
-        p = torch.softmax(torch.randn(L * T, K), 1)
-        w1 = (torch.randn(L * E, H, 2 * I) * H ** -0.5).bfloat16()
-        w2 = (torch.randn(L * E, I, H) * I ** -0.5).bfloat16()
-        ws1 = (torch.randn(H, 2 * I) * H ** -0.5).bfloat16() if shared else None
-        ws2 = (torch.randn(I, H) * I ** -0.5).bfloat16() if shared else None
-        dy = torch.randn(L * T, H).bfloat16()
+        x, idx, p, w1, w2, ws1, ws2, dy = layer(L, T, E, K, shared, H, I)
         il = mk.interleave_gate_up
         W = (il(w1), w2, il(ws1) if shared else None, ws2)
         exact = reference_all_experts(x, idx, p, w1, w2, ws1, ws2, dy_NH=dy)
         runs = {}
         for da, dx in ((False, False), (True, False), (False, True), (True, True)):
-            cfg = mk.MoKConfig(minibatch=32, macrobatch=64, block_m=16, block_n=32,
-                               block_k=16, num_warps=4, num_stages=1, spin_budget=1000,
-                               tma=True, gate_up_interleaved=True, bwd_fp8_da=da,
-                               bwd_fp8_dx=dx)
+            cfg = config(True, bwd_fp8_da=da, bwd_fp8_dx=dx)
             ws = mk.get_workspace(cfg, tokens=T, hidden=H, intermediate=I, local_experts=E,
                                   topk=K, shared=shared, device="cpu", loopback_ranks=L)
             f8 = mk.quantize_backward_weights(cfg, W[1], W[3], W[0], W[2])
@@ -254,10 +241,7 @@ FP8_DGRAD_SCRIPT = textwrap.dedent("""
         # with the backward's own 32-row blocks (bwd_block_m) and with two dA and two dX
         # tiles per item (the completing add is then 2 at once): the same checks
         for extra in ({"bwd_block_m": 32}, {"bwd_da_tiles": 2, "bwd_dx_tiles": 2}):
-            cfg = mk.MoKConfig(minibatch=32, macrobatch=64, block_m=16, block_n=32,
-                               block_k=16, num_warps=4, num_stages=1, spin_budget=1000,
-                               tma=True, gate_up_interleaved=True, bwd_fp8_da=True,
-                               bwd_fp8_dx=True, **extra)
+            cfg = config(True, bwd_fp8_da=True, bwd_fp8_dx=True, **extra)
             ws = mk.get_workspace(cfg, tokens=T, hidden=H, intermediate=I, local_experts=E,
                                   topk=K, shared=shared, device="cpu", loopback_ranks=L)
             f8 = mk.quantize_backward_weights(cfg, W[1], W[3], W[0], W[2])
