@@ -11,7 +11,9 @@ carved alike so one byte-offset table serves all three): dy [T, H] bf16 (pulled 
 that ran the token's experts: reverse-combine), p [T, K] fp32 (the router weights, read by
 the same ranks to pre-scale), drp [T, K, NJ] fp32 (router-gradient partials, pushed back),
 and with ``bwd_fp8_da`` dyq [T, H] (dY as FP8 rows in bf16-row storage: H e4m3 values, then
-the row's fp32 scale; read by the dA items of the ranks that ran the token's experts).
+the row's fp32 scale; read by the dA items of the ranks that ran the token's experts),
+and with ``bwd_fp8_wgrad`` xam [H] and dyam [H] fp32 (the column max |v| of the rank's x
+and dY, read by every rank to scale its FP8 copies alike).
 dX rows are pushed into the forward's combine buffer [T, S, H] (reverse-dispatch) and summed
 by the home rank in fixed slot order.
 """
@@ -115,6 +117,8 @@ class BackwardBuffers:
     p_LTK: torch.Tensor
     drp_LTKJ: torch.Tensor
     dyq_LTH: torch.Tensor | None  # dY as FP8 rows (bwd_fp8_da), else None
+    xam_LH: torch.Tensor | None  # bwd_fp8_wgrad: column max |x| of the rank's tokens
+    dyam_LH: torch.Tensor | None  # bwd_fp8_wgrad: column max |dY| of the rank's tokens
     tab16_R: torch.Tensor  # int64 element offsets (bf16) of each rank's carve from this one
     tab32_R: torch.Tensor  # the same in fp32 elements
     counters_LC: torch.Tensor
@@ -135,23 +139,66 @@ class BackwardScratch:
     xg_LPH: torch.Tensor | None  # pulled x rows (None with bwd_direct_rows)
     dyg_LPH: torch.Tensor | None  # pulled dY rows (None with bwd_direct_rows)
     gq_LPG: torch.Tensor | None = None  # bwd_fp8_dx: dG/dU as FP8 rows (2I e4m3, a scale)
+    wgrad8: Fp8WgradScratch | None = None  # bwd_fp8_wgrad
+
+
+@dataclass
+class Fp8WgradScratch:
+    """``bwd_fp8_wgrad``'s operands: e4m3 transposed copies (feature-major, the schedule's
+    rows contiguous, so the weight-gradient tiles read both operands K-major), the
+    per-column scales and the dA items' per-row-block column maxima. NB = P / bwd_block_m
+    row blocks, G groups (E, +1 shared)."""
+
+    xqT_LHP: torch.Tensor  # x^T [L, H, P] e4m3, scaled by the global column max gxam_H
+    dyqT_LHP: torch.Tensor  # dY^T [L, H, P] e4m3, by gdyam_H
+    hqT_LIP: torch.Tensor  # (r h)^T [L, I, P] e4m3, by srh_LGI (per group and column)
+    gqT_LFP: torch.Tensor  # [dG dU]^T [L, 2I, P] e4m3 (kernel column layout), by srg_LGF
+    srh_LGI: torch.Tensor  # fp32 column scales of r h per group
+    srg_LGF: torch.Tensor  # fp32 column scales of dG/dU per group
+    ham_LBI: torch.Tensor  # fp32 column max |r h| per row block
+    gam_LBF: torch.Tensor  # fp32 column max |dG|, |dU| per row block
+    gxam_H: torch.Tensor  # fp32 column max |x| over every rank's tokens
+    gdyam_H: torch.Tensor  # fp32 column max |dY| over every rank's tokens
+
+    @staticmethod
+    def empty(L: int, H: int, I: int, P: int, NB: int, G: int,
+              device: torch.device | str) -> Fp8WgradScratch:
+        f8, f32 = torch.float8_e4m3fn, torch.float32
+        return Fp8WgradScratch(
+            xqT_LHP=torch.empty(L, H, P, dtype=f8, device=device),
+            dyqT_LHP=torch.empty(L, H, P, dtype=f8, device=device),
+            hqT_LIP=torch.empty(L, I, P, dtype=f8, device=device),
+            gqT_LFP=torch.empty(L, 2 * I, P, dtype=f8, device=device),
+            srh_LGI=torch.empty(L, G, I, dtype=f32, device=device),
+            srg_LGF=torch.empty(L, G, 2 * I, dtype=f32, device=device),
+            ham_LBI=torch.empty(L, NB, I, dtype=f32, device=device),
+            gam_LBF=torch.empty(L, NB, 2 * I, dtype=f32, device=device),
+            gxam_H=torch.empty(H, dtype=f32, device=device),
+            gdyam_H=torch.empty(H, dtype=f32, device=device))
 
 
 def backward_scratch(ws: Workspace) -> BackwardScratch:
-    """Fresh outputs and scratch for one backward on ``ws``."""
+    """Fresh outputs and scratch for one backward on ``ws``. With ``bwd_fp8_wgrad`` no bf16
+    x rows are pulled (the FP8 weight-gradient items read x's FP8 copy), nor bf16 dY rows
+    when ``bwd_fp8_da`` also holds (the dA items then read dY's FP8 rows at home)."""
+    cfg = ws.config
     L, H, I, P, dev = ws.L, ws.H, ws.I, ws.P, ws.device
     bf = torch.bfloat16
-    pulled = not ws.config.bwd_direct_rows
+    pulled = not cfg.bwd_direct_rows
+    w8 = cfg.bwd_fp8_wgrad
     return BackwardScratch(
         dw1_EHF=torch.empty(L * ws.E, H, 2 * I, dtype=bf, device=dev),
         dw2_EIH=torch.empty(L * ws.E, I, H, dtype=bf, device=dev),
         dws1_LHF=torch.empty((L, H, 2 * I) if ws.shared else (1,), dtype=bf, device=dev),
         dws2_LIH=torch.empty((L, I, H) if ws.shared else (1,), dtype=bf, device=dev),
         hs_LPI=torch.empty(L, P, I, dtype=bf, device=dev),
-        xg_LPH=torch.empty(L, P, H, dtype=bf, device=dev) if pulled else None,
-        dyg_LPH=torch.empty(L, P, H, dtype=bf, device=dev) if pulled else None,
+        xg_LPH=torch.empty(L, P, H, dtype=bf, device=dev) if pulled and not w8 else None,
+        dyg_LPH=(torch.empty(L, P, H, dtype=bf, device=dev)
+                 if pulled and not (w8 and cfg.bwd_fp8_da) else None),
         gq_LPG=(torch.empty(L, P, dgu_row_elements(I), dtype=bf, device=dev)
-                if ws.config.bwd_fp8_dx else None))
+                if cfg.bwd_fp8_dx else None),
+        wgrad8=(Fp8WgradScratch.empty(L, H, I, P, P // cfg.bwd_bm, ws.E + int(ws.shared), dev)
+                if w8 else None))
 
 
 def dgu_row_elements(intermediate: int) -> int:
@@ -160,10 +207,12 @@ def dgu_row_elements(intermediate: int) -> int:
     return -(-(2 * intermediate + 4) // 16) * 8
 
 
-def _carve(T: int, H: int, K: int, NJ: int, fp8_da: bool = False) -> tuple[list[int], int]:
-    """Byte offsets of dy, p, drp (and dyq with ``fp8_da``) inside one (symmetric) buffer,
-    and its size."""
-    return carve([T * H * 2, T * K * 4, T * K * NJ * 4] + ([T * H * 2] if fp8_da else []))
+def _carve(T: int, H: int, K: int, NJ: int, fp8_da: bool = False,
+           fp8_wgrad: bool = False) -> tuple[list[int], int]:
+    """Byte offsets of dy, p, drp, dyq (its size 0 without ``fp8_da``), then xam and dyam
+    (0 without ``fp8_wgrad``) inside one (symmetric) buffer, and its size."""
+    return carve([T * H * 2, T * K * 4, T * K * NJ * 4, T * H * 2 * fp8_da,
+                  H * 4 * fp8_wgrad, H * 4 * fp8_wgrad])
 
 
 def _buffers(ws: Workspace) -> BackwardBuffers:
@@ -172,7 +221,7 @@ def _buffers(ws: Workspace) -> BackwardBuffers:
         return ws.extra["bwd"]
     cfg, L, T, H, K, dev = ws.config, ws.L, ws.T, ws.H, ws.K, ws.device
     NJ = ws.I // cfg.da_cols(ws.I)
-    offs, nbytes = _carve(T, H, K, NJ, cfg.bwd_fp8_da)
+    offs, nbytes = _carve(T, H, K, NJ, cfg.bwd_fp8_da, cfg.bwd_fp8_wgrad)
     handle = None
     if ws.handle is not None:  # real EP: one symmetric buffer, offsets from the peers' bases
         import torch.distributed._symmetric_memory as symm_mem
@@ -194,6 +243,8 @@ def _buffers(ws: Workspace) -> BackwardBuffers:
         p_LTK=view(1, T * K * 4, torch.float32, (T, K)),
         drp_LTKJ=view(2, T * K * NJ * 4, torch.float32, (T, K, NJ)),
         dyq_LTH=view(3, T * H * 2, torch.bfloat16, (T, H)) if cfg.bwd_fp8_da else None,
+        xam_LH=view(4, H * 4, torch.float32, (H,)) if cfg.bwd_fp8_wgrad else None,
+        dyam_LH=view(5, H * 4, torch.float32, (H,)) if cfg.bwd_fp8_wgrad else None,
         tab16_R=torch.tensor([b // 2 for b in tab], dtype=torch.int64, device=dev),
         tab32_R=torch.tensor([b // 4 for b in tab], dtype=torch.int64, device=dev),
         counters_LC=torch.zeros(L, counters_per_rank(cfg, ws.P, ws.E), dtype=torch.int32,
@@ -213,6 +264,8 @@ def counters_per_rank(cfg: MoKConfig, P: int, E: int) -> int:
     if cfg.bwd_fused_pull or cfg.bwd_pull_ahead:
         n += P // cfg.bwd_bm + 1
     if cfg.bwd_pull_ahead:
+        n += E + 1
+    if cfg.bwd_fp8_wgrad:  # Q items done per group
         n += E + 1
     return -(-n // 32) * 32
 
@@ -340,12 +393,39 @@ def _activation_descriptors(cfg: MoKConfig, pre_LPF: torch.Tensor, hs_LPI: torch
             TensorDescriptor.from_tensor(hs, [bkw, bn // 2]),
             TensorDescriptor.from_tensor(pre, [bkw, bn]),
             TensorDescriptor.from_tensor(pre, [bm, backward_block_k(cfg)]))
-    if xg_LPH is None or dyg_LPH is None:
-        return acts + (None, None, None)
-    xg, dyg = xg_LPH.view(-1, xg_LPH.shape[-1]), dyg_LPH.view(-1, dyg_LPH.shape[-1])
-    return acts + (TensorDescriptor.from_tensor(dyg, [bm, backward_block_k(cfg)]),
-                   TensorDescriptor.from_tensor(dyg, [bkw, bn]),
-                   TensorDescriptor.from_tensor(xg, [bkw, bn // 2]))
+    dyg_d = (None, None)
+    if dyg_LPH is not None:
+        dyg = dyg_LPH.view(-1, dyg_LPH.shape[-1])
+        dyg_d = (TensorDescriptor.from_tensor(dyg, [bm, backward_block_k(cfg)]),
+                 TensorDescriptor.from_tensor(dyg, [bkw, bn]))
+    if xg_LPH is not None:
+        xg_d = (TensorDescriptor.from_tensor(xg_LPH.view(-1, xg_LPH.shape[-1]), [bkw, bn // 2]),)
+    else:
+        xg_d = (None,)
+    return acts + dyg_d + xg_d
+
+
+def _fp8_wgrad_args(cfg: MoKConfig, sc: BackwardScratch) -> dict:
+    """The FP8 weight-gradient items' arguments (``bwd_fp8_wgrad``): the scratch of
+    ``Fp8WgradScratch`` and TMA descriptors over its transposed copies ([BN/2 or BN features,
+    BKW rows] boxes); all None without the knob."""
+    names = ("ham_ptr", "gam_ptr", "hqT_ptr", "gqT_ptr", "srh_ptr", "srg_ptr", "hqT_desc",
+             "dyqT_desc", "xqT_desc", "gqT_desc", "gxam_ptr", "gdyam_ptr")
+    w8 = sc.wgrad8
+    if w8 is None:
+        return dict.fromkeys(names)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    bn, bkw = cfg.block_n, wgrad_rows(cfg)
+
+    def desc(t: torch.Tensor, feats: int) -> TensorDescriptor:
+        return TensorDescriptor.from_tensor(t.view(-1, t.shape[-1]), [feats, bkw])
+
+    return dict(ham_ptr=w8.ham_LBI, gam_ptr=w8.gam_LBF, hqT_ptr=w8.hqT_LIP,
+                gqT_ptr=w8.gqT_LFP, srh_ptr=w8.srh_LGI, srg_ptr=w8.srg_LGF,
+                hqT_desc=desc(w8.hqT_LIP, bn // 2), dyqT_desc=desc(w8.dyqT_LHP, bn),
+                xqT_desc=desc(w8.xqT_LHP, bn // 2), gqT_desc=desc(w8.gqT_LFP, bn),
+                gxam_ptr=w8.gxam_H, gdyam_ptr=w8.gdyam_H)
 
 
 def backward_stages(cfg: MoKConfig) -> int:
@@ -369,7 +449,8 @@ def backward_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots:
                 DXTMA=cfg.bwd_dx_tma, PA=cfg.bwd_pull_ahead,
                 FENCE=cfg.bwd_fused_pull or cfg.bwd_pull_ahead > 0, FP8DA=cfg.bwd_fp8_da,
                 FP8DX=cfg.bwd_fp8_dx, GQW=dgu_row_elements(intermediate),
-                RQC=min(128, 2 * intermediate), POW2=cfg.fp8_pow2_scales)
+                RQC=min(128, 2 * intermediate), POW2=cfg.fp8_pow2_scales,
+                FP8W=cfg.bwd_fp8_wgrad)
 
 
 def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tensor,
@@ -404,7 +485,7 @@ def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tens
         pre_ptr=pre_LPF, hs_ptr=sc.hs_LPI, ctr_ptr=bb.counters_LC, err_ptr=ws.errors_L4,
         dw1_ptr=sc.dw1_EHF, dw2_ptr=sc.dw2_EIH, dws1_ptr=sc.dws1_LHF, dws2_ptr=sc.dws2_LIH,
         **dict(zip(names, descs, strict=True)), **pull, **_fp8_da_args(ws, bb, fp8_weights),
-        **_fp8_dx_args(ws, sc, fp8_weights),
+        **_fp8_dx_args(ws, sc, fp8_weights), **_fp8_wgrad_args(cfg, sc),
         T=ws.T, E=ws.E, NG=ws.E + int(ws.shared), P=ws.P, NCTR=bb.counters_LC.shape[1],
         budget=cfg.spin_budget, withhold=withhold,
         **backward_constants(cfg, hidden=ws.H, intermediate=ws.I, slots=ws.S,
@@ -413,6 +494,34 @@ def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tens
     from mok_kernels._details.tl_backward import mok_backward_kernel
 
     return {name: args[name] for name in mok_backward_kernel.arg_names}  # parameter order
+
+
+def _col_amax(v_LTH: torch.Tensor) -> torch.Tensor:
+    """Column max |v| over the tokens, fp32 [L, H]; NaN where a column holds a NaN (so the
+    FP8 copies' scales, and the weight gradients, are NaN: a NaN input never passes)."""
+    amax = torch.linalg.vector_norm(v_LTH, ord=float("inf"), dim=1, dtype=torch.float32)
+    return torch.where(v_LTH.isnan().any(1), float("nan"), amax)
+
+
+def _pull_fp8_copies(ws: Workspace, bb: BackwardBuffers, st: ScheduleTensors,
+                     sc: BackwardScratch, x_src: torch.Tensor) -> None:
+    """``bwd_fp8_wgrad``: the global column maxima of x and dY (after the barrier: every
+    rank's own are in), then the pull of x and dY rows into their FP8 transposed copies
+    (and the bf16 dY rows where the dA items read them)."""
+    from mok_kernels._details.tl_backward import global_col_amax_kernel, pull_rows_fp8t_kernel
+
+    cfg, w8, H = ws.config, sc.wgrad8, ws.H
+    ch = min(128, _row_chunk(H))
+    global_col_amax_kernel[(-(-H // ch),)](bb.xam_LH, bb.dyam_LH, bb.tab32_R,
+                                           bb.tab32_R.numel(), w8.gxam_H, w8.gdyam_H, H=H,
+                                           CH=ch, num_warps=4)
+    br = wgrad_rows(cfg)
+    dy16 = sc.dyg_LPH is not None
+    pull_rows_fp8t_kernel[(ws.L, ws.P // br)](
+        st.src_LP, st.total_L, x_src, ws.x_tab_R, bb.dy_LTH, bb.tab16_R,
+        sc.dyg_LPH if dy16 else w8.gdyam_H, w8.xqT_LHP, w8.dyqT_LHP, w8.gxam_H, w8.gdyam_H,
+        ws.T, ws.P, H=H, S=ws.S, BR=br, CH=ch, DY16=dy16, POW2=cfg.fp8_pow2_scales,
+        SOFT_CAST=_interpreting(), num_warps=4)
 
 
 def backward(config: MoKConfig, ws: Workspace, context: ForwardContext, dy_TH: torch.Tensor,
@@ -443,11 +552,16 @@ def backward(config: MoKConfig, ws: Workspace, context: ForwardContext, dy_TH: t
                              pow2_scales=config.fp8_pow2_scales)
         bb.dyq_LTH.copy_(rows_NH.view(bb.dyq_LTH.shape))  # rank-strided in loopback
     bb.p_LTK.copy_(context.p_NK.view(bb.p_LTK.shape))
+    if config.bwd_fp8_wgrad:  # each rank's column maxima, read by every rank after the barrier
+        bb.xam_LH.copy_(_col_amax(context.x_TH.view(L, T, H)))
+        bb.dyam_LH.copy_(_col_amax(dy_TH.view(L, T, H)))
     x_src = _token_source(ws, context.x_TH, fp8=False)  # real EP: x back into the peer buffer
     sc = backward_scratch(ws)
     bb.counters_LC.zero_()
     ws.barrier()
-    if not (config.bwd_fused_pull or config.bwd_direct_rows or config.bwd_pull_ahead):
+    if config.bwd_fp8_wgrad:  # the pull writes FP8 transposed copies of x and dY
+        _pull_fp8_copies(ws, bb, st, sc, x_src)
+    elif not (config.bwd_fused_pull or config.bwd_direct_rows or config.bwd_pull_ahead):
         # else the megakernel pulls or gathers the rows itself
         br = PULL_ROWS
         pull_rows_kernel[(L, ws.P // br)](st.src_LP, st.total_L, x_src, ws.x_tab_R,

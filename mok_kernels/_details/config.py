@@ -153,6 +153,19 @@ class MoKConfig:
         scratch rows, then releases the row block to its dX items; W_gate_up is quantised
         once per (expert, hidden row) over 2I (``quantize_backward_weights``). Second stage
         of the FP8 backward; off by default: not yet timed on a GPU.
+    bwd_fp8_wgrad: the backward's weight-gradient items (dW_down = (r h)^T dY and
+        dW_gate_up = x^T [dG dU], K = the expert's rows: half of the backward's FLOPs) run
+        FP8 tiles with fp32 accumulation and pure tensor-core K loops, each operand scaled
+        per column (one scale per feature over the reduction's rows, applied after the
+        loop) and held transposed (feature-major, rows contiguous: Hopper's FP8 MMAs read
+        both operands K-major). x and dY: one scale per hidden column over every rank's
+        tokens (each rank's column max taken at home, their max read from the peers), and
+        the pull kernel writes their FP8 transposed copies instead of the bf16 x rows; r h
+        and dG/dU: one scale per column over the expert's rows (the dA items keep a column
+        max per row block, quantisation items after the dX items reduce them and write the
+        transposed copies, the weight-gradient items wait for those). Needs the separate
+        pull (not bwd_direct_rows, bwd_fused_pull or bwd_pull_ahead). Third stage of the FP8
+        backward; off by default: not yet timed on a GPU.
     fp8: the forward's FP8 recipe (``tl_gemm_fp8``): "none" (bf16), "blockwise" (1x128
         activation and 128x128 weight scales, as TransformerEngine's Float8BlockScaling),
         "rowwise" (per row / per weight column, applied after the K loop; h still 1x128),
@@ -198,6 +211,7 @@ class MoKConfig:
     bwd_block_m: int = 0
     bwd_fp8_da: bool = False
     bwd_fp8_dx: bool = False
+    bwd_fp8_wgrad: bool = False
     fp8: str = "none"
     fp8_pow2_scales: bool = False
 
@@ -278,6 +292,13 @@ class MoKConfig:
                "true | false")
         _check(isinstance(self.bwd_fp8_dx, bool), "bwd_fp8_dx", self.bwd_fp8_dx,
                "true | false")
+        _check(isinstance(self.bwd_fp8_wgrad, bool), "bwd_fp8_wgrad", self.bwd_fp8_wgrad,
+               "true | false")
+        _check(not (self.bwd_fp8_wgrad and (self.bwd_direct_rows or self.bwd_fused_pull
+                                            or self.bwd_pull_ahead)),
+               "bwd_fp8_wgrad", self.bwd_fp8_wgrad, "false when bwd_direct_rows, "
+               "bwd_fused_pull or bwd_pull_ahead is set (its FP8 copies of x and dY come "
+               "from the separate pull)")
         _check(self.fp8 in FP8_MODES, "fp8", self.fp8, " | ".join(FP8_MODES))
         _check(isinstance(self.fp8_pow2_scales, bool), "fp8_pow2_scales", self.fp8_pow2_scales,
                "true | false")

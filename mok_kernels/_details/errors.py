@@ -19,6 +19,7 @@ ERR_WAIT_DGRAD_GROUP = 7  # backward gate+up weight gradient waited for its expe
 ERR_WAIT_BWD_PULLED = 8  # backward dA GEMM waited for its row block's pulled dY (and x) rows
 ERR_WAIT_BWD_XPULLED = 9  # backward gate+up weight gradient waited for its expert's x rows
 ERR_WAIT_DEDUP = 10  # dispatch waited for a token's first row on this rank to be pulled
+ERR_WAIT_WGRAD_QUANT = 11  # backward FP8 weight gradient waited for its expert's FP8 columns
 ERR_CAPACITY = 16  # routing needed more schedule rows than capacity_mult allows
 
 WAIT_NAMES = {
@@ -32,6 +33,7 @@ WAIT_NAMES = {
     ERR_WAIT_BWD_PULLED: "backward dA GEMM <- pull: row block's rows pulled",
     ERR_WAIT_BWD_XPULLED: "backward gate+up weight gradient <- pull: expert's x rows pulled",
     ERR_WAIT_DEDUP: "dispatch <- dispatch: token's first row pulled into the token cache",
+    ERR_WAIT_WGRAD_QUANT: "backward FP8 weight gradient <- quantise: expert's columns in FP8",
 }
 
 
@@ -56,7 +58,8 @@ def describe(rank: int, code: int, detail: int, detail2: int) -> MoKError:
     if code in WAIT_NAMES:
         what = {ERR_WAIT_ROWBLOCK: "row block", ERR_WAIT_DGRAD_ROWBLOCK: "row block",
                 ERR_WAIT_DGRAD_GROUP: "expert group", ERR_WAIT_BWD_PULLED: "row block",
-                ERR_WAIT_BWD_XPULLED: "expert group", ERR_WAIT_DEDUP: "token"
+                ERR_WAIT_BWD_XPULLED: "expert group", ERR_WAIT_DEDUP: "token",
+                ERR_WAIT_WGRAD_QUANT: "expert group"
                 }.get(code, "minibatch")
         return MoKTimeoutError(
             f"MoK rank {rank}: wait '{WAIT_NAMES[code]}' timed out at {what} {detail}"

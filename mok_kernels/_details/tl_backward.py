@@ -62,7 +62,7 @@ import triton.language as tl
 
 from mok_kernels._details import errors
 from mok_kernels._details.tl_gemm import mma
-from mok_kernels._details.tl_gemm_fp8 import fp8_row_views, fp8_tile
+from mok_kernels._details.tl_gemm_fp8 import _dot8, fp8_row_views, fp8_tile
 from mok_kernels._details.tl_mega import _slot_rows, _weight_desc
 from mok_kernels._details.tl_quant import e4m3_scales, finite_amax, to_e4m3, to_f32
 from mok_kernels._details.tl_sync import no_error, wait_geq
@@ -72,6 +72,7 @@ _E_DGRAD_ROWBLOCK: tl.constexpr = tl.constexpr(errors.ERR_WAIT_DGRAD_ROWBLOCK)
 _E_DGRAD_GROUP: tl.constexpr = tl.constexpr(errors.ERR_WAIT_DGRAD_GROUP)
 _E_BWD_PULLED: tl.constexpr = tl.constexpr(errors.ERR_WAIT_BWD_PULLED)
 _E_BWD_XPULLED: tl.constexpr = tl.constexpr(errors.ERR_WAIT_BWD_XPULLED)
+_E_WGRAD_QUANT: tl.constexpr = tl.constexpr(errors.ERR_WAIT_WGRAD_QUANT)
 
 
 @triton.jit
@@ -166,12 +167,16 @@ def _home_rows(base, tab, rank, t, valid, H: tl.constexpr):
 
 @triton.jit
 def _swiglu_bwd_half(da_raw, c0, prow, pre_desc, pre_rows, hs_rows, r, I: tl.constexpr,
-                     BM: tl.constexpr, Q: tl.constexpr, INTERLEAVED: tl.constexpr):
+                     BM: tl.constexpr, Q: tl.constexpr, INTERLEAVED: tl.constexpr,
+                     FP8W: tl.constexpr = False, valid=None, amh=None, amg=None):
     """SwiGLU backward for Q columns c0.. of a row block (rows from ``prow`` in the [L*P, ...]
     views): reads gate/up through ``pre_desc``, writes dG, dU over them and r * h to
     ``hs_rows`` with plain stores (a TMA store's completion is not ordered before the
     release that lets other programs read them); returns the router-gradient partial
-    sum_cols(da_raw * h) [BM]."""
+    sum_cols(da_raw * h) [BM]. FP8W (``bwd_fp8_wgrad``): also the row block's column max
+    |v| of the stored (bf16) r h and dG, dU over its valid rows, into ``amh`` [I] and
+    ``amg`` [2I] (the row block's rows of the partial-max buffers; the kernel's column
+    layout), NaN read as +inf."""
     if INTERLEAVED:  # gate c at column 2c, up c at 2c + 1: one [BM, 2Q] box
         gate, up = tl.split(tl.reshape(pre_desc.load([prow, 2 * c0]).to(tl.float32),
                                        (BM, Q, 2)))
@@ -184,10 +189,22 @@ def _swiglu_bwd_half(da_raw, c0, prow, pre_desc, pre_rows, hs_rows, r, I: tl.con
     h = silu * up
     part = tl.sum(da_raw * h, axis=1)
     cols = c0 + tl.arange(0, Q)
-    tl.store(hs_rows[:, None] + cols[None, :], (h * r[:, None]).to(tl.bfloat16))
+    hr = (h * r[:, None]).to(tl.bfloat16)
+    tl.store(hs_rows[:, None] + cols[None, :], hr)
     da = da_raw * r[:, None]
     d_up = (da * silu).to(tl.bfloat16)
     d_gate = (da * up * sig * (1.0 + gate * (1.0 - sig))).to(tl.bfloat16)
+    if FP8W:
+        m = valid[:, None]
+        tl.store(amh + cols, finite_amax(tl.where(m, hr.to(tl.float32), 0.0), 0))
+        am_gate = finite_amax(tl.where(m, d_gate.to(tl.float32), 0.0), 0)
+        am_up = finite_amax(tl.where(m, d_up.to(tl.float32), 0.0), 0)
+        if INTERLEAVED:
+            tl.store(amg + 2 * cols, am_gate)
+            tl.store(amg + 2 * cols + 1, am_up)
+        else:
+            tl.store(amg + cols, am_gate)
+            tl.store(amg + I + cols, am_up)
     if INTERLEAVED:
         wcols = 2 * c0 + tl.arange(0, 2 * Q)
         tl.store(pre_rows[:, None] + wcols[None, :],
@@ -277,10 +294,12 @@ def _dx_tile_fp8(jn, gq_rows16, lr, g, E, w1q_desc, ws1q_desc, sw1q_ptr, sws1q_p
 @triton.jit
 def _da_epilogue(acc, jt, rows, prow, pre, hs, rank, t, k, routed, p_base, drp_base, tab32,
                  pre_a_desc, I: tl.constexpr, K: tl.constexpr, BM: tl.constexpr,
-                 BN: tl.constexpr, DAC: tl.constexpr, INTERLEAVED: tl.constexpr):
+                 BN: tl.constexpr, DAC: tl.constexpr, INTERLEAVED: tl.constexpr,
+                 FP8W: tl.constexpr = False, valid=None, amh=None, amg=None):
     """The A item's epilogue for I tile jt (see the module docstring), in column quarters of
     a [BM, BN] tile (two for DAC = BN/2, four for DAC = BN) so its fp32 temporaries fit in
-    registers; ends with the router-gradient partial of the tile."""
+    registers; ends with the router-gradient partial of the tile. FP8W: the column maxima of
+    ``_swiglu_bwd_half``."""
     Q: tl.constexpr = BN // 4
     NJ: tl.constexpr = I // DAC
     r = _router_weight(p_base, tab32, rank, t, k, routed, K)
@@ -290,21 +309,21 @@ def _da_epilogue(acc, jt, rows, prow, pre, hs, rank, t, k, routed, p_base, drp_b
     if DAC == 2 * Q:
         a0, a1 = tl.split(tl.permute(tl.reshape(acc, (BM, 2, Q)), (0, 2, 1)))
         part = _swiglu_bwd_half(a0, c0, prow, pre_a_desc, pre_rows, hs_rows, r, I, BM, Q,
-                                INTERLEAVED)
+                                INTERLEAVED, FP8W, valid, amh, amg)
         part += _swiglu_bwd_half(a1, c0 + Q, prow, pre_a_desc, pre_rows, hs_rows, r, I, BM, Q,
-                                 INTERLEAVED)
+                                 INTERLEAVED, FP8W, valid, amh, amg)
     else:
         lo, hi = tl.split(tl.permute(tl.reshape(acc, (BM, 2, 2 * Q)), (0, 2, 1)))
         a0, a1 = tl.split(tl.permute(tl.reshape(lo, (BM, 2, Q)), (0, 2, 1)))
         part = _swiglu_bwd_half(a0, c0, prow, pre_a_desc, pre_rows, hs_rows, r, I, BM, Q,
-                                INTERLEAVED)
+                                INTERLEAVED, FP8W, valid, amh, amg)
         part += _swiglu_bwd_half(a1, c0 + Q, prow, pre_a_desc, pre_rows, hs_rows, r, I, BM, Q,
-                                 INTERLEAVED)
+                                 INTERLEAVED, FP8W, valid, amh, amg)
         a2, a3 = tl.split(tl.permute(tl.reshape(hi, (BM, 2, Q)), (0, 2, 1)))
         part += _swiglu_bwd_half(a2, c0 + 2 * Q, prow, pre_a_desc, pre_rows, hs_rows, r, I,
-                                 BM, Q, INTERLEAVED)
+                                 BM, Q, INTERLEAVED, FP8W, valid, amh, amg)
         part += _swiglu_bwd_half(a3, c0 + 3 * Q, prow, pre_a_desc, pre_rows, hs_rows, r, I,
-                                 BM, Q, INTERLEAVED)
+                                 BM, Q, INTERLEAVED, FP8W, valid, amh, amg)
     # Router-weight gradient: d r = sum_I dA_raw * h, one partial per I tile.
     drp_off = tl.load(tab32 + rank, mask=routed, other=0)
     tl.store(drp_base + drp_off + (t * K + k) * NJ + jt, part, mask=routed)
@@ -321,15 +340,19 @@ def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, 
                      FP8DA: tl.constexpr = False, dyq_base=None, w2q_desc=None,
                      ws2q_desc=None, sw2q_ptr=None, sws2q_ptr=None,
                      FP8DX: tl.constexpr = False, gq=None, GQW: tl.constexpr = 0,
-                     RQC: tl.constexpr = 128, POW2: tl.constexpr = False):
+                     RQC: tl.constexpr = 128, POW2: tl.constexpr = False,
+                     FP8W: tl.constexpr = False, ham=None, gam=None):
     """A item: dA[rows of block b, I tiles jt0*DAT .. of DAC columns] and its epilogue
     (``_da_epilogue``); DAT tiles per item in one flattened loop (the next tile's loads
     overlap a tile's epilogue), and the item signals +DAT. DIRECT: the dY rows are gathered
     from their home ranks (``dy_base`` + ``tab16``) instead of read from the pulled rows.
-    FP8DA: FP8 tiles (``_da_tile_fp8``) instead of the bf16 ones."""
+    FP8DA: FP8 tiles (``_da_tile_fp8``) instead of the bf16 ones. FP8W: the epilogue keeps
+    the block's column maxima in ``ham`` [NBMAX, I] / ``gam`` [NBMAX, 2I] (row b)."""
     g = tl.load(grp + b)
     rows = b * BM + tl.arange(0, BM)
     valid, rank, t, k, routed = _row_meta(src, rows, T, S, K)
+    amh = ham + b * I if FP8W else ham
+    amg = gam + b * (2 * I) if FP8W else gam
     d2, w_row0 = _weight_desc(lr, g, E, w2_desc, ws2_desc, I, True, HAS_SHARED)
     prow = lr * P + b * BM
     dy_rows = _home_rows(dy_base, tab16, rank, t, valid, H) if DIRECT else 0
@@ -342,7 +365,8 @@ def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, 
             acc = _da_tile(jt0, prow, valid, dy_rows, d2, w_row0, dyg_a_desc, H, BM, BK, DAC,
                            F32_DOT, DIRECT)
         _da_epilogue(acc, jt0, rows, prow, pre, hs, rank, t, k, routed, p_base, drp_base,
-                     tab32, pre_a_desc, I, K, BM, BN, DAC, INTERLEAVED)
+                     tab32, pre_a_desc, I, K, BM, BN, DAC, INTERLEAVED, FP8W, valid,
+                     amh, amg)
     else:
         for jj in tl.range(0, DAT, flatten=True):
             jt = jt0 * DAT + jj
@@ -354,7 +378,8 @@ def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, 
                 acc = _da_tile(jt, prow, valid, dy_rows, d2, w_row0, dyg_a_desc, H, BM, BK,
                                DAC, F32_DOT, DIRECT)
             _da_epilogue(acc, jt, rows, prow, pre, hs, rank, t, k, routed, p_base, drp_base,
-                         tab32, pre_a_desc, I, K, BM, BN, DAC, INTERLEAVED)
+                         tab32, pre_a_desc, I, K, BM, BN, DAC, INTERLEAVED, FP8W, valid,
+                         amh, amg)
     if (withhold != 3) | (b != 0) | (jt0 != 0):
         tl.debug_barrier()
         if FP8DX:  # the item that completes the row block quantises its dG/dU rows
@@ -463,31 +488,112 @@ def _group_ready(g, gst, total, ctr, err, NBMAX, budget, I: tl.constexpr, BM: tl
 
 
 @triton.jit
+def _quant_cols(base, W: tl.constexpr, am, dst, sc, col0, start, end, src, P,
+                BM: tl.constexpr, QC: tl.constexpr, BKW: tl.constexpr, POW2: tl.constexpr,
+                F32_DOT: tl.constexpr):
+    """Columns col0 .. col0 + QC of one group's rows start..end of a [P, W] bf16 matrix at
+    ``base`` (r h or dG/dU) as e4m3 with one scale per column over those rows: the column
+    max is the max of the group's row blocks' partial maxima (``am`` [NBMAX, W], kept by the
+    dA items), the scales go to ``sc`` (+ column), the values transposed (feature-major,
+    rows contiguous) to ``dst`` [W, P]; padding rows write 0."""
+    cols = col0 + tl.arange(0, QC)
+    amax = tl.zeros((QC,), dtype=tl.float32)
+    for b in range(start // BM, end // BM):
+        amax = tl.maximum(amax, tl.load(am + b * W + cols))
+    inv, scale = e4m3_scales(amax, POW2)
+    tl.store(sc + cols, scale)
+    for r0 in range(start, end, BKW):
+        rows = r0 + tl.arange(0, BKW)
+        live = tl.load(src + rows) >= 0
+        v = tl.load(base + rows.to(tl.int64)[:, None] * W + cols[None, :], mask=live[:, None],
+                    other=0.0)
+        q = to_e4m3(to_f32(v, F32_DOT) * inv[None, :], F32_DOT)
+        tl.store(dst + cols.to(tl.int64)[None, :] * P + rows[:, None], q)
+
+
+@triton.jit
+def _wgrad_quant_item(g, c, gst, total, src, P, hs, pre, ham, gam, hqT, gqT, srh, srg, ctr,
+                      err, qready, NBMAX, budget, I: tl.constexpr, BM: tl.constexpr,
+                      BN: tl.constexpr, BKW: tl.constexpr, DAC: tl.constexpr,
+                      F32_DOT: tl.constexpr, POW2: tl.constexpr):
+    """Q item (``bwd_fp8_wgrad``): column tile c (BN/2 columns; r h's I / (BN/2) tiles, then
+    dG/dU's 2I / (BN/2)) of group g in FP8 (``_quant_cols``), once every A item of g is done;
+    then fences the async proxy (the C and D items read the copies through TMA) and adds 1
+    to ``qready[g]``."""
+    HALF: tl.constexpr = BN // 2
+    NH: tl.constexpr = I // HALF
+    start, end, ok = _group_ready(g, gst, total, ctr, err, NBMAX, budget, I, BM, DAC, F32_DOT,
+                                  False)
+    if ok != 0:
+        if c < NH:
+            _quant_cols(hs, I, ham, hqT, srh + g * I, c * HALF, start, end, src, P, BM, HALF,
+                        BKW, POW2, F32_DOT)
+        else:
+            _quant_cols(pre, 2 * I, gam, gqT, srg + g * (2 * I), (c - NH) * HALF, start, end,
+                        src, P, BM, HALF, BKW, POW2, F32_DOT)
+        _pulled_signal(qready + g, ok, F32_DOT)
+    return ok
+
+
+@triton.jit
+def _wgrad_wait(g, gst, total, ctr, err, NBMAX, budget, I: tl.constexpr, BM: tl.constexpr,
+                DAC: tl.constexpr, F32_DOT: tl.constexpr, PULL: tl.constexpr,
+                FP8W: tl.constexpr, qready, NQ: tl.constexpr):
+    """Rows of group g and whether a weight-gradient item may read them: every A item of g
+    done (``_group_ready``) or, FP8W, every Q item of g (then the async proxy is fenced)."""
+    if FP8W:
+        start, end = _group_rows(gst, g, total)
+        ok = wait_geq(qready + g, NQ, err, budget, _E_WGRAD_QUANT, g)
+        if ok != 0:
+            _async_proxy_fence(ok, F32_DOT)
+    else:
+        start, end, ok = _group_ready(g, gst, total, ctr, err, NBMAX, budget, I, BM, DAC,
+                                      F32_DOT, PULL)
+    return start, end, ok
+
+
+@triton.jit
 def _wgrad_down_item(g, it, jn, lr, gst, total, P, hs_c_desc, dyg_c_desc, ctr, err,
                      dw2, dws2, T, E, NBMAX, budget, H: tl.constexpr, I: tl.constexpr,
                      S: tl.constexpr, K: tl.constexpr, HAS_SHARED: tl.constexpr, BM: tl.constexpr,
                      BN: tl.constexpr, BKW: tl.constexpr, DAC: tl.constexpr,
                      F32_DOT: tl.constexpr, PULL: tl.constexpr = False, src=None,
-                     dy_base=None, tab16=None, DIRECT: tl.constexpr = False):
+                     dy_base=None, tab16=None, DIRECT: tl.constexpr = False,
+                     FP8W: tl.constexpr = False, qready=None, NQ: tl.constexpr = 0,
+                     hqT_desc=None, dyqT_desc=None, srh=None, gdyam=None,
+                     POW2: tl.constexpr = False):
     """C item: dW_down[g][I tile it, H tile jn] = sum over g's rows of (r h)^T dY; waits for
     every A item of g (they write r h). DIRECT: the dY rows are gathered from their home
-    ranks instead of read from the pulled rows."""
+    ranks instead of read from the pulled rows. FP8W: e4m3 tiles of the transposed copies
+    (``hqT_desc`` [L*I, P], ``dyqT_desc`` [L*H, P]: K-major, a pure FP8 K loop), then the
+    column scales (r h's of group g in ``srh``, dY's from the global column max
+    ``gdyam``); waits for g's Q items instead."""
     HALF: tl.constexpr = BN // 2
-    start, end, ok = _group_ready(g, gst, total, ctr, err, NBMAX, budget, I, BM, DAC, F32_DOT,
-                                  PULL)
+    start, end, ok = _wgrad_wait(g, gst, total, ctr, err, NBMAX, budget, I, BM, DAC, F32_DOT,
+                                 PULL, FP8W, qready, NQ)
     if ok != 0:
         icols = it * HALF + tl.arange(0, HALF)
         hcols = jn * BN + tl.arange(0, BN)
         acc = tl.zeros((HALF, BN), dtype=tl.float32)
-        for r0 in range(start, end, BKW):
-            h = hs_c_desc.load([lr * P + r0, it * HALF])  # [BKW, HALF]
-            if DIRECT:
-                valid, rank, t, k, routed = _row_meta(src, r0 + tl.arange(0, BKW), T, S, K)
-                dy_rows = _home_rows(dy_base, tab16, rank, t, valid, H)
-                dy = tl.load(dy_rows[:, None] + hcols[None, :], mask=valid[:, None], other=0.0)
-            else:
-                dy = dyg_c_desc.load([lr * P + r0, jn * BN])  # [BKW, BN]
-            acc = mma(tl.trans(h), dy, acc, F32_DOT)
+        if FP8W:
+            for r0 in range(start, end, BKW):
+                hq = hqT_desc.load([lr * I + it * HALF, r0])  # (r h)^T [HALF, BKW] e4m3
+                dyq = dyqT_desc.load([lr * H + jn * BN, r0])  # dY^T [BN, BKW] e4m3
+                acc = _dot8(hq, tl.trans(dyq), acc, F32_DOT)
+            s_dy = e4m3_scales(tl.load(gdyam + hcols), POW2)[1]
+            acc = acc * tl.load(srh + g * I + icols)[:, None] * s_dy[None, :]
+        else:
+            for r0 in range(start, end, BKW):
+                h = hs_c_desc.load([lr * P + r0, it * HALF])  # [BKW, HALF]
+                if DIRECT:
+                    valid, rank, t, k, routed = _row_meta(src, r0 + tl.arange(0, BKW), T, S,
+                                                          K)
+                    dy_rows = _home_rows(dy_base, tab16, rank, t, valid, H)
+                    dy = tl.load(dy_rows[:, None] + hcols[None, :], mask=valid[:, None],
+                                 other=0.0)
+                else:
+                    dy = dyg_c_desc.load([lr * P + r0, jn * BN])  # [BKW, BN]
+                acc = mma(tl.trans(h), dy, acc, F32_DOT)
         out = dw2 + (lr * E + g).to(tl.int64) * (I * H)
         if HAS_SHARED:
             if g == E:
@@ -503,14 +609,20 @@ def _wgrad_gate_up_item(g, it, jn, lr, gst, total, P, pre_d_desc, xg_d_desc, ctr
                         BM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr,
                         DAC: tl.constexpr, F32_DOT: tl.constexpr, INTERLEAVED: tl.constexpr,
                         PULL: tl.constexpr = False, src=None, x_base=None, x_tab=None,
-                        DIRECT: tl.constexpr = False, xgrp=None, PA: tl.constexpr = 0):
+                        DIRECT: tl.constexpr = False, xgrp=None, PA: tl.constexpr = 0,
+                        FP8W: tl.constexpr = False, qready=None, NQ: tl.constexpr = 0,
+                        xqT_desc=None, gqT_desc=None, srg=None, gxam=None,
+                        POW2: tl.constexpr = False):
     """D item: dW_gate_up[g][H tile it, 2I tile jn] = sum over g's rows of x^T [dG dU].
     DIRECT: the x rows are gathered from the tokens' home ranks instead of the pulled rows.
     PA (``bwd_pull_ahead``): also waits until every row block of g has its x rows pulled
-    (``xgrp[g]``, +1 per block), then fences the async proxy (plain stores, TMA reads)."""
+    (``xgrp[g]``, +1 per block), then fences the async proxy (plain stores, TMA reads).
+    FP8W: e4m3 tiles of the transposed copies (``xqT_desc`` [L*H, P], ``gqT_desc``
+    [L*2I, P]), then the column scales (x's from the global column max ``gxam``, dG/dU's
+    of group g in ``srg``); waits for g's Q items instead."""
     HALF: tl.constexpr = BN // 2
-    start, end, ok = _group_ready(g, gst, total, ctr, err, NBMAX, budget, I, BM, DAC, F32_DOT,
-                                  PULL)
+    start, end, ok = _wgrad_wait(g, gst, total, ctr, err, NBMAX, budget, I, BM, DAC, F32_DOT,
+                                 PULL, FP8W, qready, NQ)
     if PA > 0:
         if ok != 0:
             ok = wait_geq(xgrp + g, (end - start) // BM, err, budget, _E_BWD_XPULLED, g)
@@ -520,15 +632,25 @@ def _wgrad_gate_up_item(g, it, jn, lr, gst, total, P, pre_d_desc, xg_d_desc, ctr
         hcols = it * HALF + tl.arange(0, HALF)
         fcols = jn * BN + tl.arange(0, BN)
         acc = tl.zeros((HALF, BN), dtype=tl.float32)
-        for r0 in range(start, end, BKW):
-            if DIRECT:
-                valid, rank, t, k, routed = _row_meta(src, r0 + tl.arange(0, BKW), T, S, K)
-                x_rows = _home_rows(x_base, x_tab, rank, t, valid, H)
-                x = tl.load(x_rows[:, None] + hcols[None, :], mask=valid[:, None], other=0.0)
-            else:
-                x = xg_d_desc.load([lr * P + r0, it * HALF])  # pulled x rows [BKW, HALF]
-            dgu = pre_d_desc.load([lr * P + r0, jn * BN])  # [BKW, BN]
-            acc = mma(tl.trans(x), dgu, acc, F32_DOT)
+        if FP8W:
+            for r0 in range(start, end, BKW):
+                xq = xqT_desc.load([lr * H + it * HALF, r0])  # x^T [HALF, BKW] e4m3
+                gq = gqT_desc.load([lr * (2 * I) + jn * BN, r0])  # dGU^T [BN, BKW] e4m3
+                acc = _dot8(xq, tl.trans(gq), acc, F32_DOT)
+            s_x = e4m3_scales(tl.load(gxam + hcols), POW2)[1]
+            acc = acc * s_x[:, None] * tl.load(srg + g * (2 * I) + fcols)[None, :]
+        else:
+            for r0 in range(start, end, BKW):
+                if DIRECT:
+                    valid, rank, t, k, routed = _row_meta(src, r0 + tl.arange(0, BKW), T, S,
+                                                          K)
+                    x_rows = _home_rows(x_base, x_tab, rank, t, valid, H)
+                    x = tl.load(x_rows[:, None] + hcols[None, :], mask=valid[:, None],
+                                other=0.0)
+                else:
+                    x = xg_d_desc.load([lr * P + r0, it * HALF])  # pulled x rows [BKW, HALF]
+                dgu = pre_d_desc.load([lr * P + r0, jn * BN])  # [BKW, BN]
+                acc = mma(tl.trans(x), dgu, acc, F32_DOT)
         out = dw1 + (lr * E + g).to(tl.int64) * (H * 2 * I)
         if HAS_SHARED:
             if g == E:
@@ -567,7 +689,10 @@ def mok_backward_kernel(
         FP8DA: tl.constexpr = False, dyq_base=None, w2q_desc=None, ws2q_desc=None,
         sw2q_ptr=None, sws2q_ptr=None, FP8DX: tl.constexpr = False, gq_ptr=None,
         w1q_desc=None, ws1q_desc=None, sw1q_ptr=None, sws1q_ptr=None, GQW: tl.constexpr = 0,
-        RQC: tl.constexpr = 128, POW2: tl.constexpr = False):
+        RQC: tl.constexpr = 128, POW2: tl.constexpr = False, FP8W: tl.constexpr = False,
+        ham_ptr=None, gam_ptr=None, hqT_ptr=None, gqT_ptr=None, srh_ptr=None, srg_ptr=None,
+        hqT_desc=None, dyqT_desc=None, xqT_desc=None, gqT_desc=None, gxam_ptr=None,
+        gdyam_ptr=None):
     """One persistent program per SM; see the module docstring for the work order. FENCE:
     rows pulled in this launch (PULL or PA): the C and D items fence the async proxy after
     their group's acquire. FP8DA (``bwd_fp8_da``): the A items' FP8 tiles read dY as FP8
@@ -576,8 +701,15 @@ def mok_backward_kernel(
     ``sws2q_ptr``). FP8DX (``bwd_fp8_dx``): the B items' FP8 tiles on the FP8 dG/dU rows
     (``gq_ptr`` [L, P, GQW], quantised by the A item that completes a row block, RQC columns
     at a time) and W_gate_up's e4m3 rows (``w1q_desc`` / ``ws1q_desc``, scales ``sw1q_ptr`` /
-    ``sws1q_ptr``)."""
+    ``sws1q_ptr``). FP8W (``bwd_fp8_wgrad``): the A items keep per-row-block column maxima
+    of r h and dG/dU (``ham_ptr`` [L, NBMAX, I], ``gam_ptr`` [L, NBMAX, 2I]); Q items after
+    the B items quantise them per group and column into transposed copies (``hqT_ptr`` [L,
+    I, P], ``gqT_ptr`` [L, 2I, P], scales ``srh_ptr`` [L, NG, I], ``srg_ptr`` [L, NG, 2I]);
+    the C and D items run FP8 tiles on those and on the pulled copies of dY and x
+    (``dyqT_desc``, ``xqT_desc``, scaled by the global column maxima ``gdyam_ptr`` /
+    ``gxam_ptr`` [H])."""
     HALF: tl.constexpr = BN // 2
+    NQ: tl.constexpr = 3 * I // HALF if FP8W else 0  # Q items per group
     NA: tl.constexpr = I // (DAC * DAT)  # A items per row block
     NB: tl.constexpr = H // (BN * DXT)  # B items per row block
     NC: tl.constexpr = (I // HALF) * (H // BN)  # C items per group
@@ -594,6 +726,13 @@ def mok_backward_kernel(
     hs = hs_ptr + lr.to(tl.int64) * P * I
     gq = gq_ptr + lr.to(tl.int64) * P * GQW if FP8DX else gq_ptr
     NBMAX = P // BM
+    ham = ham_ptr + lr.to(tl.int64) * NBMAX * I if FP8W else ham_ptr
+    gam = gam_ptr + lr.to(tl.int64) * NBMAX * (2 * I) if FP8W else gam_ptr
+    hqT = hqT_ptr + lr.to(tl.int64) * I * P if FP8W else hqT_ptr
+    gqT = gqT_ptr + lr.to(tl.int64) * (2 * I) * P if FP8W else gqT_ptr
+    srh = srh_ptr + lr * NG * I if FP8W else srh_ptr
+    srg = srg_ptr + lr * NG * (2 * I) if FP8W else srg_ptr
+    qready = ctr + 1 + NBMAX + NG  # FP8W: [NG] Q items done per group
     nb = total // BM
     if PA > 0:  # a dY pull item (block s) then the A items of block s - PA, per slot s
         end_a = (nb + PA) * (NA + 1)
@@ -603,7 +742,8 @@ def mok_backward_kernel(
         end_b = end_a + nb * NB
     pulled = ctr + 1 + NBMAX + NG  # PULL, PA: [NBMAX] flags, a pull ticket, PA: [NG] counts
     xgrp = pulled + NBMAX + 1
-    end_c = end_b + NG * NC
+    end_q = end_b + NG * NQ
+    end_c = end_q + NG * NC
     n_items = end_c + NG * ND
     ok = no_error(err)
     if PULL:  # pull items first (the first PULLERS programs), from their own ticket counter
@@ -641,7 +781,8 @@ def mok_backward_kernel(
                                              I, S, K, HAS_SHARED, BM, BN, BK, DAC, F32_DOT,
                                              INTERLEAVED, dy_base, tab16, DIRECT, DAT, FP8DA,
                                              dyq_base, w2q_desc, ws2q_desc, sw2q_ptr,
-                                             sws2q_ptr, FP8DX, gq, GQW, RQC, POW2)
+                                             sws2q_ptr, FP8DX, gq, GQW, RQC, POW2,
+                                             FP8W, ham, gam)
             elif PHASES & 1:
                 b = tk // NA
                 if PULL:  # its rows pulled by an item of this launch (plain stores; TMA here)
@@ -654,7 +795,8 @@ def mok_backward_kernel(
                                      E, NBMAX, withhold, H, I, S, K, HAS_SHARED, BM, BN, BK,
                                      DAC, F32_DOT, INTERLEAVED, dy_base, tab16, DIRECT, DAT,
                                      FP8DA, dyq_base, w2q_desc, ws2q_desc, sw2q_ptr,
-                                     sws2q_ptr, FP8DX, gq, GQW, RQC, POW2)
+                                     sws2q_ptr, FP8DX, gq, GQW, RQC, POW2, FP8W, ham,
+                                     gam)
         elif tk < end_b:
             i = tk - end_a
             if PA > 0:
@@ -678,15 +820,24 @@ def mok_backward_kernel(
                                          pre_b_desc, P, DXTMA,
                                          FP8DX, gq, GQW, w1q_desc, ws1q_desc, sw1q_ptr,
                                          sws1q_ptr)
+        elif tk < end_q:
+            if FP8W:  # Q items (none otherwise), largest group first
+                if PHASES & 12:
+                    i = tk - end_b
+                    ok = _wgrad_quant_item(NG - 1 - i // NQ, i % NQ, gst, total, src, P, hs,
+                                           pre, ham, gam, hqT, gqT, srh, srg, ctr, err, qready,
+                                           NBMAX, budget, I, BM, BN, BKW, DAC, F32_DOT, POW2)
         elif tk < end_c:
             if PHASES & 4:
-                i = tk - end_b
+                i = tk - end_q
                 g = NG - 1 - i // NC
                 c = i % NC
                 ok = _wgrad_down_item(g, c // (H // BN), c % (H // BN), lr, gst, total, P,
                                       hs_c_desc, dyg_c_desc, ctr, err, dw2_ptr, dws2_ptr, T,
                                       E, NBMAX, budget, H, I, S, K, HAS_SHARED, BM, BN, BKW,
-                                      DAC, F32_DOT, FENCE, src, dy_base, tab16, DIRECT)
+                                      DAC, F32_DOT, FENCE, src, dy_base, tab16, DIRECT,
+                                      FP8W, qready, NQ, hqT_desc, dyqT_desc, srh, gdyam_ptr,
+                                      POW2)
         else:
             if PHASES & 8:
                 i = tk - end_c
@@ -696,7 +847,8 @@ def mok_backward_kernel(
                                          total, P, pre_d_desc, xg_d_desc, ctr, err, dw1_ptr,
                                          dws1_ptr, T, E, NBMAX, budget, H, I, S, K, HAS_SHARED,
                                          BM, BN, BKW, DAC, F32_DOT, INTERLEAVED, FENCE, src,
-                                         x_base, x_tab, DIRECT, xgrp, PA)
+                                         x_base, x_tab, DIRECT, xgrp, PA, FP8W, qready,
+                                         NQ, xqT_desc, gqT_desc, srg, gxam_ptr, POW2)
         tk = tl.atomic_add(ctr, 1, sem="relaxed", scope="gpu")
 
 
@@ -713,3 +865,66 @@ def pull_rows_kernel(src_ptr, total_ptr, x_base, x_tab, dy_base, tab16, xg_ptr, 
     if tl.program_id(1) * BR < total:
         _pull_rows(rows, lr, src_ptr + lr.to(tl.int64) * P, x_base, x_tab, dy_base, tab16,
                    xg_ptr, dyg_ptr, T, P, H, S, CH)
+
+
+@triton.jit
+def global_col_amax_kernel(xam_base, dyam_base, tab32, R, gxam_ptr, gdyam_ptr, H: tl.constexpr,
+                           CH: tl.constexpr):
+    """``bwd_fp8_wgrad``: the column max |v| of x and of dY over every rank's tokens [H] (the
+    max of each rank's own, read at ``base + tab32[r]``, peer memory in EP), so every rank
+    quantises the rows it pulls with the same per-column scales; a NaN column max stays NaN
+    (its scales turn NaN, so a NaN input shows in the weight gradients)."""
+    cols = tl.program_id(0) * CH + tl.arange(0, CH)
+    cm = cols < H
+    ax = tl.zeros((CH,), dtype=tl.float32)
+    ad = tl.zeros((CH,), dtype=tl.float32)
+    for r in range(R):
+        off = tl.load(tab32 + r)
+        ax = tl.maximum(ax, tl.load(xam_base + off + cols, mask=cm, other=0.0),
+                        propagate_nan=tl.PropagateNan.ALL)
+        ad = tl.maximum(ad, tl.load(dyam_base + off + cols, mask=cm, other=0.0),
+                        propagate_nan=tl.PropagateNan.ALL)
+    tl.store(gxam_ptr + cols, ax, mask=cm)
+    tl.store(gdyam_ptr + cols, ad, mask=cm)
+
+
+@triton.jit
+def pull_rows_fp8t_kernel(src_ptr, total_ptr, x_base, x_tab, dy_base, tab16, dyg_ptr,
+                          xqT_ptr, dyqT_ptr, gxam_ptr, gdyam_ptr, T, P, H: tl.constexpr,
+                          S: tl.constexpr, BR: tl.constexpr, CH: tl.constexpr,
+                          DY16: tl.constexpr, POW2: tl.constexpr, SOFT_CAST: tl.constexpr):
+    """``bwd_fp8_wgrad``'s reverse-combine pull: the x and dY rows of BR schedule rows from
+    the tokens' home ranks, written as e4m3 transposed copies [L, H, P] (feature-major, the
+    rows contiguous: the K-major operands of the FP8 weight-gradient tiles), each column
+    scaled by its global column max (``global_col_amax_kernel``); DY16 also the bf16 dY rows
+    [L, P, H] (for bf16 dA items). No bf16 x rows: only the weight gradient read them.
+    Padding rows and rows past the rank's total write 0."""
+    lr = tl.program_id(0)
+    r0 = tl.program_id(1) * BR
+    total = tl.load(total_ptr + lr)
+    if r0 < total:
+        rows = r0 + tl.arange(0, BR)
+        s = tl.load(src_ptr + lr.to(tl.int64) * P + rows)
+        valid = (s >= 0) & (rows < total)
+        tok = (tl.maximum(s, 0) // S).to(tl.int64)
+        rank, t = tok // T, tok % T
+        x_rows = x_base + tl.load(x_tab + rank, mask=valid, other=0) + t * H
+        dy_rows = dy_base + tl.load(tab16 + rank, mask=valid, other=0) + t * H
+        xq = xqT_ptr + lr.to(tl.int64) * H * P
+        dyq = dyqT_ptr + lr.to(tl.int64) * H * P
+        for h0 in range(0, H, CH):
+            cols = h0 + tl.arange(0, CH)
+            cm = cols < H
+            m = valid[:, None] & cm[None, :]
+            tcols = cols.to(tl.int64)[None, :] * P + rows[:, None]
+            v = tl.load(x_rows[:, None] + cols[None, :], mask=m, other=0.0)
+            inv = e4m3_scales(tl.load(gxam_ptr + cols, mask=cm, other=0.0), POW2)[0]
+            tl.store(xq + tcols, to_e4m3(to_f32(v, SOFT_CAST) * inv[None, :], SOFT_CAST),
+                     mask=cm[None, :])
+            v = tl.load(dy_rows[:, None] + cols[None, :], mask=m, other=0.0)
+            if DY16:
+                tl.store(dyg_ptr + (lr.to(tl.int64) * P + rows)[:, None] * H + cols[None, :], v,
+                         mask=cm[None, :])
+            inv = e4m3_scales(tl.load(gdyam_ptr + cols, mask=cm, other=0.0), POW2)[0]
+            tl.store(dyq + tcols, to_e4m3(to_f32(v, SOFT_CAST) * inv[None, :], SOFT_CAST),
+                     mask=cm[None, :])

@@ -21,6 +21,8 @@ import pytest
 
 pytest.importorskip("triton")
 
+from tests.unit.interpreted import run_interpreted  # noqa: E402
+
 COMMON = textwrap.dedent("""
     import torch
     import mok_kernels as mk
@@ -273,3 +275,131 @@ def test_fp8_dgrad_items_in_interpreter_match_the_quantised_reference():
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("fp8 dgrad ok") == 2, out.stdout
+
+
+FP8_WGRAD_SCRIPT = COMMON + textwrap.dedent("""
+    F8 = torch.float8_e4m3fn
+
+    def colq(v, amax):  # per-column e4m3 and back, as the FP8 weight-gradient tiles see v
+        inv = torch.where(amax == 0, torch.ones_like(amax), 448.0 / amax)
+        return (v * inv).to(F8).float() / inv
+
+    def trunc_bf16(v):  # fp32 -> bf16 as the interpreter casts (truncating)
+        return (v.float().view(torch.int32) & -65536).view(torch.float32)
+
+    def wgrad_of_fp8_columns(saved, pre_LPF, x, dy, p, L, E, K, S, BM, I):
+        # dW_down and dW_gate_up (canonical layout) from the FP8 operands the kernel builds:
+        # x and dY scaled per column over every token, r h (from the forward's bf16
+        # pre-activations pre_LPF, cast as the interpreter does) and the kernel's bf16 dG/dU
+        # rows (left in saved.pre_LPF) per column over the expert's rows (BM: the forward's
+        # row blocks, whose groups group_LB names); the shared expert summed over the
+        # loopback ranks
+        st = saved.schedule.tensors
+        gx, gdy = x.float().abs().amax(0), dy.float().abs().amax(0)
+        dw1 = torch.zeros(L * E, x.shape[1], 2 * I)
+        dw2 = torch.zeros(L * E, I, x.shape[1])
+        dws1, dws2 = torch.zeros(x.shape[1], 2 * I), torch.zeros(I, x.shape[1])
+        for lr in range(L):
+            rows = [r for r in range(int(st.total_L[lr])) if int(st.src_LP[lr, r]) >= 0]
+            for g in range(E + 1):
+                mine = [r for r in rows if int(st.group_LB[lr, r // BM]) == g]
+                if not mine:
+                    continue
+                slot = st.src_LP[lr, mine].long()
+                tok, k = slot // S, slot % S
+                r = torch.where(k < K, p[tok, k.clamp_max(K - 1)], torch.ones(len(mine)))
+                pre = pre_LPF[lr, mine].float()  # interleaved: gate c, up c
+                gate, up = pre[:, 0::2], pre[:, 1::2]
+                rh = trunc_bf16(gate * (1.0 / (1.0 + torch.exp(-gate))) * up * r[:, None])
+                dgu = saved.pre_LPF[lr, mine].float()
+                d2 = colq(rh, rh.abs().amax(0)).T @ colq(dy[tok].float(), gdy)
+                d1 = colq(x[tok].float(), gx).T @ colq(dgu, dgu.abs().amax(0))
+                d1 = torch.cat([d1[:, 0::2], d1[:, 1::2]], 1)
+                if g == E:
+                    dws1 += d1
+                    dws2 += d2
+                else:
+                    dw1[lr * E + g], dw2[lr * E + g] = d1, d2
+        return dw1, dw2, dws1, dws2
+
+    cases = [(1, 24, 4, 2, True, {}), (2, 13, 3, 2, False, {}),
+             (1, 40, 6, 3, True, {"bwd_fp8_da": True, "bwd_fp8_dx": True}),
+             (2, 13, 3, 2, True, {"bwd_block_m": 32, "bwd_fp8_da": True})]
+    for L, T, E, K, shared, extra in cases:
+        H, I = 64, 32
+        torch.manual_seed(9 + L + T)
+        x, idx, p, w1, w2, ws1, ws2, dy = layer(L, T, E, K, shared, H, I,
+                                                5 if T == 40 else None)
+        il = mk.interleave_gate_up
+        W = (il(w1), w2, il(ws1) if shared else None, ws2)
+        exact = reference_all_experts(x, idx, p, w1, w2, ws1, ws2, dy_NH=dy)
+        cfg = config(True, bwd_fp8_wgrad=True, **extra)
+        ws = mk.get_workspace(cfg, tokens=T, hidden=H, intermediate=I, local_experts=E,
+                              topk=K, shared=shared, device="cpu", loopback_ranks=L)
+        f8 = mk.quantize_backward_weights(cfg, W[1], W[3], W[0], W[2])
+        grads = []
+        for _ in range(2):
+            y, saved = mk.forward_train(cfg, ws, mk.build_schedule(ws, idx), x, p, *W)
+            pre_LPF = saved.pre_LPF.clone()  # the backward writes dG/dU over it
+            grads.append(mk.backward(cfg, ws, saved, dy, *W, fp8_weights=f8))
+        mk.check_errors(ws)
+        for a, b in zip(vars(grads[0]).values(), vars(grads[1]).values()):
+            assert (a is None and b is None) or torch.equal(a, b)  # bitwise rerun
+        g = grads[1]
+        for name, val in vars(g).items():
+            assert val is None or torch.isfinite(val.float()).all(), (extra, name)
+        q1, q2, qs1, qs2 = wgrad_of_fp8_columns(saved, pre_LPF, x, dy, p, L, E, K,
+                                                K + int(shared), cfg.block_m, I)
+        pairs = {"w1": (g.w_gate_up, q1, exact.dweights["w1_EHF"]),
+                 "w2": (g.w_down, q2, exact.dweights["w2_EIH"])}
+        if shared:
+            pairs["ws1"] = (g.shared_gate_up, qs1, exact.dweights["ws1_HF"])
+            pairs["ws2"] = (g.shared_down, qs2, exact.dweights["ws2_IH"])
+        for name, (val, want_q, want) in pairs.items():
+            assert rel(val, want_q) < 2e-2, (L, extra, name, rel(val, want_q))
+            assert rel(val, want) < 1e-1, (L, extra, name, rel(val, want))
+        assert rel(g.dx_TH, exact.dx_TH) < 1e-1
+        assert rel(g.d_router_weights_TK, exact.dprobs_TK) < 1e-1
+        if T == 40:  # expert 5 has no token: zero weight gradients
+            assert torch.count_nonzero(g.w_gate_up[5]) == 0
+            assert torch.count_nonzero(g.w_down[5]) == 0
+        if not extra:  # dx and the router gradient untouched: the bf16 backward's, bitwise
+            cfg16 = config(True)
+            ws16 = mk.get_workspace(cfg16, tokens=T, hidden=H, intermediate=I,
+                                    local_experts=E, topk=K, shared=shared, device="cpu",
+                                    loopback_ranks=L)
+            y, saved = mk.forward_train(cfg16, ws16, mk.build_schedule(ws16, idx), x, p, *W)
+            g16 = mk.backward(cfg16, ws16, saved, dy, *W)
+            assert torch.equal(g.dx_TH, g16.dx_TH)
+            assert torch.equal(g.d_router_weights_TK, g16.d_router_weights_TK)
+        print("fp8 wgrad ok", L, T, extra)
+
+    # a NaN in dY reaches the weight gradients (the column scales turn NaN): never hidden
+    L, T, E, K, shared = 1, 24, 4, 2, True
+    torch.manual_seed(1)
+    x, idx, p, w1, w2, ws1, ws2, dy = layer(L, T, E, K, shared, 64, 32)
+    dy[3, 5] = float("nan")
+    il = mk.interleave_gate_up
+    W = (il(w1), w2, il(ws1), ws2)
+    cfg = config(True, bwd_fp8_wgrad=True)
+    ws = mk.get_workspace(cfg, tokens=T, hidden=64, intermediate=32, local_experts=E, topk=K,
+                          shared=shared, device="cpu", loopback_ranks=L)
+    y, saved = mk.forward_train(cfg, ws, mk.build_schedule(ws, idx), x, p, *W)
+    g = mk.backward(cfg, ws, saved, dy, *W)
+    assert torch.isnan(g.shared_down.float()).any() and torch.isnan(g.w_down.float()).any()
+    print("fp8 wgrad nan ok")
+""")
+
+
+def test_fp8_weight_gradients_in_interpreter_match_the_quantised_reference():
+    """``bwd_fp8_wgrad``, alone and with the FP8 dgrad items and the backward's own row
+    blocks: dW_down and dW_gate_up (routed and shared) against the same products on the
+    operands quantised as the kernel does (x, dY per column over every token; r h, dG/dU
+    per column over the expert's rows) within 2e-2 (the interpreter's bf16 truncation), the
+    exact layer within the FP8 bound (0.1); zero gradients for an expert with no tokens;
+    dx and the router gradient bitwise the bf16 backward's; bitwise reruns; a NaN in dY
+    shows in the weight gradients."""
+    out = run_interpreted(FP8_WGRAD_SCRIPT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("fp8 wgrad ok") == 4, out.stdout
+    assert "fp8 wgrad nan ok" in out.stdout, out.stdout
