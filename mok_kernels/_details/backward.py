@@ -145,9 +145,8 @@ class BackwardScratch:
 @dataclass
 class Fp8WgradScratch:
     """``bwd_fp8_wgrad``'s operands: e4m3 transposed copies (feature-major, the schedule's
-    rows contiguous, so the weight-gradient tiles read both operands K-major), the
-    per-column scales and the dA items' per-row-block column maxima. NB = P / bwd_block_m
-    row blocks, G groups (E, +1 shared)."""
+    rows contiguous, so the weight-gradient tiles read both operands K-major) and the
+    per-column scales; G groups (E, +1 shared)."""
 
     xqT_LHP: torch.Tensor  # x^T [L, H, P] e4m3, scaled by the global column max gxam_H
     dyqT_LHP: torch.Tensor  # dY^T [L, H, P] e4m3, by gdyam_H
@@ -155,13 +154,11 @@ class Fp8WgradScratch:
     gqT_LFP: torch.Tensor  # [dG dU]^T [L, 2I, P] e4m3 (kernel column layout), by srg_LGF
     srh_LGI: torch.Tensor  # fp32 column scales of r h per group
     srg_LGF: torch.Tensor  # fp32 column scales of dG/dU per group
-    ham_LBI: torch.Tensor  # fp32 column max |r h| per row block
-    gam_LBF: torch.Tensor  # fp32 column max |dG|, |dU| per row block
     gxam_H: torch.Tensor  # fp32 column max |x| over every rank's tokens
     gdyam_H: torch.Tensor  # fp32 column max |dY| over every rank's tokens
 
     @staticmethod
-    def empty(L: int, H: int, I: int, P: int, NB: int, G: int,
+    def empty(L: int, H: int, I: int, P: int, G: int,
               device: torch.device | str) -> Fp8WgradScratch:
         f8, f32 = torch.float8_e4m3fn, torch.float32
         return Fp8WgradScratch(
@@ -171,8 +168,6 @@ class Fp8WgradScratch:
             gqT_LFP=torch.empty(L, 2 * I, P, dtype=f8, device=device),
             srh_LGI=torch.empty(L, G, I, dtype=f32, device=device),
             srg_LGF=torch.empty(L, G, 2 * I, dtype=f32, device=device),
-            ham_LBI=torch.empty(L, NB, I, dtype=f32, device=device),
-            gam_LBF=torch.empty(L, NB, 2 * I, dtype=f32, device=device),
             gxam_H=torch.empty(H, dtype=f32, device=device),
             gdyam_H=torch.empty(H, dtype=f32, device=device))
 
@@ -197,7 +192,7 @@ def backward_scratch(ws: Workspace) -> BackwardScratch:
                  if pulled and not (w8 and cfg.bwd_fp8_da) else None),
         gq_LPG=(torch.empty(L, P, dgu_row_elements(I), dtype=bf, device=dev)
                 if cfg.bwd_fp8_dx else None),
-        wgrad8=(Fp8WgradScratch.empty(L, H, I, P, P // cfg.bwd_bm, ws.E + int(ws.shared), dev)
+        wgrad8=(Fp8WgradScratch.empty(L, H, I, P, ws.E + int(ws.shared), dev)
                 if w8 else None))
 
 
@@ -409,7 +404,7 @@ def _fp8_wgrad_args(cfg: MoKConfig, sc: BackwardScratch) -> dict:
     """The FP8 weight-gradient items' arguments (``bwd_fp8_wgrad``): the scratch of
     ``Fp8WgradScratch`` and TMA descriptors over its transposed copies ([BN/2 or BN features,
     BKW rows] boxes); all None without the knob."""
-    names = ("ham_ptr", "gam_ptr", "hqT_ptr", "gqT_ptr", "srh_ptr", "srg_ptr", "hqT_desc",
+    names = ("hqT_ptr", "gqT_ptr", "srh_ptr", "srg_ptr", "hqT_desc",
              "dyqT_desc", "xqT_desc", "gqT_desc", "gxam_ptr", "gdyam_ptr")
     w8 = sc.wgrad8
     if w8 is None:
@@ -421,7 +416,7 @@ def _fp8_wgrad_args(cfg: MoKConfig, sc: BackwardScratch) -> dict:
     def desc(t: torch.Tensor, feats: int) -> TensorDescriptor:
         return TensorDescriptor.from_tensor(t.view(-1, t.shape[-1]), [feats, bkw])
 
-    return dict(ham_ptr=w8.ham_LBI, gam_ptr=w8.gam_LBF, hqT_ptr=w8.hqT_LIP,
+    return dict(hqT_ptr=w8.hqT_LIP,
                 gqT_ptr=w8.gqT_LFP, srh_ptr=w8.srh_LGI, srg_ptr=w8.srg_LGF,
                 hqT_desc=desc(w8.hqT_LIP, bn // 2), dyqT_desc=desc(w8.dyqT_LHP, bn),
                 xqT_desc=desc(w8.xqT_LHP, bn // 2), gqT_desc=desc(w8.gqT_LFP, bn),

@@ -21,8 +21,8 @@ wait for their group's x-pulled count. With ``DIRECT`` (``bwd_direct_rows``) not
 pulled: the A, C and D items gather the dY and x rows they need from the tokens' home ranks
 (peer memory) with plain loads, as the forward's GEMM programs do.
 
-Work items, claimed from one ticket counter per logical rank in the global order A, B, C, D
-(``PHASES``, a bit mask, skips kinds for profiling; 15 runs all):
+Work items, claimed from one ticket counter per logical rank in the global order A, B, Q
+(FP8W only), C, D (``PHASES``, a bit mask, skips kinds for profiling; 15 runs all):
     A  dgrad down, one per (row block b, DAT I tiles of DAC = BN/2 or BN columns):
        dA = dY @ W_down^T (``FP8DA``: FP8 tiles on the dY rows quantised at their home
        ranks, gathered from there, and W_down's e4m3 rows, row-wise scales); epilogue: SwiGLU
@@ -35,6 +35,11 @@ Work items, claimed from one ticket counter per logical rank in the global order
        slot (reverse-dispatch). ``FP8DX``: the A item whose add completes row block b
        quantises its dG/dU rows (one scale per row over 2I) into the FP8 scratch rows, then
        adds 1 more; the B items wait for that and run FP8 tiles with W_gate_up's e4m3 rows.
+    Q  (``FP8W``, ``bwd_fp8_wgrad``, only) quantisation, one per (group g, column tile of
+       HALF of r h's I, then of dG/dU's 2I); waits for every A item of g: the tile's
+       columns over g's rows as e4m3 with one scale per column, written transposed
+       (feature-major); the C and D items then wait for all of g's Q items and run FP8
+       tiles on those and on the pull kernel's transposed copies of dY and x.
     C  weight gradient of down, one per (group g, I tile of HALF, H tile of BN); waits for
        every A item of g: dW_down[g] = (r h)[rows of g]^T @ dY[rows of g].
     D  weight gradient of gate+up, one per (group g, H tile of HALF, 2I tile of BN); waits for
@@ -53,6 +58,7 @@ Counters of one logical rank (int32, zeroed before the launch):
     then the pull ticket [1 + 2*NBMAX + NG] (PULL)
     PA only: [2 + 2*NBMAX + NG + g] x_pulled[g] (+1 per row block of group g whose x rows
     are in)
+    FP8W only: [1 + NBMAX + NG + g] q_ready[g] (+1 per Q item of group g)
 """
 
 from __future__ import annotations
@@ -167,16 +173,12 @@ def _home_rows(base, tab, rank, t, valid, H: tl.constexpr):
 
 @triton.jit
 def _swiglu_bwd_half(da_raw, c0, prow, pre_desc, pre_rows, hs_rows, r, I: tl.constexpr,
-                     BM: tl.constexpr, Q: tl.constexpr, INTERLEAVED: tl.constexpr,
-                     FP8W: tl.constexpr = False, valid=None, amh=None, amg=None):
+                     BM: tl.constexpr, Q: tl.constexpr, INTERLEAVED: tl.constexpr):
     """SwiGLU backward for Q columns c0.. of a row block (rows from ``prow`` in the [L*P, ...]
     views): reads gate/up through ``pre_desc``, writes dG, dU over them and r * h to
     ``hs_rows`` with plain stores (a TMA store's completion is not ordered before the
     release that lets other programs read them); returns the router-gradient partial
-    sum_cols(da_raw * h) [BM]. FP8W (``bwd_fp8_wgrad``): also the row block's column max
-    |v| of the stored (bf16) r h and dG, dU over its valid rows, into ``amh`` [I] and
-    ``amg`` [2I] (the row block's rows of the partial-max buffers; the kernel's column
-    layout), NaN read as +inf."""
+    sum_cols(da_raw * h) [BM]."""
     if INTERLEAVED:  # gate c at column 2c, up c at 2c + 1: one [BM, 2Q] box
         gate, up = tl.split(tl.reshape(pre_desc.load([prow, 2 * c0]).to(tl.float32),
                                        (BM, Q, 2)))
@@ -189,22 +191,10 @@ def _swiglu_bwd_half(da_raw, c0, prow, pre_desc, pre_rows, hs_rows, r, I: tl.con
     h = silu * up
     part = tl.sum(da_raw * h, axis=1)
     cols = c0 + tl.arange(0, Q)
-    hr = (h * r[:, None]).to(tl.bfloat16)
-    tl.store(hs_rows[:, None] + cols[None, :], hr)
+    tl.store(hs_rows[:, None] + cols[None, :], (h * r[:, None]).to(tl.bfloat16))
     da = da_raw * r[:, None]
     d_up = (da * silu).to(tl.bfloat16)
     d_gate = (da * up * sig * (1.0 + gate * (1.0 - sig))).to(tl.bfloat16)
-    if FP8W:
-        m = valid[:, None]
-        tl.store(amh + cols, finite_amax(tl.where(m, hr.to(tl.float32), 0.0), 0))
-        am_gate = finite_amax(tl.where(m, d_gate.to(tl.float32), 0.0), 0)
-        am_up = finite_amax(tl.where(m, d_up.to(tl.float32), 0.0), 0)
-        if INTERLEAVED:
-            tl.store(amg + 2 * cols, am_gate)
-            tl.store(amg + 2 * cols + 1, am_up)
-        else:
-            tl.store(amg + cols, am_gate)
-            tl.store(amg + I + cols, am_up)
     if INTERLEAVED:
         wcols = 2 * c0 + tl.arange(0, 2 * Q)
         tl.store(pre_rows[:, None] + wcols[None, :],
@@ -294,12 +284,10 @@ def _dx_tile_fp8(jn, gq_rows16, lr, g, E, w1q_desc, ws1q_desc, sw1q_ptr, sws1q_p
 @triton.jit
 def _da_epilogue(acc, jt, rows, prow, pre, hs, rank, t, k, routed, p_base, drp_base, tab32,
                  pre_a_desc, I: tl.constexpr, K: tl.constexpr, BM: tl.constexpr,
-                 BN: tl.constexpr, DAC: tl.constexpr, INTERLEAVED: tl.constexpr,
-                 FP8W: tl.constexpr = False, valid=None, amh=None, amg=None):
+                 BN: tl.constexpr, DAC: tl.constexpr, INTERLEAVED: tl.constexpr):
     """The A item's epilogue for I tile jt (see the module docstring), in column quarters of
     a [BM, BN] tile (two for DAC = BN/2, four for DAC = BN) so its fp32 temporaries fit in
-    registers; ends with the router-gradient partial of the tile. FP8W: the column maxima of
-    ``_swiglu_bwd_half``."""
+    registers; ends with the router-gradient partial of the tile."""
     Q: tl.constexpr = BN // 4
     NJ: tl.constexpr = I // DAC
     r = _router_weight(p_base, tab32, rank, t, k, routed, K)
@@ -309,21 +297,21 @@ def _da_epilogue(acc, jt, rows, prow, pre, hs, rank, t, k, routed, p_base, drp_b
     if DAC == 2 * Q:
         a0, a1 = tl.split(tl.permute(tl.reshape(acc, (BM, 2, Q)), (0, 2, 1)))
         part = _swiglu_bwd_half(a0, c0, prow, pre_a_desc, pre_rows, hs_rows, r, I, BM, Q,
-                                INTERLEAVED, FP8W, valid, amh, amg)
+                                INTERLEAVED)
         part += _swiglu_bwd_half(a1, c0 + Q, prow, pre_a_desc, pre_rows, hs_rows, r, I, BM, Q,
-                                 INTERLEAVED, FP8W, valid, amh, amg)
+                                 INTERLEAVED)
     else:
         lo, hi = tl.split(tl.permute(tl.reshape(acc, (BM, 2, 2 * Q)), (0, 2, 1)))
         a0, a1 = tl.split(tl.permute(tl.reshape(lo, (BM, 2, Q)), (0, 2, 1)))
         part = _swiglu_bwd_half(a0, c0, prow, pre_a_desc, pre_rows, hs_rows, r, I, BM, Q,
-                                INTERLEAVED, FP8W, valid, amh, amg)
+                                INTERLEAVED)
         part += _swiglu_bwd_half(a1, c0 + Q, prow, pre_a_desc, pre_rows, hs_rows, r, I, BM, Q,
-                                 INTERLEAVED, FP8W, valid, amh, amg)
+                                 INTERLEAVED)
         a2, a3 = tl.split(tl.permute(tl.reshape(hi, (BM, 2, Q)), (0, 2, 1)))
         part += _swiglu_bwd_half(a2, c0 + 2 * Q, prow, pre_a_desc, pre_rows, hs_rows, r, I,
-                                 BM, Q, INTERLEAVED, FP8W, valid, amh, amg)
+                                 BM, Q, INTERLEAVED)
         part += _swiglu_bwd_half(a3, c0 + 3 * Q, prow, pre_a_desc, pre_rows, hs_rows, r, I,
-                                 BM, Q, INTERLEAVED, FP8W, valid, amh, amg)
+                                 BM, Q, INTERLEAVED)
     # Router-weight gradient: d r = sum_I dA_raw * h, one partial per I tile.
     drp_off = tl.load(tab32 + rank, mask=routed, other=0)
     tl.store(drp_base + drp_off + (t * K + k) * NJ + jt, part, mask=routed)
@@ -340,19 +328,15 @@ def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, 
                      FP8DA: tl.constexpr = False, dyq_base=None, w2q_desc=None,
                      ws2q_desc=None, sw2q_ptr=None, sws2q_ptr=None,
                      FP8DX: tl.constexpr = False, gq=None, GQW: tl.constexpr = 0,
-                     RQC: tl.constexpr = 128, POW2: tl.constexpr = False,
-                     FP8W: tl.constexpr = False, ham=None, gam=None):
+                     RQC: tl.constexpr = 128, POW2: tl.constexpr = False):
     """A item: dA[rows of block b, I tiles jt0*DAT .. of DAC columns] and its epilogue
     (``_da_epilogue``); DAT tiles per item in one flattened loop (the next tile's loads
     overlap a tile's epilogue), and the item signals +DAT. DIRECT: the dY rows are gathered
     from their home ranks (``dy_base`` + ``tab16``) instead of read from the pulled rows.
-    FP8DA: FP8 tiles (``_da_tile_fp8``) instead of the bf16 ones. FP8W: the epilogue keeps
-    the block's column maxima in ``ham`` [NBMAX, I] / ``gam`` [NBMAX, 2I] (row b)."""
+    FP8DA: FP8 tiles (``_da_tile_fp8``) instead of the bf16 ones."""
     g = tl.load(grp + b)
     rows = b * BM + tl.arange(0, BM)
     valid, rank, t, k, routed = _row_meta(src, rows, T, S, K)
-    amh = ham + b * I if FP8W else ham
-    amg = gam + b * (2 * I) if FP8W else gam
     d2, w_row0 = _weight_desc(lr, g, E, w2_desc, ws2_desc, I, True, HAS_SHARED)
     prow = lr * P + b * BM
     dy_rows = _home_rows(dy_base, tab16, rank, t, valid, H) if DIRECT else 0
@@ -365,8 +349,7 @@ def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, 
             acc = _da_tile(jt0, prow, valid, dy_rows, d2, w_row0, dyg_a_desc, H, BM, BK, DAC,
                            F32_DOT, DIRECT)
         _da_epilogue(acc, jt0, rows, prow, pre, hs, rank, t, k, routed, p_base, drp_base,
-                     tab32, pre_a_desc, I, K, BM, BN, DAC, INTERLEAVED, FP8W, valid,
-                     amh, amg)
+                     tab32, pre_a_desc, I, K, BM, BN, DAC, INTERLEAVED)
     else:
         for jj in tl.range(0, DAT, flatten=True):
             jt = jt0 * DAT + jj
@@ -378,8 +361,7 @@ def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, 
                 acc = _da_tile(jt, prow, valid, dy_rows, d2, w_row0, dyg_a_desc, H, BM, BK,
                                DAC, F32_DOT, DIRECT)
             _da_epilogue(acc, jt, rows, prow, pre, hs, rank, t, k, routed, p_base, drp_base,
-                         tab32, pre_a_desc, I, K, BM, BN, DAC, INTERLEAVED, FP8W, valid,
-                         amh, amg)
+                         tab32, pre_a_desc, I, K, BM, BN, DAC, INTERLEAVED)
     if (withhold != 3) | (b != 0) | (jt0 != 0):
         tl.debug_barrier()
         if FP8DX:  # the item that completes the row block quantises its dG/dU rows
@@ -488,18 +470,21 @@ def _group_ready(g, gst, total, ctr, err, NBMAX, budget, I: tl.constexpr, BM: tl
 
 
 @triton.jit
-def _quant_cols(base, W: tl.constexpr, am, dst, sc, col0, start, end, src, P,
-                BM: tl.constexpr, QC: tl.constexpr, BKW: tl.constexpr, POW2: tl.constexpr,
-                F32_DOT: tl.constexpr):
+def _quant_cols(base, W: tl.constexpr, dst, sc, col0, start, end, src, P, QC: tl.constexpr,
+                BKW: tl.constexpr, POW2: tl.constexpr, F32_DOT: tl.constexpr):
     """Columns col0 .. col0 + QC of one group's rows start..end of a [P, W] bf16 matrix at
-    ``base`` (r h or dG/dU) as e4m3 with one scale per column over those rows: the column
-    max is the max of the group's row blocks' partial maxima (``am`` [NBMAX, W], kept by the
-    dA items), the scales go to ``sc`` (+ column), the values transposed (feature-major,
-    rows contiguous) to ``dst`` [W, P]; padding rows write 0."""
+    ``base`` (r h or dG/dU) as e4m3 with one scale per column over those rows: a first pass
+    takes the column max |v| (NaN read as +inf, so its column's scale turns NaN), the
+    scales go to ``sc`` (+ column), a second pass writes the values transposed
+    (feature-major, rows contiguous) to ``dst`` [W, P]; padding rows count and write 0."""
     cols = col0 + tl.arange(0, QC)
     amax = tl.zeros((QC,), dtype=tl.float32)
-    for b in range(start // BM, end // BM):
-        amax = tl.maximum(amax, tl.load(am + b * W + cols))
+    for r0 in range(start, end, BKW):
+        rows = r0 + tl.arange(0, BKW)
+        live = tl.load(src + rows) >= 0
+        v = tl.load(base + rows.to(tl.int64)[:, None] * W + cols[None, :], mask=live[:, None],
+                    other=0.0)
+        amax = tl.maximum(amax, finite_amax(to_f32(v, F32_DOT), 0))
     inv, scale = e4m3_scales(amax, POW2)
     tl.store(sc + cols, scale)
     for r0 in range(start, end, BKW):
@@ -512,12 +497,13 @@ def _quant_cols(base, W: tl.constexpr, am, dst, sc, col0, start, end, src, P,
 
 
 @triton.jit
-def _wgrad_quant_item(g, c, gst, total, src, P, hs, pre, ham, gam, hqT, gqT, srh, srg, ctr,
-                      err, qready, NBMAX, budget, I: tl.constexpr, BM: tl.constexpr,
+def _wgrad_quant_item(g, c, gst, total, src, P, hs, pre, hqT, gqT, srh, srg, ctr, err,
+                      qready, NBMAX, budget, I: tl.constexpr, BM: tl.constexpr,
                       BN: tl.constexpr, BKW: tl.constexpr, DAC: tl.constexpr,
                       F32_DOT: tl.constexpr, POW2: tl.constexpr):
     """Q item (``bwd_fp8_wgrad``): column tile c (BN/2 columns; r h's I / (BN/2) tiles, then
-    dG/dU's 2I / (BN/2)) of group g in FP8 (``_quant_cols``), once every A item of g is done;
+    dG/dU's 2I / (BN/2)) of group g in FP8 (``_quant_cols``), once every A item of g is done
+    (they wrote r h and dG/dU);
     then fences the async proxy (the C and D items read the copies through TMA) and adds 1
     to ``qready[g]``."""
     HALF: tl.constexpr = BN // 2
@@ -526,11 +512,11 @@ def _wgrad_quant_item(g, c, gst, total, src, P, hs, pre, ham, gam, hqT, gqT, srh
                                   False)
     if ok != 0:
         if c < NH:
-            _quant_cols(hs, I, ham, hqT, srh + g * I, c * HALF, start, end, src, P, BM, HALF,
-                        BKW, POW2, F32_DOT)
+            _quant_cols(hs, I, hqT, srh + g * I, c * HALF, start, end, src, P, HALF, BKW,
+                        POW2, F32_DOT)
         else:
-            _quant_cols(pre, 2 * I, gam, gqT, srg + g * (2 * I), (c - NH) * HALF, start, end,
-                        src, P, BM, HALF, BKW, POW2, F32_DOT)
+            _quant_cols(pre, 2 * I, gqT, srg + g * (2 * I), (c - NH) * HALF, start, end, src,
+                        P, HALF, BKW, POW2, F32_DOT)
         _pulled_signal(qready + g, ok, F32_DOT)
     return ok
 
@@ -690,7 +676,7 @@ def mok_backward_kernel(
         sw2q_ptr=None, sws2q_ptr=None, FP8DX: tl.constexpr = False, gq_ptr=None,
         w1q_desc=None, ws1q_desc=None, sw1q_ptr=None, sws1q_ptr=None, GQW: tl.constexpr = 0,
         RQC: tl.constexpr = 128, POW2: tl.constexpr = False, FP8W: tl.constexpr = False,
-        ham_ptr=None, gam_ptr=None, hqT_ptr=None, gqT_ptr=None, srh_ptr=None, srg_ptr=None,
+        hqT_ptr=None, gqT_ptr=None, srh_ptr=None, srg_ptr=None,
         hqT_desc=None, dyqT_desc=None, xqT_desc=None, gqT_desc=None, gxam_ptr=None,
         gdyam_ptr=None):
     """One persistent program per SM; see the module docstring for the work order. FENCE:
@@ -701,10 +687,9 @@ def mok_backward_kernel(
     ``sws2q_ptr``). FP8DX (``bwd_fp8_dx``): the B items' FP8 tiles on the FP8 dG/dU rows
     (``gq_ptr`` [L, P, GQW], quantised by the A item that completes a row block, RQC columns
     at a time) and W_gate_up's e4m3 rows (``w1q_desc`` / ``ws1q_desc``, scales ``sw1q_ptr`` /
-    ``sws1q_ptr``). FP8W (``bwd_fp8_wgrad``): the A items keep per-row-block column maxima
-    of r h and dG/dU (``ham_ptr`` [L, NBMAX, I], ``gam_ptr`` [L, NBMAX, 2I]); Q items after
-    the B items quantise them per group and column into transposed copies (``hqT_ptr`` [L,
-    I, P], ``gqT_ptr`` [L, 2I, P], scales ``srh_ptr`` [L, NG, I], ``srg_ptr`` [L, NG, 2I]);
+    ``sws1q_ptr``). FP8W (``bwd_fp8_wgrad``): Q items after the B items quantise r h and
+    dG/dU per group and column into transposed copies (``hqT_ptr`` [L, I, P], ``gqT_ptr``
+    [L, 2I, P], scales ``srh_ptr`` [L, NG, I], ``srg_ptr`` [L, NG, 2I]);
     the C and D items run FP8 tiles on those and on the pulled copies of dY and x
     (``dyqT_desc``, ``xqT_desc``, scaled by the global column maxima ``gdyam_ptr`` /
     ``gxam_ptr`` [H])."""
@@ -726,8 +711,6 @@ def mok_backward_kernel(
     hs = hs_ptr + lr.to(tl.int64) * P * I
     gq = gq_ptr + lr.to(tl.int64) * P * GQW if FP8DX else gq_ptr
     NBMAX = P // BM
-    ham = ham_ptr + lr.to(tl.int64) * NBMAX * I if FP8W else ham_ptr
-    gam = gam_ptr + lr.to(tl.int64) * NBMAX * (2 * I) if FP8W else gam_ptr
     hqT = hqT_ptr + lr.to(tl.int64) * I * P if FP8W else hqT_ptr
     gqT = gqT_ptr + lr.to(tl.int64) * (2 * I) * P if FP8W else gqT_ptr
     srh = srh_ptr + lr * NG * I if FP8W else srh_ptr
@@ -781,8 +764,7 @@ def mok_backward_kernel(
                                              I, S, K, HAS_SHARED, BM, BN, BK, DAC, F32_DOT,
                                              INTERLEAVED, dy_base, tab16, DIRECT, DAT, FP8DA,
                                              dyq_base, w2q_desc, ws2q_desc, sw2q_ptr,
-                                             sws2q_ptr, FP8DX, gq, GQW, RQC, POW2,
-                                             FP8W, ham, gam)
+                                             sws2q_ptr, FP8DX, gq, GQW, RQC, POW2)
             elif PHASES & 1:
                 b = tk // NA
                 if PULL:  # its rows pulled by an item of this launch (plain stores; TMA here)
@@ -795,8 +777,7 @@ def mok_backward_kernel(
                                      E, NBMAX, withhold, H, I, S, K, HAS_SHARED, BM, BN, BK,
                                      DAC, F32_DOT, INTERLEAVED, dy_base, tab16, DIRECT, DAT,
                                      FP8DA, dyq_base, w2q_desc, ws2q_desc, sw2q_ptr,
-                                     sws2q_ptr, FP8DX, gq, GQW, RQC, POW2, FP8W, ham,
-                                     gam)
+                                     sws2q_ptr, FP8DX, gq, GQW, RQC, POW2)
         elif tk < end_b:
             i = tk - end_a
             if PA > 0:
@@ -825,8 +806,8 @@ def mok_backward_kernel(
                 if PHASES & 12:
                     i = tk - end_b
                     ok = _wgrad_quant_item(NG - 1 - i // NQ, i % NQ, gst, total, src, P, hs,
-                                           pre, ham, gam, hqT, gqT, srh, srg, ctr, err, qready,
-                                           NBMAX, budget, I, BM, BN, BKW, DAC, F32_DOT, POW2)
+                                           pre, hqT, gqT, srh, srg, ctr, err, qready, NBMAX,
+                                           budget, I, BM, BN, BKW, DAC, F32_DOT, POW2)
         elif tk < end_c:
             if PHASES & 4:
                 i = tk - end_q

@@ -205,6 +205,31 @@ def test_fp8_dgrad_items_build_with_e4m3_mmas(knobs, fp8_forward):
             "wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3"]
 
 
+@pytest.mark.parametrize("dgrad8", [False, True])
+def test_fp8_weight_gradients_build_with_e4m3_mmas(dgrad8):
+    """``bwd_fp8_wgrad`` (alone, and with both FP8 dgrad knobs) at the backend's defaults:
+    the weight-gradient items run full-width e4m3 MMAs on their TMA tiles, fit in shared
+    memory, and build without spills on their own (the Q and C items, the Q and D items);
+    the whole kernel spills a little (220-296 bytes with Triton 3.9): bounded here until a
+    GPU run times the knob."""
+    from mokbench.mok_backend import default_config_fields
+
+    fields = {**default_config_fields(H, I, 16384, 8, 132, 1, 48, 90), "bwd_fp8_wgrad": True,
+              "bwd_fp8_da": dgrad8, "bwd_fp8_dx": dgrad8}
+    cfg = mk.MoKConfig.for_shape(H, I, **fields)
+    lw = mk.compile_megakernel(cfg, H, I, shared=True, kernel="backward")
+    assert lw.shared_bytes <= SMEM_LIMIT
+    assert not lw.mma_serialized, lw.ptxas_log
+    e4m3 = "wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3"
+    bf16 = "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16"
+    assert sorted(set(lw.mma_instructions)) == ([e4m3] if dgrad8 else [bf16, e4m3])
+    assert _spill_bytes(lw.ptxas_log) <= 320, lw.ptxas_log
+    for phases in (4, 8):  # the C items (with the Q items), the D items (with the Q items)
+        part = mk.compile_megakernel(cfg, H, I, shared=True, kernel="backward", phases=phases)
+        assert not part.spills, part.ptxas_log
+        assert part.mma_instructions and set(part.mma_instructions) == {e4m3}
+
+
 @pytest.mark.parametrize("fp8_forward", [False, True])
 def test_dispatch_dedup_builds_without_spills(fp8_forward):
     """``dispatch_dedup`` at the EP-2 defaults (16 communication programs): the forward with
