@@ -20,8 +20,9 @@ FP8 (``precision = "fp8"``): the forward runs the megakernel's FP8 path
 (``MoKConfig.fp8``; knob ``fp8`` = blockwise | rowwise | mx | rowwise_all, default
 ``default_fp8_recipe``), with the weights quantised once at setup (not timed); the backward
 is the BF16 backward megakernel on the BF16 weights (the row's variant says ``bwd=bf16``),
-or with the knobs ``bwd_fp8_da`` / ``bwd_fp8_dx`` its dA / dX items in FP8 (``bwd=fp8_da``,
-``fp8_dx``, ``fp8_da_dx``; the weights' FP8 copies made once at setup,
+or with the knobs ``bwd_fp8_da`` / ``bwd_fp8_dx`` / ``bwd_fp8_wgrad`` its dA / dX /
+weight-gradient items in FP8 (``bwd=fp8_da``, ``fp8_dx``, ``fp8_wgrad``, ``fp8_da_dx_wgrad``
+...; the weights' FP8 copies the dgrad items read made once at setup,
 ``quantize_backward_weights``).
 """
 
@@ -170,9 +171,10 @@ def scenario_config(scenario, options: dict | None = None, num_sms: int = 132,
 
 
 def backward_kind(cfg) -> str:
-    """The backward's precision for a row's variant: "bf16", or which dgrad items run FP8
-    ("fp8_da", "fp8_dx", "fp8_da_dx")."""
-    items = [n for n, on in (("da", cfg.bwd_fp8_da), ("dx", cfg.bwd_fp8_dx)) if on]
+    """The backward's precision for a row's variant: "bf16", or which items run FP8
+    ("fp8_da", "fp8_dx", "fp8_wgrad", "fp8_da_dx", ..., "fp8_da_dx_wgrad")."""
+    items = [n for n, on in (("da", cfg.bwd_fp8_da), ("dx", cfg.bwd_fp8_dx),
+                             ("wgrad", cfg.bwd_fp8_wgrad)) if on]
     return "fp8_" + "_".join(items) if items else "bf16"
 
 
@@ -267,7 +269,7 @@ class MoKBackend(BackendBase):
                         + (f",fp8={c.fp8},block_m={c.block_m},bwd={backward_kind(c)}"
                            if fp8 else "")
                         + (f",bwd={backward_kind(c)}"
-                           if (c.bwd_fp8_da or c.bwd_fp8_dx) and not fp8 else "")
+                           if backward_kind(c) != "bf16" and not fp8 else "")
                         + (f",bwd_block_m={c.bwd_block_m}" if c.bwd_block_m else ""))
 
     def validate_options(self, scenario, options: dict) -> None:

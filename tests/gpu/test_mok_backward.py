@@ -319,6 +319,60 @@ def test_fp8_dgrad_items_match_the_quantised_reference(ranks, shared, knobs):
             assert err_q < TOL, (name, err_q)
 
 
+@pytest.mark.parametrize("knobs", [{}, {"bwd_fp8_da": True, "bwd_fp8_dx": True}])
+@pytest.mark.parametrize("ranks, shared", [(1, True), (2, False), (2, True)])
+def test_fp8_weight_gradients_match_the_quantised_reference(ranks, shared, knobs):
+    """``bwd_fp8_wgrad`` (alone, and with both FP8 dgrad knobs): every weight gradient
+    against the same products on the operands quantised as the kernel does
+    (``tests.unit.fp8_reference``; bf16 tolerance), every gradient within the FP8 bound of
+    the exact layer, dx and the router gradient bitwise the bf16 backward's when only the
+    weight gradients are FP8, and bitwise reruns."""
+    from tests.unit.fp8_reference import wgrad_of_fp8_columns
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("needs an FP8 GPU (Hopper or Blackwell)")
+    H, I, E, K, T = 4096, 1024, 8, 4, 1024
+    x, idx, p, w = make_layer(ranks, T, H, I, E, K, shared, 5)
+    dy = torch.randn(ranks * T, H, device=DEV, generator=torch.Generator(DEV).manual_seed(6)
+                     ).bfloat16()
+    wk = (mk.interleave_gate_up(w[0]), w[1],
+          mk.interleave_gate_up(w[2]) if shared else None, w[3])
+    out = {}
+    for key in ("bf16", "fp8", "fp8"):
+        cfg = cfg_for(H, I, gate_up_interleaved=True,
+                      **({"bwd_fp8_wgrad": True, **knobs} if key == "fp8" else {}))
+        ws = mk.get_workspace(cfg, tokens=T, hidden=H, intermediate=I, local_experts=E,
+                              topk=K, shared=shared, device=DEV, loopback_ranks=ranks)
+        y, saved = mk.forward_train(cfg, ws, mk.build_schedule(ws, idx), x, p, *wk)
+        pre_LPF = saved.pre_LPF.clone()  # the backward writes dG/dU over it
+        g = mk.backward(cfg, ws, saved, dy, *wk,
+                        fp8_weights=mk.quantize_backward_weights(cfg, wk[1], wk[3], wk[0],
+                                                                 wk[2]))
+        mk.check_errors(ws)
+        if key in out:
+            for a, b in zip(vars(out[key]).values(), vars(g).values()):
+                assert (a is None and b is None) or torch.equal(a, b)
+        else:
+            out[key] = g
+    g, g16 = out["fp8"], out["bf16"]
+    exact = reference_grads(x, idx, p, w, dy)
+    mine = grads_of(y, g)
+    for name, r in exact.items():
+        if r is not None and name != "y":
+            o = mine[name].float()
+            assert torch.isfinite(o).all(), name
+            assert ((o - r).norm() / r.norm()).item() < 1e-1, name
+    if not knobs:
+        assert torch.equal(g.dx_TH, g16.dx_TH)
+        assert torch.equal(g.d_router_weights_TK, g16.d_router_weights_TK)
+    q = wgrad_of_fp8_columns(saved, pre_LPF, x, dy, p, ranks, E, K, K + int(shared),
+                             cfg.block_m, I)
+    for name, want in zip(("dw1", "dw2", "dws1", "dws2"), q, strict=True):
+        if mine[name] is not None:
+            err = ((mine[name].float() - want).norm() / want.norm()).item()
+            assert err < TOL, (name, err)
+
+
 EP_SCRIPT = r"""
 import os, torch, torch.distributed as dist
 import mok_kernels as mk
@@ -331,11 +385,12 @@ gen = torch.Generator("cuda").manual_seed(1)
 dy = torch.randn(R * T, H, device="cuda", generator=gen).bfloat16()
 ref = reference_grads(x, idx, p, w, dy)
 mine = slice(rank * T, (rank + 1) * T)
-for comm, direct, fp8da in ((0, False, False), (8, False, False), (0, True, False),
-                            (8, False, True)):
+for comm, direct, fp8da, w8 in ((0, False, False, False), (8, False, False, False),
+                                (0, True, False, False), (8, False, True, False),
+                                (8, False, True, True)):
     cfg = mk.MoKConfig.for_shape(H, I, minibatch=256, macrobatch=768, tma=True,
                                  fwd_comm_sms=comm, bwd_direct_rows=direct, bwd_fp8_da=fp8da,
-                                 bwd_fp8_dx=fp8da, dispatch_dedup=fp8da)
+                                 bwd_fp8_dx=fp8da, dispatch_dedup=fp8da, bwd_fp8_wgrad=w8)
     ws = mk.get_workspace(cfg, tokens=T, hidden=H, intermediate=I, local_experts=E, topk=K,
                           shared=True, device="cuda", group=dist.group.WORLD)
     mine_e = slice(rank * E, (rank + 1) * E)
@@ -356,10 +411,12 @@ for comm, direct, fp8da in ((0, False, False), (8, False, False), (0, True, Fals
         else:
             r = r[mine_e]
         err = ((out[name].float() - r).norm() / r.norm()).item()
-        # bwd_fp8_da + _dx: dY read as FP8 rows from the peer rank, dX in FP8: the FP8 bound
-        tol = 1e-1 if fp8da and name in ("dx", "dp", "dw1", "dws1") else 1e-2
-        assert err < tol, (rank, comm, direct, fp8da, name, err)
-    print("rank", rank, "comm", comm, "direct", direct, "fp8da", fp8da, "ok")
+        # bwd_fp8_da + _dx: dY read as FP8 rows from the peer rank, dX in FP8; bwd_fp8_wgrad:
+        # x and dY scaled by both ranks' column maxima: the FP8 bound
+        tol = (1e-1 if (fp8da and name in ("dx", "dp", "dw1", "dws1"))
+               or (w8 and name.startswith("dw")) else 1e-2)
+        assert err < tol, (rank, comm, direct, fp8da, w8, name, err)
+    print("rank", rank, "comm", comm, "direct", direct, "fp8da", fp8da, "wgrad8", w8, "ok")
 dist.destroy_process_group()
 """
 
@@ -374,4 +431,4 @@ def test_real_ep_over_two_gpus():
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                           str(script)], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert out.stdout.count("ok") == 8
+    assert out.stdout.count("ok") == 10

@@ -105,3 +105,21 @@ def test_fp8_knob_must_match_the_precision(monkeypatch):
                                             "block_k": 128, "tma": False})
     with pytest.raises(MoKConfigError, match=r"^fp8='e5m2' is invalid: allowed none \| "):
         scenario_config(_scenario("fp8"), {"fp8": "e5m2"})
+
+
+def test_fp8_backward_knobs_name_the_row_variant(monkeypatch):
+    """The FP8 backward knobs come through the variant syntax (``mok@bwd_fp8_wgrad=true``)
+    and name the backward's precision in the row's variant (``bwd=fp8_da_dx_wgrad``); a
+    combination the kernel cannot run is a one-line error naming the field."""
+    from mokbench.mok_backend import backward_kind, scenario_config
+
+    monkeypatch.delenv(CONFIG_ENV, raising=False)
+    assert backward_kind(scenario_config(_scenario("fp8"))) == "bf16"
+    for knobs, kind in (({"bwd_fp8_wgrad": True}, "fp8_wgrad"),
+                        ({"bwd_fp8_da": True, "bwd_fp8_dx": True}, "fp8_da_dx"),
+                        ({"bwd_fp8_da": True, "bwd_fp8_dx": True, "bwd_fp8_wgrad": True},
+                         "fp8_da_dx_wgrad")):
+        assert backward_kind(scenario_config(_scenario("fp8"), knobs)) == kind
+    with pytest.raises(MoKConfigError, match=r"^bwd_fp8_wgrad=True is invalid: allowed false "
+                                             r"when bwd_direct_rows"):
+        scenario_config(_scenario("bf16"), {"bwd_fp8_wgrad": True, "bwd_direct_rows": True})

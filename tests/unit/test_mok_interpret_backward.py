@@ -278,49 +278,7 @@ def test_fp8_dgrad_items_in_interpreter_match_the_quantised_reference():
 
 
 FP8_WGRAD_SCRIPT = COMMON + textwrap.dedent("""
-    F8 = torch.float8_e4m3fn
-
-    def colq(v, amax):  # per-column e4m3 and back, as the FP8 weight-gradient tiles see v
-        inv = torch.where(amax == 0, torch.ones_like(amax), 448.0 / amax)
-        return (v * inv).to(F8).float() / inv
-
-    def trunc_bf16(v):  # fp32 -> bf16 as the interpreter casts (truncating)
-        return (v.float().view(torch.int32) & -65536).view(torch.float32)
-
-    def wgrad_of_fp8_columns(saved, pre_LPF, x, dy, p, L, E, K, S, BM, I):
-        # dW_down and dW_gate_up (canonical layout) from the FP8 operands the kernel builds:
-        # x and dY scaled per column over every token, r h (from the forward's bf16
-        # pre-activations pre_LPF, cast as the interpreter does) and the kernel's bf16 dG/dU
-        # rows (left in saved.pre_LPF) per column over the expert's rows (BM: the forward's
-        # row blocks, whose groups group_LB names); the shared expert summed over the
-        # loopback ranks
-        st = saved.schedule.tensors
-        gx, gdy = x.float().abs().amax(0), dy.float().abs().amax(0)
-        dw1 = torch.zeros(L * E, x.shape[1], 2 * I)
-        dw2 = torch.zeros(L * E, I, x.shape[1])
-        dws1, dws2 = torch.zeros(x.shape[1], 2 * I), torch.zeros(I, x.shape[1])
-        for lr in range(L):
-            rows = [r for r in range(int(st.total_L[lr])) if int(st.src_LP[lr, r]) >= 0]
-            for g in range(E + 1):
-                mine = [r for r in rows if int(st.group_LB[lr, r // BM]) == g]
-                if not mine:
-                    continue
-                slot = st.src_LP[lr, mine].long()
-                tok, k = slot // S, slot % S
-                r = torch.where(k < K, p[tok, k.clamp_max(K - 1)], torch.ones(len(mine)))
-                pre = pre_LPF[lr, mine].float()  # interleaved: gate c, up c
-                gate, up = pre[:, 0::2], pre[:, 1::2]
-                rh = trunc_bf16(gate * (1.0 / (1.0 + torch.exp(-gate))) * up * r[:, None])
-                dgu = saved.pre_LPF[lr, mine].float()
-                d2 = colq(rh, rh.abs().amax(0)).T @ colq(dy[tok].float(), gdy)
-                d1 = colq(x[tok].float(), gx).T @ colq(dgu, dgu.abs().amax(0))
-                d1 = torch.cat([d1[:, 0::2], d1[:, 1::2]], 1)
-                if g == E:
-                    dws1 += d1
-                    dws2 += d2
-                else:
-                    dw1[lr * E + g], dw2[lr * E + g] = d1, d2
-        return dw1, dw2, dws1, dws2
+    from tests.unit.fp8_reference import trunc_bf16, wgrad_of_fp8_columns
 
     cases = [(1, 24, 4, 2, True, {}), (2, 13, 3, 2, False, {}),
              (1, 40, 6, 3, True, {"bwd_fp8_da": True, "bwd_fp8_dx": True}),
@@ -349,7 +307,7 @@ FP8_WGRAD_SCRIPT = COMMON + textwrap.dedent("""
         for name, val in vars(g).items():
             assert val is None or torch.isfinite(val.float()).all(), (extra, name)
         q1, q2, qs1, qs2 = wgrad_of_fp8_columns(saved, pre_LPF, x, dy, p, L, E, K,
-                                                K + int(shared), cfg.block_m, I)
+                                                K + int(shared), cfg.block_m, I, trunc_bf16)
         pairs = {"w1": (g.w_gate_up, q1, exact.dweights["w1_EHF"]),
                  "w2": (g.w_down, q2, exact.dweights["w2_EIH"])}
         if shared:
