@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -259,29 +260,27 @@ def _dx_of_fp8_rows(saved, wk, L, T, E, S, H, BM):
     return dx
 
 
-@pytest.mark.parametrize("knobs", [{"bwd_fp8_da": True}, {"bwd_fp8_dx": True},
-                                   {"bwd_fp8_da": True, "bwd_fp8_dx": True}])
-@pytest.mark.parametrize("ranks, shared", [(1, True), (2, False)])
-def test_fp8_dgrad_items_match_the_quantised_reference(ranks, shared, knobs):
-    """``bwd_fp8_da`` / ``bwd_fp8_dx``: dA's FP8 tiles against the reference layer on the
-    dequantised dY and W_down (their exact inputs; bf16 tolerance), dX's against dx rebuilt
-    from the quantised dG/dU rows and W_gate_up rows, every gradient within the FP8 bound of
-    the exact layer, the gradients a knob does not touch bitwise the bf16 backward's, and
-    bitwise reruns."""
+def _fp8_backward_runs(ranks, shared, knobs, seed):
+    """The layer's training forward and backward once in bf16 and twice with the FP8
+    backward ``knobs`` (H 4096, I 1024, 8 experts, top-4, 1024 tokens per rank): the reruns
+    bitwise equal, every FP8 gradient finite and within the FP8 bound (0.1) of the exact
+    layer. Returns the inputs, both runs' gradients, and the first FP8 run's context, its
+    forward's pre-activations (the backward overwrites them) and config."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("needs an FP8 GPU (Hopper or Blackwell)")
     H, I, E, K, T = 4096, 1024, 8, 4, 1024
-    x, idx, p, w = make_layer(ranks, T, H, I, E, K, shared, 3)
-    dy = torch.randn(ranks * T, H, device=DEV, generator=torch.Generator(DEV).manual_seed(4)
-                     ).bfloat16()
+    x, idx, p, w = make_layer(ranks, T, H, I, E, K, shared, seed)
+    dy = torch.randn(ranks * T, H, device=DEV,
+                     generator=torch.Generator(DEV).manual_seed(seed + 1)).bfloat16()
     wk = (mk.interleave_gate_up(w[0]), w[1],
           mk.interleave_gate_up(w[2]) if shared else None, w[3])
-    out = {}
+    out, first = {}, None
     for key in ("bf16", "fp8", "fp8"):
         cfg = cfg_for(H, I, gate_up_interleaved=True, **(knobs if key == "fp8" else {}))
         ws = mk.get_workspace(cfg, tokens=T, hidden=H, intermediate=I, local_experts=E,
                               topk=K, shared=shared, device=DEV, loopback_ranks=ranks)
         y, saved = mk.forward_train(cfg, ws, mk.build_schedule(ws, idx), x, p, *wk)
+        pre_LPF = saved.pre_LPF.clone()
         g = mk.backward(cfg, ws, saved, dy, *wk,
                         fp8_weights=mk.quantize_backward_weights(cfg, wk[1], wk[3], wk[0],
                                                                  wk[2]))
@@ -291,28 +290,45 @@ def test_fp8_dgrad_items_match_the_quantised_reference(ranks, shared, knobs):
                 assert (a is None and b is None) or torch.equal(a, b)
         else:
             out[key] = g
-            last_saved, last_cfg = saved, cfg
-    g, g16 = out["fp8"], out["bf16"]
+            if key == "fp8":
+                first = (saved, pre_LPF, cfg)
     exact = reference_grads(x, idx, p, w, dy)
-    mine = grads_of(y, g)
+    mine = grads_of(y, out["fp8"])
     for name, r in exact.items():
         if r is not None and name != "y":
             o = mine[name].float()
             assert torch.isfinite(o).all(), name
             assert ((o - r).norm() / r.norm()).item() < 1e-1, name
+    return SimpleNamespace(x=x, idx=idx, p=p, w=w, wk=wk, dy=dy, g=out["fp8"],
+                           g16=out["bf16"], mine=mine, saved=first[0], pre_LPF=first[1],
+                           cfg=first[2], H=H, I=I, E=E, K=K, T=T)
+
+
+@pytest.mark.parametrize("knobs", [{"bwd_fp8_da": True}, {"bwd_fp8_dx": True},
+                                   {"bwd_fp8_da": True, "bwd_fp8_dx": True}])
+@pytest.mark.parametrize("ranks, shared", [(1, True), (2, False)])
+def test_fp8_dgrad_items_match_the_quantised_reference(ranks, shared, knobs):
+    """``bwd_fp8_da`` / ``bwd_fp8_dx``: dA's FP8 tiles against the reference layer on the
+    dequantised dY and W_down (their exact inputs; bf16 tolerance), dX's against dx rebuilt
+    from the quantised dG/dU rows and W_gate_up rows, every gradient within the FP8 bound of
+    the exact layer, the gradients a knob does not touch bitwise the bf16 backward's, and
+    bitwise reruns."""
+    r = _fp8_backward_runs(ranks, shared, knobs, 3)
+    g, g16, mine = r.g, r.g16, r.mine
     assert torch.equal(g.w_down, g16.w_down)  # the C items read bf16 dY and r*h
     if not knobs.get("bwd_fp8_da"):  # dX alone: only dx differs from the bf16 backward
         for name in ("d_router_weights_TK", "w_gate_up", "shared_gate_up"):
             a, b = getattr(g, name), getattr(g16, name)
             assert (a is None and b is None) or torch.equal(a, b), name
-        want = _dx_of_fp8_rows(last_saved, wk, ranks, T, E, K + int(shared), H,
-                               last_cfg.block_m)
+        want = _dx_of_fp8_rows(r.saved, r.wk, ranks, r.T, r.E, r.K + int(shared), r.H,
+                               r.cfg.block_m)
         err = ((g.dx_TH.float() - want).norm() / want.norm()).item()
         assert err < TOL, err
     if not knobs.get("bwd_fp8_dx"):  # dA alone: against the layer on the quantised inputs
-        quant = reference_grads(x, idx, p, (w[0], _deq_rows(w[1]), w[2],
-                                            _deq_rows(w[3]) if shared else None),
-                                _deq_rows(dy))
+        w = r.w
+        quant = reference_grads(r.x, r.idx, r.p, (w[0], _deq_rows(w[1]), w[2],
+                                                  _deq_rows(w[3]) if shared else None),
+                                _deq_rows(r.dy))
         for name in ("dx", "dp", "dw1") + (("dws1",) if shared else ()):
             o = mine[name].float()
             err_q = ((o - quant[name]).norm() / quant[name].norm()).item()
@@ -329,47 +345,15 @@ def test_fp8_weight_gradients_match_the_quantised_reference(ranks, shared, knobs
     weight gradients are FP8, and bitwise reruns."""
     from tests.unit.fp8_reference import wgrad_of_fp8_columns
 
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("needs an FP8 GPU (Hopper or Blackwell)")
-    H, I, E, K, T = 4096, 1024, 8, 4, 1024
-    x, idx, p, w = make_layer(ranks, T, H, I, E, K, shared, 5)
-    dy = torch.randn(ranks * T, H, device=DEV, generator=torch.Generator(DEV).manual_seed(6)
-                     ).bfloat16()
-    wk = (mk.interleave_gate_up(w[0]), w[1],
-          mk.interleave_gate_up(w[2]) if shared else None, w[3])
-    out = {}
-    for key in ("bf16", "fp8", "fp8"):
-        cfg = cfg_for(H, I, gate_up_interleaved=True,
-                      **({"bwd_fp8_wgrad": True, **knobs} if key == "fp8" else {}))
-        ws = mk.get_workspace(cfg, tokens=T, hidden=H, intermediate=I, local_experts=E,
-                              topk=K, shared=shared, device=DEV, loopback_ranks=ranks)
-        y, saved = mk.forward_train(cfg, ws, mk.build_schedule(ws, idx), x, p, *wk)
-        pre_LPF = saved.pre_LPF.clone()  # the backward writes dG/dU over it
-        g = mk.backward(cfg, ws, saved, dy, *wk,
-                        fp8_weights=mk.quantize_backward_weights(cfg, wk[1], wk[3], wk[0],
-                                                                 wk[2]))
-        mk.check_errors(ws)
-        if key in out:
-            for a, b in zip(vars(out[key]).values(), vars(g).values()):
-                assert (a is None and b is None) or torch.equal(a, b)
-        else:
-            out[key] = g
-    g, g16 = out["fp8"], out["bf16"]
-    exact = reference_grads(x, idx, p, w, dy)
-    mine = grads_of(y, g)
-    for name, r in exact.items():
-        if r is not None and name != "y":
-            o = mine[name].float()
-            assert torch.isfinite(o).all(), name
-            assert ((o - r).norm() / r.norm()).item() < 1e-1, name
+    r = _fp8_backward_runs(ranks, shared, {"bwd_fp8_wgrad": True, **knobs}, 5)
     if not knobs:
-        assert torch.equal(g.dx_TH, g16.dx_TH)
-        assert torch.equal(g.d_router_weights_TK, g16.d_router_weights_TK)
-    q = wgrad_of_fp8_columns(saved, pre_LPF, x, dy, p, ranks, E, K, K + int(shared),
-                             cfg.block_m, I)
+        assert torch.equal(r.g.dx_TH, r.g16.dx_TH)
+        assert torch.equal(r.g.d_router_weights_TK, r.g16.d_router_weights_TK)
+    q = wgrad_of_fp8_columns(r.saved, r.pre_LPF, r.x, r.dy, r.p, ranks, r.E, r.K,
+                             r.K + int(shared), r.cfg.block_m, r.I)
     for name, want in zip(("dw1", "dw2", "dws1", "dws2"), q, strict=True):
-        if mine[name] is not None:
-            err = ((mine[name].float() - want).norm() / want.norm()).item()
+        if r.mine[name] is not None:
+            err = ((r.mine[name].float() - want).norm() / want.norm()).item()
             assert err < TOL, (name, err)
 
 
