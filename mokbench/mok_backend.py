@@ -266,6 +266,7 @@ class MoKBackend(BackendBase):
                         + (",dx_tma=1" if c.bwd_dx_tma else "")
                         + (f",pull_ahead={c.bwd_pull_ahead}" if c.bwd_pull_ahead else "")
                         + (",dispatch_dedup=1" if c.dispatch_dedup else "")
+                        + (",pull_dedup=1" if c.bwd_pull_dedup else "")
                         + (f",fp8={c.fp8},block_m={c.block_m},bwd={backward_kind(c)}"
                            if fp8 else "")
                         + (f",bwd={backward_kind(c)}"

@@ -175,21 +175,23 @@ class Fp8WgradScratch:
 def backward_scratch(ws: Workspace) -> BackwardScratch:
     """Fresh outputs and scratch for one backward on ``ws``. With ``bwd_fp8_wgrad`` no bf16
     x rows are pulled (the FP8 weight-gradient items read x's FP8 copy), nor bf16 dY rows
-    when ``bwd_fp8_da`` also holds (the dA items then read dY's FP8 rows at home)."""
+    when ``bwd_fp8_da`` also holds (the dA items then read dY's FP8 rows at home), unless
+    ``bwd_pull_dedup`` needs them as its second pass's source."""
     cfg = ws.config
     L, H, I, P, dev = ws.L, ws.H, ws.I, ws.P, ws.device
     bf = torch.bfloat16
     pulled = not cfg.bwd_direct_rows
-    w8 = cfg.bwd_fp8_wgrad
+    w8, dedup = cfg.bwd_fp8_wgrad, cfg.bwd_pull_dedup
     return BackwardScratch(
         dw1_EHF=torch.empty(L * ws.E, H, 2 * I, dtype=bf, device=dev),
         dw2_EIH=torch.empty(L * ws.E, I, H, dtype=bf, device=dev),
         dws1_LHF=torch.empty((L, H, 2 * I) if ws.shared else (1,), dtype=bf, device=dev),
         dws2_LIH=torch.empty((L, I, H) if ws.shared else (1,), dtype=bf, device=dev),
         hs_LPI=torch.empty(L, P, I, dtype=bf, device=dev),
-        xg_LPH=torch.empty(L, P, H, dtype=bf, device=dev) if pulled and not w8 else None,
+        xg_LPH=(torch.empty(L, P, H, dtype=bf, device=dev)
+                if pulled and (dedup or not w8) else None),
         dyg_LPH=(torch.empty(L, P, H, dtype=bf, device=dev)
-                 if pulled and not (w8 and cfg.bwd_fp8_da) else None),
+                 if pulled and (dedup or not (w8 and cfg.bwd_fp8_da)) else None),
         gq_LPG=(torch.empty(L, P, dgu_row_elements(I), dtype=bf, device=dev)
                 if cfg.bwd_fp8_dx else None),
         wgrad8=(Fp8WgradScratch.empty(L, H, I, P, ws.E + int(ws.shared), dev)
@@ -502,7 +504,8 @@ def _pull_fp8_copies(ws: Workspace, bb: BackwardBuffers, st: ScheduleTensors,
                      sc: BackwardScratch, x_src: torch.Tensor) -> None:
     """``bwd_fp8_wgrad``: the global column maxima of x and dY (after the barrier: every
     rank's own are in), then the pull of x and dY rows into their FP8 transposed copies
-    (and the bf16 dY rows where the dA items read them)."""
+    (and the bf16 dY rows where the dA items read them); with ``bwd_pull_dedup`` in two
+    passes, a token's first row on this rank from home, then its other rows from it."""
     from mok_kernels._details.tl_backward import global_col_amax_kernel, pull_rows_fp8t_kernel
 
     cfg, w8, H = ws.config, sc.wgrad8, ws.H
@@ -512,11 +515,13 @@ def _pull_fp8_copies(ws: Workspace, bb: BackwardBuffers, st: ScheduleTensors,
                                            CH=ch, num_warps=4)
     br = wgrad_rows(cfg)
     dy16 = sc.dyg_LPH is not None
-    pull_rows_fp8t_kernel[(ws.L, ws.P // br)](
-        st.src_LP, st.total_L, x_src, ws.x_tab_R, bb.dy_LTH, bb.tab16_R,
-        sc.dyg_LPH if dy16 else w8.gdyam_H, w8.xqT_LHP, w8.dyqT_LHP, w8.gxam_H, w8.gdyam_H,
-        ws.T, ws.P, H=H, S=ws.S, BR=br, CH=ch, DY16=dy16, POW2=cfg.fp8_pow2_scales,
-        SOFT_CAST=_interpreting(), num_warps=4)
+    for phase in (1, 2) if cfg.bwd_pull_dedup else (0,):
+        pull_rows_fp8t_kernel[(ws.L, ws.P // br)](
+            st.src_LP, st.total_L, x_src, ws.x_tab_R, bb.dy_LTH, bb.tab16_R,
+            sc.dyg_LPH if dy16 else w8.gdyam_H, w8.xqT_LHP, w8.dyqT_LHP, w8.gxam_H,
+            w8.gdyam_H, ws.T, ws.P, H=H, S=ws.S, BR=br, CH=ch, DY16=dy16,
+            POW2=cfg.fp8_pow2_scales, SOFT_CAST=_interpreting(), first_ptr=st.first_LP,
+            xg_ptr=sc.xg_LPH, PHASE=phase, num_warps=4)
 
 
 def backward(config: MoKConfig, ws: Workspace, context: ForwardContext, dy_TH: torch.Tensor,
@@ -559,10 +564,13 @@ def backward(config: MoKConfig, ws: Workspace, context: ForwardContext, dy_TH: t
     elif not (config.bwd_fused_pull or config.bwd_direct_rows or config.bwd_pull_ahead):
         # else the megakernel pulls or gathers the rows itself
         br = PULL_ROWS
-        pull_rows_kernel[(L, ws.P // br)](st.src_LP, st.total_L, x_src, ws.x_tab_R,
-                                          bb.dy_LTH, bb.tab16_R, sc.xg_LPH, sc.dyg_LPH, T,
-                                          ws.P, H=H, S=ws.S, BR=br, CH=_row_chunk(H),
-                                          num_warps=4)
+        for phase in (1, 2) if config.bwd_pull_dedup else (0,):  # dedup: first rows, then
+            # the other rows from them (two launches: no wait inside the kernel)
+            pull_rows_kernel[(L, ws.P // br)](st.src_LP, st.total_L, x_src, ws.x_tab_R,
+                                              bb.dy_LTH, bb.tab16_R, sc.xg_LPH, sc.dyg_LPH, T,
+                                              ws.P, H=H, S=ws.S, BR=br, CH=_row_chunk(H),
+                                              first_ptr=st.first_LP, PHASE=phase,
+                                              num_warps=4)
     progs, _ = _programs(ws)
     extra = {} if _interpreting() else {"launch_cooperative_grid": True}
     args = backward_kernel_args(ws, st, context.pre_LPF, weights, sc,

@@ -108,6 +108,14 @@ class MoKConfig:
         contiguous buffers (read through TMA): no pull pass, and 2 * rows * H * 2 bytes less
         scratch. Off by default: far slower on one H200 (the gathers inside the K loops;
         benchmarks/mok_backward_time.py, notes/mok-kernel.md).
+    bwd_pull_dedup: the backward's separate pull fetches a token's x and dY rows from its
+        home rank once per rank, for its first schedule row there, and a second pass copies
+        them to the token's other rows from that local row: NVLink bytes of the
+        reverse-combine pull go from one row per (token, k) slot to one per (token, rank), as
+        ``dispatch_dedup`` does for the forward. Gradients bitwise the plain pull's. Needs
+        the separate pull (not bwd_direct_rows, bwd_fused_pull or bwd_pull_ahead); with
+        ``bwd_fp8_wgrad`` it keeps the first rows' bf16 x and dY as the second pass's
+        source (P x H x 2 bytes more scratch). Off by default: not yet run on a GPU.
     bwd_dx_tiles: H tiles of block_n columns per dX (B) work item of the backward, in one
         flattened loop (the next tile's loads overlap a tile's store, as gate_up_tiles and
         down_tiles do in the forward); must divide hidden / block_n. 1 by default: not
@@ -204,6 +212,7 @@ class MoKConfig:
     bwd_fused_pull: bool = False
     bwd_pull_programs: int = 0
     bwd_direct_rows: bool = False
+    bwd_pull_dedup: bool = False
     bwd_dx_tiles: int = 1
     bwd_da_tiles: int = 1
     bwd_dx_tma: bool = False
@@ -294,6 +303,12 @@ class MoKConfig:
                "true | false")
         _check(isinstance(self.bwd_fp8_wgrad, bool), "bwd_fp8_wgrad", self.bwd_fp8_wgrad,
                "true | false")
+        _check(isinstance(self.bwd_pull_dedup, bool), "bwd_pull_dedup", self.bwd_pull_dedup,
+               "true | false")
+        _check(not (self.bwd_pull_dedup and (self.bwd_direct_rows or self.bwd_fused_pull
+                                             or self.bwd_pull_ahead)),
+               "bwd_pull_dedup", self.bwd_pull_dedup, "false when bwd_direct_rows, "
+               "bwd_fused_pull or bwd_pull_ahead is set (it dedupes the separate pull)")
         _check(not (self.bwd_fp8_wgrad and (self.bwd_direct_rows or self.bwd_fused_pull
                                             or self.bwd_pull_ahead)),
                "bwd_fp8_wgrad", self.bwd_fp8_wgrad, "false when bwd_direct_rows, "

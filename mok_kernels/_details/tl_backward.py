@@ -122,6 +122,32 @@ def _pull_rows(rows, lr, src, x_base, x_tab, dy_base, tab16, xg_ptr, dyg_ptr, T,
 
 
 @triton.jit
+def _row_sources(rows, lr, src, first, x_base, x_tab, dy_base, tab16, xg_ptr, dyg_ptr, T, P,
+                 H: tl.constexpr, S: tl.constexpr, PHASE: tl.constexpr):
+    """Where the separate pull reads the x and dY rows of schedule rows ``rows`` of logical
+    rank lr, and which rows it loads and writes: (x row pointers, dY row pointers, load
+    mask, write mask). PHASE 0: every row from its token's home rank (peer memory), padding
+    rows written 0. ``bwd_pull_dedup``: PHASE 1 the rows that are their token's first on
+    this rank (``first`` [P]), from home, and the padding rows (0); PHASE 2 (a later launch)
+    the other rows, from their first row's pulled copy in ``xg_ptr`` / ``dyg_ptr`` (local)."""
+    s = tl.load(src + rows)
+    valid = s >= 0
+    tok = (tl.maximum(s, 0) // S).to(tl.int64)
+    rank, t = tok // T, tok % T
+    x_rows = x_base + tl.load(x_tab + rank, mask=valid, other=0) + t * H
+    dy_rows = dy_base + tl.load(tab16 + rank, mask=valid, other=0) + t * H
+    if PHASE == 0:
+        return x_rows, dy_rows, valid, rows >= 0
+    f = tl.load(first + rows, mask=valid, other=-1)
+    is_first = f == rows
+    if PHASE == 1:
+        return x_rows, dy_rows, valid & is_first, is_first | (s < 0)
+    local = (lr.to(tl.int64) * P + tl.maximum(f, 0)) * H
+    dup = valid & (f != rows)
+    return xg_ptr + local, dyg_ptr + local, dup, dup
+
+
+@triton.jit
 def _pull_block(b, lr, src, x_base, x_tab, dy_base, tab16, xg_ptr, dyg_ptr, T, P,
                 H: tl.constexpr, S: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr,
                 CH: tl.constexpr, WHICH: tl.constexpr = 0):
@@ -835,17 +861,35 @@ def mok_backward_kernel(
 
 @triton.jit
 def pull_rows_kernel(src_ptr, total_ptr, x_base, x_tab, dy_base, tab16, xg_ptr, dyg_ptr, T, P,
-                     H: tl.constexpr, S: tl.constexpr, BR: tl.constexpr, CH: tl.constexpr):
+                     H: tl.constexpr, S: tl.constexpr, BR: tl.constexpr, CH: tl.constexpr,
+                     first_ptr=None, PHASE: tl.constexpr = 0):
     """Reverse-combine pull: the x and dY rows of BR schedule rows, from the tokens' home
     ranks (peer memory), into contiguous [L, P, H] buffers (zeros for padding rows), so every
     backward GEMM reads its row operands as plain tiles. Program (l, i) does rows i*BR.. of
-    logical rank l; rows past the rank's total are left alone."""
+    logical rank l; rows past the rank's total are left alone. PHASE 1 and 2
+    (``bwd_pull_dedup``, two launches; ``first_ptr`` the schedule's first_LP): a token's
+    first row on this rank from home, then its other rows from that row (``_row_sources``)."""
     lr = tl.program_id(0)
     rows = tl.program_id(1) * BR + tl.arange(0, BR)
     total = tl.load(total_ptr + lr)
     if tl.program_id(1) * BR < total:
-        _pull_rows(rows, lr, src_ptr + lr.to(tl.int64) * P, x_base, x_tab, dy_base, tab16,
-                   xg_ptr, dyg_ptr, T, P, H, S, CH)
+        if PHASE == 0:
+            _pull_rows(rows, lr, src_ptr + lr.to(tl.int64) * P, x_base, x_tab, dy_base, tab16,
+                       xg_ptr, dyg_ptr, T, P, H, S, CH)
+        else:
+            x_rows, dy_rows, ld, wr = _row_sources(
+                rows, lr, src_ptr + lr.to(tl.int64) * P, first_ptr + lr.to(tl.int64) * P,
+                x_base, x_tab, dy_base, tab16, xg_ptr, dyg_ptr, T, P, H, S, PHASE)
+            out = (lr.to(tl.int64) * P + rows) * H
+            for h0 in range(0, H, CH):
+                cols = h0 + tl.arange(0, CH)
+                cm = cols < H
+                m = ld[:, None] & cm[None, :]
+                mw = wr[:, None] & cm[None, :]
+                v = tl.load(x_rows[:, None] + cols[None, :], mask=m, other=0.0)
+                tl.store(xg_ptr + out[:, None] + cols[None, :], v, mask=mw)
+                v = tl.load(dy_rows[:, None] + cols[None, :], mask=m, other=0.0)
+                tl.store(dyg_ptr + out[:, None] + cols[None, :], v, mask=mw)
 
 
 @triton.jit
@@ -873,39 +917,44 @@ def global_col_amax_kernel(xam_base, dyam_base, tab32, R, gxam_ptr, gdyam_ptr, H
 def pull_rows_fp8t_kernel(src_ptr, total_ptr, x_base, x_tab, dy_base, tab16, dyg_ptr,
                           xqT_ptr, dyqT_ptr, gxam_ptr, gdyam_ptr, T, P, H: tl.constexpr,
                           S: tl.constexpr, BR: tl.constexpr, CH: tl.constexpr,
-                          DY16: tl.constexpr, POW2: tl.constexpr, SOFT_CAST: tl.constexpr):
+                          DY16: tl.constexpr, POW2: tl.constexpr, SOFT_CAST: tl.constexpr,
+                          first_ptr=None, xg_ptr=None, PHASE: tl.constexpr = 0):
     """``bwd_fp8_wgrad``'s reverse-combine pull: the x and dY rows of BR schedule rows from
     the tokens' home ranks, written as e4m3 transposed copies [L, H, P] (feature-major, the
     rows contiguous: the K-major operands of the FP8 weight-gradient tiles), each column
     scaled by its global column max (``global_col_amax_kernel``); DY16 also the bf16 dY rows
     [L, P, H] (for bf16 dA items). No bf16 x rows: only the weight gradient read them.
-    Padding rows and rows past the rank's total write 0."""
+    Padding rows write 0. PHASE 1 and 2 (``bwd_pull_dedup``, two launches, ``first_ptr``
+    the schedule's first_LP): a token's first row on this rank from home (its bf16 x and dY
+    rows also into ``xg_ptr`` / ``dyg_ptr``, DY16 then set), then its other rows from those
+    (``_row_sources``)."""
     lr = tl.program_id(0)
     r0 = tl.program_id(1) * BR
     total = tl.load(total_ptr + lr)
     if r0 < total:
         rows = r0 + tl.arange(0, BR)
-        s = tl.load(src_ptr + lr.to(tl.int64) * P + rows)
-        valid = (s >= 0) & (rows < total)
-        tok = (tl.maximum(s, 0) // S).to(tl.int64)
-        rank, t = tok // T, tok % T
-        x_rows = x_base + tl.load(x_tab + rank, mask=valid, other=0) + t * H
-        dy_rows = dy_base + tl.load(tab16 + rank, mask=valid, other=0) + t * H
+        x_rows, dy_rows, ld, wr = _row_sources(
+            rows, lr, src_ptr + lr.to(tl.int64) * P,
+            first_ptr + lr.to(tl.int64) * P if PHASE > 0 else first_ptr, x_base, x_tab,
+            dy_base, tab16, xg_ptr, dyg_ptr, T, P, H, S, PHASE)
         xq = xqT_ptr + lr.to(tl.int64) * H * P
         dyq = dyqT_ptr + lr.to(tl.int64) * H * P
+        out16 = (lr.to(tl.int64) * P + rows) * H
         for h0 in range(0, H, CH):
             cols = h0 + tl.arange(0, CH)
             cm = cols < H
-            m = valid[:, None] & cm[None, :]
+            m = ld[:, None] & cm[None, :]
+            mw = wr[:, None] & cm[None, :]
             tcols = cols.to(tl.int64)[None, :] * P + rows[:, None]
             v = tl.load(x_rows[:, None] + cols[None, :], mask=m, other=0.0)
+            if PHASE == 1:  # the second pass's source
+                tl.store(xg_ptr + out16[:, None] + cols[None, :], v, mask=mw)
             inv = e4m3_scales(tl.load(gxam_ptr + cols, mask=cm, other=0.0), POW2)[0]
             tl.store(xq + tcols, to_e4m3(to_f32(v, SOFT_CAST) * inv[None, :], SOFT_CAST),
-                     mask=cm[None, :])
+                     mask=mw)
             v = tl.load(dy_rows[:, None] + cols[None, :], mask=m, other=0.0)
             if DY16:
-                tl.store(dyg_ptr + (lr.to(tl.int64) * P + rows)[:, None] * H + cols[None, :], v,
-                         mask=cm[None, :])
+                tl.store(dyg_ptr + out16[:, None] + cols[None, :], v, mask=mw)
             inv = e4m3_scales(tl.load(gdyam_ptr + cols, mask=cm, other=0.0), POW2)[0]
             tl.store(dyq + tcols, to_e4m3(to_f32(v, SOFT_CAST) * inv[None, :], SOFT_CAST),
-                     mask=cm[None, :])
+                     mask=mw)

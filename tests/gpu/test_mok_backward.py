@@ -99,14 +99,17 @@ def test_wide_da_items_match_reference(wide):
                                   {"bwd_dx_tma": True},
                                   {"bwd_dx_tma": True, "bwd_dx_tiles": 4},
                                   {"bwd_pull_ahead": 8},
-                                  {"bwd_pull_ahead": 2, "bwd_dx_tma": True}])
+                                  {"bwd_pull_ahead": 2, "bwd_dx_tma": True},
+                                  {"bwd_pull_dedup": True}])
 def test_backward_variants_match_the_default_bitwise(ranks, rows):
     """bwd_fused_pull: the pull items inside the backward megakernel (rows written with plain
     stores, read through TMA after a proxy fence; by every program or by 32 of them),
     bwd_direct_rows (no pull: the items gather the rows), bwd_dx_tiles / bwd_da_tiles
     (several dX or dA tiles per item), bwd_dx_tma (dGU rows through TMA) and bwd_pull_ahead
-    (the pull as items in the ticket order, rows read through TMA after a fence) give the default
-    backward's gradients (and the reference's), bitwise, on a rerun as well."""
+    (the pull as items in the ticket order, rows read through TMA after a fence) and
+    bwd_pull_dedup (a token's rows pulled once per rank, the others copied from it in a second
+    pass) give the default backward's gradients (and the reference's), bitwise, on a rerun as
+    well."""
     base = dict(gate_up_interleaved=True, minibatch=256, macrobatch=768, tma=True,
                 num_stages=4)
     shape = (256, 7168, 1024, 8, 8)  # T, H, I, E per rank, K (K <= E even with one rank)
@@ -374,7 +377,8 @@ for comm, direct, fp8da, w8 in ((0, False, False, False), (8, False, False, Fals
                                 (8, False, True, True)):
     cfg = mk.MoKConfig.for_shape(H, I, minibatch=256, macrobatch=768, tma=True,
                                  fwd_comm_sms=comm, bwd_direct_rows=direct, bwd_fp8_da=fp8da,
-                                 bwd_fp8_dx=fp8da, dispatch_dedup=fp8da, bwd_fp8_wgrad=w8)
+                                 bwd_fp8_dx=fp8da, dispatch_dedup=fp8da, bwd_fp8_wgrad=w8,
+                                 bwd_pull_dedup=fp8da)
     ws = mk.get_workspace(cfg, tokens=T, hidden=H, intermediate=I, local_experts=E, topk=K,
                           shared=True, device="cuda", group=dist.group.WORLD)
     mine_e = slice(rank * E, (rank + 1) * E)

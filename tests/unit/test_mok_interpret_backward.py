@@ -361,3 +361,46 @@ def test_fp8_weight_gradients_in_interpreter_match_the_quantised_reference():
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("fp8 wgrad ok") == 4, out.stdout
     assert "fp8 wgrad nan ok" in out.stdout, out.stdout
+
+
+PULL_DEDUP_SCRIPT = COMMON + textwrap.dedent("""
+    for L, T, E, K, shared in [(1, 24, 4, 2, True), (2, 13, 3, 2, False), (3, 9, 2, 2, True)]:
+        H, I = 64, 32
+        torch.manual_seed(3 + L)
+        x, idx, p, w1, w2, ws1, ws2, dy = layer(L, T, E, K, shared, H, I)
+        il = mk.interleave_gate_up
+        W = (il(w1), w2, il(ws1) if shared else None, ws2)
+        exact = reference_all_experts(x, idx, p, w1, w2, ws1, ws2, dy_NH=dy)
+        for base in ({}, {"bwd_fp8_wgrad": True}, {"bwd_fp8_wgrad": True, "bwd_fp8_da": True}):
+            out = []
+            for dedup in (True, False):  # dedup first: its scratch cannot hold the plain run's
+                cfg = config(True, bwd_pull_dedup=dedup, **base)
+                ws = mk.get_workspace(cfg, tokens=T, hidden=H, intermediate=I,
+                                      local_experts=E, topk=K, shared=shared, device="cpu",
+                                      loopback_ranks=L)
+                f8 = mk.quantize_backward_weights(cfg, W[1], W[3], W[0], W[2])
+                y, saved = mk.forward_train(cfg, ws, mk.build_schedule(ws, idx), x, p, *W)
+                if dedup:  # some rows of a token come from its first row on the rank
+                    first = saved.schedule.tensors.first_LP
+                    rows = torch.arange(first.shape[1])
+                    assert int(((first >= 0) & (first != rows)).sum()) > 0
+                out.append(mk.backward(cfg, ws, saved, dy, *W, fp8_weights=f8))
+                mk.check_errors(ws)
+            for a, b in zip(vars(out[0]).values(), vars(out[1]).values()):
+                assert (a is None and b is None) or torch.equal(a, b), (L, base)
+            tol = 1e-1 if base else 2e-2
+            assert rel(out[0].w_down, exact.dweights["w2_EIH"]) < tol
+            assert rel(out[0].dx_TH, exact.dx_TH) < tol
+            print("pull dedup ok", L, base)
+""")
+
+
+def test_pull_dedup_gives_the_plain_pulls_gradients_bitwise():
+    """``bwd_pull_dedup`` (one, two and three loopback ranks; bf16, with the FP8 weight
+    gradients, and with the FP8 dA items too, whose bf16 dY rows are then pulled only as the
+    second pass's source): every gradient bitwise the plain pull's, with rows that do come
+    from their token's first row (a second pass that wrote nothing would leave them
+    unwritten and the check fails)."""
+    out = run_interpreted(PULL_DEDUP_SCRIPT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("pull dedup ok") == 9, out.stdout
