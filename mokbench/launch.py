@@ -166,9 +166,9 @@ BACKEND_ENV = ("MOKBENCH_MOK_CONFIG", "MOKBENCH_COMPILE_MODE", "MOKBENCH_DEEPEP_
                "MOKBENCH_TE_COMM", "MOKBENCH_HYBRIDEP_SMS")
 
 
-def repro_command(cell: Cell) -> str:
+def repro_command(cell: Cell, cell_env: dict[str, str] | None = None) -> str:
     """A one-line command that reruns this cell alone (with the backend knobs set in the
-    environment, if any)."""
+    environment, if any, and the sweep's ``[env]`` variables ``cell_env``)."""
     s = cell.scenario
     sh = s.shape
     from mokbench.scenario import PRESETS
@@ -183,7 +183,8 @@ def repro_command(cell: Cell) -> str:
              "--seed", str(s.seed), "--warmup", str(s.timing.warmup), "--iters",
              str(s.timing.iters), "--passes", ",".join(s.passes)]
     parts.append("--shared-expert" if s.shared_expert else "--no-shared-expert")
-    env = [f"{k}={shlex.quote(os.environ[k])} " for k in BACKEND_ENV if os.environ.get(k)]
+    given = {**{k: os.environ[k] for k in BACKEND_ENV if os.environ.get(k)}, **(cell_env or {})}
+    env = [f"{k}={shlex.quote(v)} " for k, v in given.items()]
     return "".join(env) + shlex.join(parts)
 
 
@@ -271,8 +272,11 @@ def run_process(cmd: list[str], log_path: Path, timeout_s: float, env: dict,
 class CellRunner:
     """Runs cells of one run folder and appends their rows."""
 
-    def __init__(self, run_dir: Path, run_id: str, opts: LaunchOptions) -> None:
+    def __init__(self, run_dir: Path, run_id: str, opts: LaunchOptions,
+                 cell_env: dict[str, str] | None = None) -> None:
+        """``cell_env``: variables set in every cell's processes (the sweep's ``[env]``)."""
         self.run_dir, self.run_id, self.opts = Path(run_dir), run_id, opts
+        self.cell_env = dict(cell_env or {})
         self.cells_dir = self.run_dir / "cells"
         self.cells_dir.mkdir(parents=True, exist_ok=True)
         self.writer = RowWriter(self.run_dir / "rows.jsonl")
@@ -295,7 +299,7 @@ class CellRunner:
                        is_baseline=self._is_baseline(cell.backend),
                        **{"pass": pass_}, gpu_name=self.gpu_name,
                        device="cpu" if self.opts.device == "cpu" or not self.opts.gpus_on_node
-                       else "cuda", repro=repro_command(cell),
+                       else "cuda", repro=repro_command(cell, self.cell_env),
                        registry=registry()[split_label(cell.backend)[0]],
                        git_sha=self.git_sha, **scenario_columns(cell.scenario), **values)
 
@@ -368,7 +372,7 @@ class CellRunner:
                                          "backend": cell.backend, "run_id": self.run_id}))
         for p in cell.scenario.passes:
             self.cells_dir.joinpath(f"{cell.stem}.{p}.json").unlink(missing_ok=True)
-        env = dict(os.environ)
+        env = {**os.environ, **self.cell_env}
         if self.opts.device == "cpu":
             env["MOKBENCH_DEVICE"] = "cpu"
         env.setdefault("OMP_NUM_THREADS", "1" if self.opts.device == "cpu" else "4")

@@ -245,6 +245,12 @@ def _md_env(env: dict[str, Any]) -> list[str]:
             if isinstance(ceilings.get(k), (int, float))]
     if ceil:
         out.append("ceilings (TFLOP/s): " + ", ".join(ceil))
+    sweep_env = env.get("sweep_env") or {}
+    if sweep_env:
+        out.append("sweep [env]: " + ", ".join(f"{k}={v}" for k, v in sweep_env.items()))
+    shell = {k: v for k, v in (env.get("environment") or {}).items() if k not in sweep_env}
+    if shell:
+        out.append("environment: " + ", ".join(f"{k}={v}" for k, v in shell.items()))
     return out
 
 

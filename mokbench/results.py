@@ -149,6 +149,18 @@ LIBRARIES = ("torch", "triton", "transformer_engine", "megatron-core", "deep_ep"
              "numpy", "pandas")
 
 
+# Environment variables that can change what a run measures (communication libraries, the
+# allocator, compilers, backend knobs): env.json records those set where the sweep started.
+RECORDED_ENV_PREFIXES = ("NCCL_", "NVSHMEM_", "TORCH_", "PYTORCH_", "CUDA_", "MOKBENCH_",
+                         "TRITON_", "NVTE_", "OMP_NUM_THREADS", "LD_PRELOAD")
+
+
+def recorded_environment() -> dict[str, str]:
+    """The set variables of ``RECORDED_ENV_PREFIXES``, sorted by name."""
+    return {k: os.environ[k] for k in sorted(os.environ)
+            if k.startswith(RECORDED_ENV_PREFIXES)}
+
+
 def capture_env(run_dir: Path | None = None) -> dict[str, Any]:
     """Machine and software facts for env.json (no GPU work beyond reading properties);
     ``run_dir`` is left out of the git dirty check."""
@@ -165,6 +177,7 @@ def capture_env(run_dir: Path | None = None) -> dict[str, Any]:
                       else bool(git_dirty(run_dir))),
         "cuda": torch.version.cuda, "gpu_count": torch.cuda.device_count(),
         "libraries": {lib: _version(lib) for lib in LIBRARIES},
+        "environment": recorded_environment(),
     }
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)

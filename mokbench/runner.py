@@ -100,6 +100,8 @@ def _prepare_run_dir(sw: Sweep, out: Path, resume: Path | None, opts: LaunchOpti
                "parallel": opts.parallel}
         if backends:  # --backends: the report tells the cells it left out from unfinished ones
             env["backends"] = list(backends)
+        if sw.env:  # the sweep's [env], set in every cell's processes
+            env["sweep_env"] = dict(sw.env)
         write_env(run_dir, env)
     return run_dir
 
@@ -176,7 +178,7 @@ def run_sweep(sweep_file: Path | None, *, data: dict | None = None, backends=Non
             console.print(f"[yellow]calibrate failed (exit {exc.returncode}); no ceilings[/]")
     done = _finished_keys(run_dir) if resume is not None else set()
     todo = [(i, c) for i, c in enumerate(sw.cells) if c.key not in done]
-    runner = CellRunner(run_dir, run_id, opts)
+    runner = CellRunner(run_dir, run_id, opts, sw.env)
     console.print(f"run [bold]{run_id}[/bold]: {len(todo)} cells to run"
                   + (f" ({len(done)} already finished)" if done else ""))
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -215,6 +217,9 @@ def print_dry_run(sw: Sweep, opts: LaunchOptions, console: Console) -> None:
     for i, cell in enumerate(sw.cells):
         console.print(f"[bold]{cell.scenario.scenario_id}[/bold] {cell.backend}", soft_wrap=True,
                       highlight=False)
+        if sw.env:
+            console.print("  env: " + " ".join(f"{k}={shlex.quote(v)}" for k, v in sw.env.items()),
+                          soft_wrap=True, markup=False, highlight=False)
         reason = placement_reason(cell, opts)
         if reason:
             console.print(f"  skipped: {reason}", soft_wrap=True, markup=False)

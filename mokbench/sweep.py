@@ -42,7 +42,7 @@ from mokbench.scenario import (
     preset,
 )
 
-TOP_KEYS = {"name", "description", "backends", "world_sizes", "timing", "scenarios"}
+TOP_KEYS = {"name", "description", "backends", "world_sizes", "timing", "scenarios", "env"}
 SHAPE_KEYS = {"preset", "name", "num_experts", "hidden", "intermediate", "topk"}
 GRID_KEYS = {"tokens_per_rank", "precision", "routing", "zipf_s", "shared_expert", "seed"}
 SCENARIO_KEYS = SHAPE_KEYS | GRID_KEYS | {"passes", "backends", "world_sizes"}
@@ -50,6 +50,7 @@ TIMING_KEYS = {"warmup", "iters"}
 # A sweep's name names its run folder: one path component, no spaces.
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,99}$")
 NAME_ALLOWED = "letters, digits and . _ + - (one folder name, at most 100 characters)"
+ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 @dataclass(frozen=True)
@@ -73,10 +74,35 @@ class Cell:
 
 @dataclass
 class Sweep:
+    """Cells of one sweep, scenario-major; ``env``: environment variables set in every cell's
+    processes (the sweep file's ``[env]`` table, e.g. ``PYTORCH_CUDA_ALLOC_CONF``), on top
+    of the launching shell's."""
+
     name: str
     cells: list[Cell] = field(default_factory=list)
     source_text: str = ""
     source_suffix: str = ".toml"
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def sweep_env(value: object) -> dict[str, str]:
+    """A sweep's ``env`` table, checked: variable names, and values as the strings the cell
+    processes get (booleans as 0/1)."""
+    if not isinstance(value, dict):
+        raise ScenarioError(f"env={value!r} is invalid: allowed a table of environment "
+                            "variables (NAME = \"value\")")
+    out = {}
+    for k, v in value.items():
+        if not isinstance(k, str) or not ENV_NAME_RE.match(k):
+            raise ScenarioError(f"env key {k!r} is invalid: allowed an environment variable "
+                                "name (letters, digits and _, not starting with a digit)")
+        if isinstance(v, bool):
+            v = int(v)
+        if not isinstance(v, (str, int, float)):
+            raise ScenarioError(f"env.{k}={v!r} is invalid: allowed a string, number or "
+                                "boolean")
+        out[k] = str(v)
+    return out
 
 
 def _unknown(keys: set[str], allowed: set[str], where: str) -> None:
@@ -181,7 +207,8 @@ def expand(data: dict, auto_world: int, backends_override: list[str] | None = No
     if not specs or not isinstance(specs, list):
         raise ScenarioError(f"scenarios={specs!r} is invalid: allowed a non-empty list of "
                             "scenario tables ([[scenarios]])")
-    sweep = Sweep(sweep_name(data["name"]) if "name" in data else _name_from_stem(name))
+    sweep = Sweep(sweep_name(data["name"]) if "name" in data else _name_from_stem(name),
+                  env=sweep_env(data.get("env", {})))
     seen: set[tuple[str, str]] = set()
     for i, spec in enumerate(specs):
         if not isinstance(spec, dict):

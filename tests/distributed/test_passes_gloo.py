@@ -49,3 +49,33 @@ def test_passes_through_gloo(tmp_path):
         assert all(c == {"grad": True, "x": True, "p": True} for c in calls[:2 * per_pass])
         assert all(c == {"grad": False, "x": False, "p": False} for c in calls[2 * per_pass:])
     assert "forward (training) pass" in r.stdout and "inference (no_grad) pass" in r.stdout
+
+
+def test_sweep_env_reaches_every_rank_and_is_recorded(tmp_path):
+    """A sweep file's ``[env]`` table is set in every cell process (the probe backend logs
+    only where its variable is set), recorded in env.json and in each row's repro command,
+    and shown in the report; variables of the launching shell that change a run (here
+    NCCL_DEBUG) are recorded in env.json too."""
+    from mokbench.results import read_env
+
+    log = tmp_path / "probe"
+    log.mkdir()
+    f = tmp_path / "s.toml"
+    f.write_text(SWEEP.replace('backends = ["grad_probe", "no_inference"]',
+                               'backends = ["grad_probe"]')
+                 + f'[env]\nMOKBENCH_PROBE_LOG = "{log}"\n')
+    r = mokbench("sweep", str(f), "--device", "cpu", "--out", str(tmp_path / "out"),
+                 env={"NCCL_DEBUG": "WARN"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    run_dir = only_run_dir(tmp_path / "out")
+    assert (log / "rank0.jsonl").exists() and (log / "rank1.jsonl").exists()
+    env = read_env(run_dir)
+    assert env["sweep_env"] == {"MOKBENCH_PROBE_LOG": str(log)}
+    assert env["environment"]["NCCL_DEBUG"] == "WARN"
+    rows = read_rows(run_dir / "rows.jsonl")
+    assert rows and all(x["repro"].startswith(f"MOKBENCH_PROBE_LOG={log} ") for x in rows)
+    rep = mokbench("report", str(run_dir), "--format", "md")
+    assert rep.returncode == 0, rep.stderr
+    text = (run_dir / "report.md").read_text()
+    assert f"sweep [env]: MOKBENCH_PROBE_LOG={log}" in text
+    assert "NCCL_DEBUG=WARN" in text

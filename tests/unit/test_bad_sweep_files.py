@@ -42,6 +42,13 @@ def test_the_good_sweep_passes(tmp_path):
     assert r.exit_code == 0 and "1 cells" in r.output, r.output
 
 
+def test_a_sweep_env_table_is_shown_in_the_dry_run(tmp_path):
+    r = _dry(_sweep(tmp_path, GOOD + '[env]\nPYTORCH_CUDA_ALLOC_CONF = "expandable_segments:True"'
+                                      "\nMY_FLAG = true\n"))
+    assert r.exit_code == 0, r.output
+    assert "env: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True MY_FLAG=1" in r.output
+
+
 @pytest.mark.parametrize("edit, needles", [
     # broken syntax
     (lambda t: t + "[[scenarios]\n", ("not valid TOML", "line")),
@@ -71,6 +78,10 @@ def test_the_good_sweep_passes(tmp_path):
     # a name that is not one folder
     (lambda t: t.replace('name = "t"', 'name = "a/b"'), ("name='a/b'",)),
     (lambda t: t.replace('name = "t"', "name = 5"), ("name=5",)),
+    # an [env] table that cannot be a process environment
+    (lambda t: "env = 5\n" + t, ("env=5", "table of environment variables")),
+    (lambda t: t + '[env]\n"1X" = "a"\n', ("env key '1X'", "environment variable name")),
+    (lambda t: t + "[env]\nA = [1]\n", ("env.A=[1]", "a string, number or boolean")),
     # options on a backend that takes none
     (lambda t: t.replace('["nccl_torch"]', '["nccl_torch@foo=1"]'),
      ("nccl_torch@foo=1", "takes no options")),
