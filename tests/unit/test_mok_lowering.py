@@ -230,6 +230,22 @@ def test_fp8_weight_gradients_build_with_e4m3_mmas(dgrad8):
         assert part.mma_instructions and set(part.mma_instructions) == {e4m3}
 
 
+def test_whole_fp8_backward_builds_for_blackwell():
+    """The three FP8 backward knobs together at the backend's Blackwell defaults (sm_100, the
+    MXFP8 forward's config): every backward GEMM is a tcgen05 e4m3 MMA (kind::f8f6f4), the
+    kernel fits in shared memory, its spills stay small (52 bytes with Triton 3.9). Built
+    only: unverified on Blackwell hardware."""
+    from mokbench.mok_backend import default_config_fields, fp8_config_fields
+
+    fields = {**default_config_fields(H, I, 16384, 8, 148, 1, 48, 100), **fp8_config_fields(100),
+              "bwd_fp8_da": True, "bwd_fp8_dx": True, "bwd_fp8_wgrad": True}
+    cfg = mk.MoKConfig.for_shape(H, I, **fields)
+    lw = mk.compile_megakernel(cfg, H, I, shared=True, kernel="backward", arch=100)
+    assert lw.shared_bytes <= SMEM_LIMIT
+    assert sorted(set(lw.mma_instructions)) == ["tcgen05.mma.cta_group::1.kind::f8f6f4"]
+    assert _spill_bytes(lw.ptxas_log) <= 96, lw.ptxas_log
+
+
 @pytest.mark.parametrize("fp8_forward", [False, True])
 def test_dispatch_dedup_builds_without_spills(fp8_forward):
     """``dispatch_dedup`` at the EP-2 defaults (16 communication programs): the forward with
