@@ -332,6 +332,25 @@ FP8_WGRAD_SCRIPT = COMMON + textwrap.dedent("""
             assert torch.equal(g.d_router_weights_TK, g16.d_router_weights_TK)
         print("fp8 wgrad ok", L, T, extra)
 
+    # split gate/up columns, and power-of-two scales: the exact layer within the FP8 bound
+    for il, extra in ((False, {}), (True, {"fp8_pow2_scales": True})):
+        L, T, E, K, shared = 2, 13, 3, 2, True
+        torch.manual_seed(21)
+        x, idx, p, w1, w2, ws1, ws2, dy = layer(L, T, E, K, shared, 64, 32)
+        exact = reference_all_experts(x, idx, p, w1, w2, ws1, ws2, dy_NH=dy)
+        lay = mk.interleave_gate_up if il else (lambda w: w)
+        W = (lay(w1), w2, lay(ws1), ws2)
+        cfg = config(il, bwd_fp8_wgrad=True, **extra)
+        ws = mk.get_workspace(cfg, tokens=T, hidden=64, intermediate=32, local_experts=E,
+                              topk=K, shared=shared, device="cpu", loopback_ranks=L)
+        y, saved = mk.forward_train(cfg, ws, mk.build_schedule(ws, idx), x, p, *W)
+        g = mk.backward(cfg, ws, saved, dy, *W)
+        mk.check_errors(ws)
+        for val, name in ((g.w_gate_up, "w1_EHF"), (g.w_down, "w2_EIH"),
+                          (g.shared_gate_up, "ws1_HF"), (g.shared_down, "ws2_IH")):
+            assert rel(val, exact.dweights[name]) < 1e-1, (il, extra, name)
+        print("fp8 wgrad layout ok", il, extra)
+
     # a NaN in dY reaches the weight gradients (the column scales turn NaN): never hidden
     L, T, E, K, shared = 1, 24, 4, 2, True
     torch.manual_seed(1)
@@ -354,12 +373,14 @@ def test_fp8_weight_gradients_in_interpreter_match_the_quantised_reference():
     blocks: dW_down and dW_gate_up (routed and shared) against the same products on the
     operands quantised as the kernel does (x, dY per column over every token; r h, dG/dU
     per column over the expert's rows) within 2e-2 (the interpreter's bf16 truncation), the
-    exact layer within the FP8 bound (0.1); zero gradients for an expert with no tokens;
+    exact layer within the FP8 bound (0.1), also with split gate/up columns and
+    power-of-two scales; zero gradients for an expert with no tokens;
     dx and the router gradient bitwise the bf16 backward's; bitwise reruns; a NaN in dY
     shows in the weight gradients."""
     out = run_interpreted(FP8_WGRAD_SCRIPT)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("fp8 wgrad ok") == 4, out.stdout
+    assert out.stdout.count("fp8 wgrad layout ok") == 2, out.stdout
     assert "fp8 wgrad nan ok" in out.stdout, out.stdout
 
 
