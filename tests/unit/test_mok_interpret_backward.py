@@ -47,6 +47,16 @@ COMMON = textwrap.dedent("""
         ws1 = (torch.randn(H, 2 * I) * H ** -0.5).bfloat16() if shared else None
         ws2 = (torch.randn(I, H) * I ** -0.5).bfloat16() if shared else None
         return x, idx, p, w1, w2, ws1, ws2, torch.randn(L * T, H).bfloat16()
+
+    def interleaved_case(L, T, E, K, shared, seed, H=64, I=32):
+        # layer() after torch.manual_seed(seed), its weights in the interleaved gate/up
+        # layout the kernel reads, and the float32 reference's gradients
+        torch.manual_seed(seed)
+        x, idx, p, w1, w2, ws1, ws2, dy = layer(L, T, E, K, shared, H, I)
+        il = mk.interleave_gate_up
+        W = (il(w1), w2, il(ws1) if shared else None, ws2)
+        exact = reference_all_experts(x, idx, p, w1, w2, ws1, ws2, dy_NH=dy)
+        return x, idx, p, (w1, w2, ws1, ws2), W, dy, exact
 """)
 
 SCRIPT = COMMON + textwrap.dedent("""
@@ -183,11 +193,8 @@ FP8_DGRAD_SCRIPT = COMMON + textwrap.dedent("""
 
     for L, T, E, K, shared in [(1, 24, 4, 2, True), (2, 13, 3, 2, False)]:
         H, I = 64, 32
-        torch.manual_seed(3 + L)
-        x, idx, p, w1, w2, ws1, ws2, dy = layer(L, T, E, K, shared, H, I)
-        il = mk.interleave_gate_up
-        W = (il(w1), w2, il(ws1) if shared else None, ws2)
-        exact = reference_all_experts(x, idx, p, w1, w2, ws1, ws2, dy_NH=dy)
+        x, idx, p, (w1, w2, ws1, ws2), W, dy, exact = interleaved_case(L, T, E, K, shared,
+                                                                       3 + L)
         runs = {}
         for da, dx in ((False, False), (True, False), (False, True), (True, True)):
             cfg = config(True, bwd_fp8_da=da, bwd_fp8_dx=dx)
@@ -387,11 +394,7 @@ def test_fp8_weight_gradients_in_interpreter_match_the_quantised_reference():
 PULL_DEDUP_SCRIPT = COMMON + textwrap.dedent("""
     for L, T, E, K, shared in [(1, 24, 4, 2, True), (2, 13, 3, 2, False), (3, 9, 2, 2, True)]:
         H, I = 64, 32
-        torch.manual_seed(3 + L)
-        x, idx, p, w1, w2, ws1, ws2, dy = layer(L, T, E, K, shared, H, I)
-        il = mk.interleave_gate_up
-        W = (il(w1), w2, il(ws1) if shared else None, ws2)
-        exact = reference_all_experts(x, idx, p, w1, w2, ws1, ws2, dy_NH=dy)
+        x, idx, p, _, W, dy, exact = interleaved_case(L, T, E, K, shared, 3 + L)
         for base in ({}, {"bwd_fp8_wgrad": True}, {"bwd_fp8_wgrad": True, "bwd_fp8_da": True}):
             out = []
             for dedup in (True, False):  # dedup first: its scratch cannot hold the plain run's
