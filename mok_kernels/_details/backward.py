@@ -494,10 +494,11 @@ def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tens
 
 
 def _col_amax(v_LTH: torch.Tensor) -> torch.Tensor:
-    """Column max |v| over the tokens, fp32 [L, H]; NaN where a column holds a NaN (so the
-    FP8 copies' scales, and the weight gradients, are NaN: a NaN input never passes)."""
-    amax = torch.linalg.vector_norm(v_LTH, ord=float("inf"), dim=1, dtype=torch.float32)
-    return torch.where(v_LTH.isnan().any(1), float("nan"), amax)
+    """Column max |v| over the tokens, fp32 [L, H], in one read (min and max at once, no
+    |v| temporary); NaN where a column holds a NaN (torch's reductions propagate it), so the
+    FP8 copies' scales, and the weight gradients, are NaN: a NaN input never passes."""
+    lo, hi = torch.aminmax(v_LTH, dim=1)
+    return torch.maximum(hi.float(), -lo.float())
 
 
 def _pull_fp8_copies(ws: Workspace, bb: BackwardBuffers, st: ScheduleTensors,
