@@ -502,7 +502,8 @@ def _quant_cols(base, W: tl.constexpr, dst, sc, col0, start, end, src, P, QC: tl
     ``base`` (r h or dG/dU) as e4m3 with one scale per column over those rows: a first pass
     takes the column max |v| (NaN read as +inf, so its column's scale turns NaN), the
     scales go to ``sc`` (+ column), a second pass writes the values transposed
-    (feature-major, rows contiguous) to ``dst`` [W, P]; padding rows count and write 0."""
+    (feature-major, rows contiguous) to ``dst`` [W, P]; padding rows read 0 (they neither
+    set a max nor add to a product)."""
     cols = col0 + tl.arange(0, QC)
     amax = tl.zeros((QC,), dtype=tl.float32)
     for r0 in range(start, end, BKW):
