@@ -57,3 +57,20 @@ def test_git_dirty_leaves_out_the_runs_own_folder(tmp_path):
     assert git_dirty(repo=repo) is True  # mine/run is an ordinary untracked folder then
     (repo / "code.py").write_text("x = 2\n")
     assert git_dirty(repo / "mine" / "run", repo=repo) is True
+
+
+def test_env_json_records_the_variables_that_change_a_run(monkeypatch):
+    """capture_env keeps the communication, allocator, compiler and backend-knob variables
+    set where the sweep starts, and nothing else of the shell (no HOME, no tokens)."""
+    from mokbench.results import capture_env
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
+    monkeypatch.setenv("MOKBENCH_MOK_CONFIG", '{"minibatch": 512}')
+    monkeypatch.setenv("HF_TOKEN", "secret")
+    env = capture_env()["environment"]
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert env["NCCL_NVLS_ENABLE"] == "0"
+    assert env["MOKBENCH_MOK_CONFIG"] == '{"minibatch": 512}'
+    assert "HF_TOKEN" not in env and "HOME" not in env and "PATH" not in env
+    assert list(env) == sorted(env)
