@@ -24,8 +24,10 @@ from mok_kernels._details.schedule import (
 from mok_kernels._details.tl_gemm_fp8 import fp8_row_elements, fp8_scale_sizes
 from mok_kernels._details.workspace import Workspace
 
-# Test-only switch: withhold one signal so a bounded wait must expire (0 = off).
+# Test-only switch: withhold one signal so a bounded wait must expire (0 = off;
+# WITHHOLD_WGRAD_QUANT: the first Q item of the backward with ``bwd_fp8_wgrad``).
 WITHHOLD_NONE, WITHHOLD_DISPATCH, WITHHOLD_ROWBLOCK, WITHHOLD_DGRAD = 0, 1, 2, 3
+WITHHOLD_WGRAD_QUANT = 4
 
 
 @dataclass

@@ -206,6 +206,23 @@ def test_withheld_signal_times_out_with_a_named_wait():
     check(cfg, 1, 512, 2048, 256, 8, 4, seed=6)  # the workspace is usable again
 
 
+def test_withheld_fp8_quantisation_signal_times_out_with_a_named_wait():
+    """``bwd_fp8_wgrad``: a Q item's signal withheld, the C and D items' bounded wait ends in
+    the named error (no hang), and the workspace runs a clean backward afterwards."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("needs an FP8 GPU (Hopper or Blackwell)")
+    cfg = cfg_for(2048, 256, spin_budget=20_000, bwd_fp8_wgrad=True)
+    x, idx, p, w = make_layer(1, 512, 2048, 256, 8, 4, seed=6)
+    dy = torch.randn_like(x)
+    _, _, ws = run_train(cfg, 1, x, idx, p, w, 8, dy, withhold=mk.WITHHOLD_WGRAD_QUANT)
+    torch.cuda.synchronize()
+    with pytest.raises(mk.MoKTimeoutError, match=r"wait 'backward FP8 weight gradient <- "
+                                                 r"quantise.+' timed out at expert group"):
+        mk.check_errors(ws)
+    _, _, ws = run_train(cfg, 1, x, idx, p, w, 8, dy)
+    mk.check_errors(ws)
+
+
 def test_backend_autograd_matches_reference(monkeypatch):
     """The harness path: y.backward(dy) through the backend's autograd Function."""
     from mokbench.scenario import ModelShape, Scenario

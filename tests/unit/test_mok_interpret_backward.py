@@ -372,6 +372,24 @@ FP8_WGRAD_SCRIPT = COMMON + textwrap.dedent("""
     g = mk.backward(cfg, ws, saved, dy, *W)
     assert torch.isnan(g.shared_down.float()).any() and torch.isnan(g.w_down.float()).any()
     print("fp8 wgrad nan ok")
+
+    # a Q item's signal withheld: the weight-gradient items' bounded wait ends in the named
+    # error (the largest group first: the shared expert's, group E), and the workspace runs
+    # a clean backward afterwards
+    dy[3, 5] = 0.0
+    y, saved = mk.forward_train(cfg, ws, mk.build_schedule(ws, idx), x, p, *W)
+    mk.backward(cfg, ws, saved, dy, *W, _withhold=mk.WITHHOLD_WGRAD_QUANT)
+    try:
+        mk.check_errors(ws)
+        raise SystemExit("no error with a withheld Q signal")
+    except mk.MoKTimeoutError as e:
+        assert "backward FP8 weight gradient <- quantise" in str(e), e
+        assert f"expert group {E}" in str(e), e
+    y, saved = mk.forward_train(cfg, ws, mk.build_schedule(ws, idx), x, p, *W)
+    g = mk.backward(cfg, ws, saved, dy, *W)
+    mk.check_errors(ws)
+    assert torch.isfinite(g.w_down.float()).all()
+    print("fp8 wgrad withheld ok")
 """)
 
 
@@ -383,12 +401,14 @@ def test_fp8_weight_gradients_in_interpreter_match_the_quantised_reference():
     exact layer within the FP8 bound (0.1), also with split gate/up columns and
     power-of-two scales; zero gradients for an expert with no tokens;
     dx and the router gradient bitwise the bf16 backward's; bitwise reruns; a NaN in dY
-    shows in the weight gradients."""
+    shows in the weight gradients; a withheld quantisation signal ends in the named
+    timeout, not a hang."""
     out = run_interpreted(FP8_WGRAD_SCRIPT)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("fp8 wgrad ok") == 4, out.stdout
     assert out.stdout.count("fp8 wgrad layout ok") == 2, out.stdout
     assert "fp8 wgrad nan ok" in out.stdout, out.stdout
+    assert "fp8 wgrad withheld ok" in out.stdout, out.stdout
 
 
 PULL_DEDUP_SCRIPT = COMMON + textwrap.dedent("""
