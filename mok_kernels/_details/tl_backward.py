@@ -568,6 +568,30 @@ def _wgrad_wait(g, gst, total, ctr, err, NBMAX, budget, I: tl.constexpr, BM: tl.
 
 
 @triton.jit
+def _fp8_wgrad_tile(a_desc, a_row, b_desc, b_row, start, end, HALF: tl.constexpr,
+                    BN: tl.constexpr, BKW: tl.constexpr, F32_DOT: tl.constexpr):
+    """``FP8W``: the unscaled [HALF, BN] fp32 sum over rows start..end of A^T B, from the
+    transposed e4m3 copies (feature rows ``a_row`` .. of ``a_desc``, ``b_row`` .. of
+    ``b_desc``; [HALF, BKW] and [BN, BKW] boxes, K-major): a pure FP8 K loop."""
+    acc = tl.zeros((HALF, BN), dtype=tl.float32)
+    for r0 in range(start, end, BKW):
+        a = a_desc.load([a_row, r0])
+        b = b_desc.load([b_row, r0])
+        acc = _dot8(a, tl.trans(b), acc, F32_DOT)
+    return acc
+
+
+@triton.jit
+def _home_tile(src, r0, base, tab, cols, T, S: tl.constexpr, K: tl.constexpr,
+               H: tl.constexpr, BKW: tl.constexpr):
+    """``bwd_direct_rows``: columns ``cols`` of the BKW schedule rows from r0, gathered from
+    their tokens' home ranks (``base`` + ``tab``); padding rows read 0."""
+    valid, rank, t, k, routed = _row_meta(src, r0 + tl.arange(0, BKW), T, S, K)
+    rows = _home_rows(base, tab, rank, t, valid, H)
+    return tl.load(rows[:, None] + cols[None, :], mask=valid[:, None], other=0.0)
+
+
+@triton.jit
 def _wgrad_down_item(g, it, jn, lr, gst, total, P, hs_c_desc, dyg_c_desc, ctr, err,
                      dw2, dws2, T, E, NBMAX, budget, H: tl.constexpr, I: tl.constexpr,
                      S: tl.constexpr, K: tl.constexpr, HAS_SHARED: tl.constexpr, BM: tl.constexpr,
@@ -589,23 +613,17 @@ def _wgrad_down_item(g, it, jn, lr, gst, total, P, hs_c_desc, dyg_c_desc, ctr, e
     if ok != 0:
         icols = it * HALF + tl.arange(0, HALF)
         hcols = jn * BN + tl.arange(0, BN)
-        acc = tl.zeros((HALF, BN), dtype=tl.float32)
-        if FP8W:
-            for r0 in range(start, end, BKW):
-                hq = hqT_desc.load([lr * I + it * HALF, r0])  # (r h)^T [HALF, BKW] e4m3
-                dyq = dyqT_desc.load([lr * H + jn * BN, r0])  # dY^T [BN, BKW] e4m3
-                acc = _dot8(hq, tl.trans(dyq), acc, F32_DOT)
+        if FP8W:  # (r h)^T and dY^T copies
+            acc = _fp8_wgrad_tile(hqT_desc, lr * I + it * HALF, dyqT_desc, lr * H + jn * BN,
+                                  start, end, HALF, BN, BKW, F32_DOT)
             s_dy = e4m3_scales(tl.load(gdyam + hcols), POW2)[1]
             acc = acc * tl.load(srh + g * I + icols)[:, None] * s_dy[None, :]
         else:
+            acc = tl.zeros((HALF, BN), dtype=tl.float32)
             for r0 in range(start, end, BKW):
                 h = hs_c_desc.load([lr * P + r0, it * HALF])  # [BKW, HALF]
                 if DIRECT:
-                    valid, rank, t, k, routed = _row_meta(src, r0 + tl.arange(0, BKW), T, S,
-                                                          K)
-                    dy_rows = _home_rows(dy_base, tab16, rank, t, valid, H)
-                    dy = tl.load(dy_rows[:, None] + hcols[None, :], mask=valid[:, None],
-                                 other=0.0)
+                    dy = _home_tile(src, r0, dy_base, tab16, hcols, T, S, K, H, BKW)
                 else:
                     dy = dyg_c_desc.load([lr * P + r0, jn * BN])  # [BKW, BN]
                 acc = mma(tl.trans(h), dy, acc, F32_DOT)
@@ -646,22 +664,16 @@ def _wgrad_gate_up_item(g, it, jn, lr, gst, total, P, pre_d_desc, xg_d_desc, ctr
     if ok != 0:
         hcols = it * HALF + tl.arange(0, HALF)
         fcols = jn * BN + tl.arange(0, BN)
-        acc = tl.zeros((HALF, BN), dtype=tl.float32)
-        if FP8W:
-            for r0 in range(start, end, BKW):
-                xq = xqT_desc.load([lr * H + it * HALF, r0])  # x^T [HALF, BKW] e4m3
-                gq = gqT_desc.load([lr * (2 * I) + jn * BN, r0])  # dGU^T [BN, BKW] e4m3
-                acc = _dot8(xq, tl.trans(gq), acc, F32_DOT)
+        if FP8W:  # x^T and [dG dU]^T copies
+            acc = _fp8_wgrad_tile(xqT_desc, lr * H + it * HALF, gqT_desc,
+                                  lr * (2 * I) + jn * BN, start, end, HALF, BN, BKW, F32_DOT)
             s_x = e4m3_scales(tl.load(gxam + hcols), POW2)[1]
             acc = acc * s_x[:, None] * tl.load(srg + g * (2 * I) + fcols)[None, :]
         else:
+            acc = tl.zeros((HALF, BN), dtype=tl.float32)
             for r0 in range(start, end, BKW):
                 if DIRECT:
-                    valid, rank, t, k, routed = _row_meta(src, r0 + tl.arange(0, BKW), T, S,
-                                                          K)
-                    x_rows = _home_rows(x_base, x_tab, rank, t, valid, H)
-                    x = tl.load(x_rows[:, None] + hcols[None, :], mask=valid[:, None],
-                                other=0.0)
+                    x = _home_tile(src, r0, x_base, x_tab, hcols, T, S, K, H, BKW)
                 else:
                     x = xg_d_desc.load([lr * P + r0, it * HALF])  # pulled x rows [BKW, HALF]
                 dgu = pre_d_desc.load([lr * P + r0, jn * BN])  # [BKW, BN]
