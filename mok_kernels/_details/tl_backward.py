@@ -136,15 +136,23 @@ def _row_sources(rows, lr, src, first, x_base, x_tab, dy_base, tab16, xg_ptr, dy
     rank, t = tok // T, tok % T
     x_rows = x_base + tl.load(x_tab + rank, mask=valid, other=0) + t * H
     dy_rows = dy_base + tl.load(tab16 + rank, mask=valid, other=0) + t * H
+    # One return at the end: Triton's code generator (3.6, sm_90) visits the statements after
+    # a return under a constexpr branch, and ``first`` is None when PHASE is 0.
     if PHASE == 0:
-        return x_rows, dy_rows, valid, rows >= 0
-    f = tl.load(first + rows, mask=valid, other=-1)
-    is_first = f == rows
-    if PHASE == 1:
-        return x_rows, dy_rows, valid & is_first, is_first | (s < 0)
-    local = (lr.to(tl.int64) * P + tl.maximum(f, 0)) * H
-    dup = valid & (f != rows)
-    return xg_ptr + local, dyg_ptr + local, dup, dup
+        ld = valid
+        wr = rows >= 0
+    elif PHASE == 1:
+        is_first = tl.load(first + rows, mask=valid, other=-1) == rows
+        ld = valid & is_first
+        wr = is_first | (s < 0)
+    else:
+        f = tl.load(first + rows, mask=valid, other=-1)
+        local = (lr.to(tl.int64) * P + tl.maximum(f, 0)) * H
+        x_rows = xg_ptr + local
+        dy_rows = dyg_ptr + local
+        ld = valid & (f != rows)
+        wr = ld
+    return x_rows, dy_rows, ld, wr
 
 
 @triton.jit
