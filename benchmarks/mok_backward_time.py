@@ -26,6 +26,8 @@ def main() -> None:
     ap.add_argument("--phases", default="", help="comma-separated backward item masks to time "
                     "(1 dA, 2 dX, 4 dW_down, 8 dW_gate_up; 0 everything outside the items; "
                     "masks without 1 end at their first wait; profiling only)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also print each kernel's device time over 3 backwards (torch.profiler)")
     a = ap.parse_args()
     H, I, E, T, K = a.hidden, a.intermediate, a.experts, a.tokens, a.topk
     dev = torch.device("cuda")
@@ -45,6 +47,7 @@ def main() -> None:
     ws1 = lay((torch.randn(H, 2 * I, device=dev) * H ** -0.5).bfloat16()) if a.shared else None
     ws2 = (torch.randn(I, H, device=dev) * I ** -0.5).bfloat16() if a.shared else None
     w = (w1, w2, ws1, ws2)
+    w8 = mk.quantize_backward_weights(cfg, w2, ws2, w1, ws1)  # None without FP8 dgrad knobs
 
     def infer():
         return mk.forward(cfg, ws, mk.build_schedule(ws, idx), x, p, *w)
@@ -57,16 +60,29 @@ def main() -> None:
     def pre_train():  # the untimed training forward before each backward
         held["ctx"] = train()[1]
 
+    def back(phases=15):
+        return mk.backward(cfg, ws, held["ctx"], dy, *w, fp8_weights=w8, _phases=phases)
+
     def timed(body, prepare=None):
         return cuda_ms(body, prepare, warmup=a.warmup, iters=a.iters)
 
     fwd_flops = 6.0 * (T * K + (T if a.shared else 0)) * H * I
     res = {"inference": timed(infer), "forward_train": timed(train),
-           "backward": timed(lambda: mk.backward(cfg, ws, held["ctx"], dy, *w), pre_train)}
+           "backward": timed(back, pre_train)}
     mk.check_errors(ws)
     for ph in filter(None, a.phases.split(",")):
         res[f"backward[{ph}]"] = timed(
-            lambda m=int(ph): mk.backward(cfg, ws, held["ctx"], dy, *w, _phases=m), pre_train)
+            lambda m=int(ph): back(m), pre_train)
+    if a.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                pre_train()
+                back()
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15,
+                                        max_name_column_width=60))
     ctx = train()[1]
     print(f"shape H{H} I{I} E{E} T{T} k{K} shared={a.shared}; config {cfg}")
     print(f"context memory {ctx.nbytes / 2**30:.2f} GiB")
