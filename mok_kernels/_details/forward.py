@@ -297,6 +297,7 @@ def _token_source(ws: Workspace, x_TH: torch.Tensor, fp8: bool | None = None) ->
                              pow2_scales=ws.config.fp8_pow2_scales)
         return ws.x_LTH
     if (ws.handle is None and x_TH.dtype == torch.bfloat16 and x_TH.is_contiguous()
+            and x_TH.data_ptr() % 16 == 0  # the pulls' row loads are 16-byte vectors
             and x_TH.device.type == ws.device.type
             and ws.device.index in (None, x_TH.device.index)):
         return x_TH

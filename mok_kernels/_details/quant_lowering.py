@@ -104,6 +104,29 @@ def compile_fp8_ffn_kernel(kernel: str, recipe: str, *, arch: int = 90, hidden: 
     return _compile(tg.fp8_down_kernel, types, consts, opts, arch)
 
 
+def compile_pull_fp8t_kernel(phase: int = 0, *, hidden: int = 7168, arch: int = 90
+                             ) -> Lowered:
+    """Compile ``pull_rows_fp8t_kernel`` (``bwd_fp8_wgrad``'s pull: token rows gathered by
+    loaded offsets, written as transposed e4m3 copies) for sm_<arch> as the backward
+    launches it: its rows and CH columns per program, ``phase`` 0 (one pass) or 1 / 2
+    (``bwd_pull_dedup``), where the bf16 dY rows are also written."""
+    from mok_kernels._details.tl_backward import pull_rows_fp8t_kernel
+
+    a16 = "/16"
+    types = {"src_ptr": "*i32" + a16, "total_ptr": "*i32" + a16, "x_base": "*bf16" + a16,
+             "x_tab": "*i64" + a16, "dy_base": "*bf16" + a16, "tab16": "*i64" + a16,
+             "dyg_ptr": "*bf16" + a16, "xqT_ptr": "*fp8e4nv" + a16,
+             "dyqT_ptr": "*fp8e4nv" + a16, "gxam_ptr": "*fp32" + a16,
+             "gdyam_ptr": "*fp32" + a16, "T": "i32", "P": "i32" + a16,
+             "first_ptr": "*i32" + a16, "xg_ptr": "*bf16" + a16}
+    consts: dict[str, object] = {"H": hidden, "S": 16, "BR": 64, "CH": 128,
+                                 "DY16": phase > 0, "POW2": False, "SOFT_CAST": False,
+                                 "PHASE": phase}
+    if phase == 0:
+        consts.update(first_ptr=None, xg_ptr=None)
+    return _compile(pull_rows_fp8t_kernel, types, consts, {"num_warps": 4}, arch)
+
+
 def _compile(fn, types: dict[str, str], consts: dict[str, object], options: dict,
              arch: int) -> Lowered:
     """triton.compile ``fn`` for sm_<arch> with the runtime argument ``types`` ("/16": known
