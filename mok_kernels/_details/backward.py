@@ -317,7 +317,7 @@ def _fp8_dx_args(ws: Workspace, sc: BackwardScratch,
         raise ValueError(f"fp8_weights: w1q {tuple(fw.w1q_NF.shape)} does not fit this "
                          f"workspace (want {(ws.L * ws.E * ws.H, F)}, shared "
                          f"{'needed' if ws.shared else 'unused'})")
-    box = [ws.config.block_n, backward_block_k(ws.config)]
+    box = [ws.config.block_n, fp8_backward_block_k(ws.config)]
     shared = ws.shared
     return dict(gq_ptr=sc.gq_LPG, w1q_desc=TensorDescriptor.from_tensor(fw.w1q_NF, box),
                 ws1q_desc=TensorDescriptor.from_tensor(fw.ws1q_HF, box) if shared else None,
@@ -334,7 +334,7 @@ def _fp8_da_args(ws: Workspace, bb: BackwardBuffers,
     fp8_weights = _need_fp8_weights(fp8_weights, "w2q_NH", "bwd_fp8_da")
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    box = [ws.config.da_cols(ws.I), backward_block_k(ws.config)]
+    box = [ws.config.da_cols(ws.I), fp8_backward_block_k(ws.config)]
     fw = fp8_weights
     if tuple(fw.w2q_NH.shape) != (ws.L * ws.E * ws.I, ws.H) or (ws.shared and fw.ws2q_IH is None):
         raise ValueError(f"fp8_weights: w2q {tuple(fw.w2q_NH.shape)} does not fit this "
@@ -352,6 +352,20 @@ def backward_block_k(cfg: MoKConfig) -> int:
     block_k 128 (one scale per step) would need 320 KB of shared memory for the dX tiles at
     four stages (sm_90 has 227 KB)."""
     return min(cfg.block_k, 64)
+
+
+def fp8_backward_block_k(cfg: MoKConfig) -> int:
+    """Reduction step of the FP8 dgrad items (BK8: ``bwd_fp8_da``, ``bwd_fp8_dx``):
+    ``bwd_fp8_block_k``. Their tiles are half the bytes of bf16 ones, so 128 takes the shared
+    memory of the bf16 items' 64."""
+    return cfg.bwd_fp8_block_k
+
+
+def fp8_wgrad_rows(cfg: MoKConfig) -> int:
+    """Rows per reduction step of the FP8 weight-gradient items (BKW8: ``bwd_fp8_wgrad``):
+    ``bwd_fp8_block_k``, or the backward's row block if smaller (groups are padded to whole
+    row blocks)."""
+    return min(cfg.bwd_fp8_block_k, cfg.bwd_bm)
 
 
 PULL_ROWS = 16  # rows per step of an in-kernel pull item (x and dY chunks of CH columns)
@@ -413,7 +427,7 @@ def _fp8_wgrad_args(cfg: MoKConfig, sc: BackwardScratch) -> dict:
         return dict.fromkeys(names)
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    bn, bkw = cfg.block_n, wgrad_rows(cfg)
+    bn, bkw = cfg.block_n, fp8_wgrad_rows(cfg)
 
     def desc(t: torch.Tensor, feats: int) -> TensorDescriptor:
         return TensorDescriptor.from_tensor(t.view(-1, t.shape[-1]), [feats, bkw])
@@ -447,7 +461,8 @@ def backward_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots:
                 FENCE=cfg.bwd_fused_pull or cfg.bwd_pull_ahead > 0, FP8DA=cfg.bwd_fp8_da,
                 FP8DX=cfg.bwd_fp8_dx, GQW=dgu_row_elements(intermediate),
                 RQC=min(128, 2 * intermediate), POW2=cfg.fp8_pow2_scales,
-                FP8W=cfg.bwd_fp8_wgrad)
+                FP8W=cfg.bwd_fp8_wgrad, BK8=fp8_backward_block_k(cfg),
+                BKW8=fp8_wgrad_rows(cfg))
 
 
 def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tensor,

@@ -174,6 +174,10 @@ class MoKConfig:
         transposed copies, the weight-gradient items wait for those). Needs the separate
         pull (not bwd_direct_rows, bwd_fused_pull or bwd_pull_ahead). Third stage of the FP8
         backward; off by default: not yet timed on a GPU.
+    bwd_fp8_block_k: the reduction step of the backward's FP8 items (with bwd_fp8_da,
+        bwd_fp8_dx or bwd_fp8_wgrad): 64 (the bf16 items' step, 128 bytes of bf16 per row)
+        or 128 (128 bytes of e4m3 per row, the FP8 forward's block_k: half the K-loop
+        iterations and barrier waits per FLOP). Off the default until a GPU run times it.
     fp8: the forward's FP8 recipe (``tl_gemm_fp8``): "none" (bf16), "blockwise" (1x128
         activation and 128x128 weight scales, as TransformerEngine's Float8BlockScaling),
         "rowwise" (per row / per weight column, applied after the K loop; h still 1x128),
@@ -221,6 +225,7 @@ class MoKConfig:
     bwd_fp8_da: bool = False
     bwd_fp8_dx: bool = False
     bwd_fp8_wgrad: bool = False
+    bwd_fp8_block_k: int = 64
     fp8: str = "none"
     fp8_pow2_scales: bool = False
 
@@ -303,6 +308,8 @@ class MoKConfig:
                "true | false")
         _check(isinstance(self.bwd_fp8_wgrad, bool), "bwd_fp8_wgrad", self.bwd_fp8_wgrad,
                "true | false")
+        _check(self.bwd_fp8_block_k in (64, 128) and not isinstance(self.bwd_fp8_block_k, bool),
+               "bwd_fp8_block_k", self.bwd_fp8_block_k, "64 | 128")
         _check(isinstance(self.bwd_pull_dedup, bool), "bwd_pull_dedup", self.bwd_pull_dedup,
                "true | false")
         _check(not (self.bwd_pull_dedup and (self.bwd_direct_rows or self.bwd_fused_pull
@@ -345,6 +352,11 @@ class MoKConfig:
                self.block_k, f"a divisor of hidden ({hidden}) and intermediate ({intermediate})")
         _check(hidden // self.block_n % self.bwd_dx_tiles == 0, "bwd_dx_tiles",
                self.bwd_dx_tiles, f"a divisor of hidden / block_n ({hidden // self.block_n})")
+        if self.bwd_fp8_da or self.bwd_fp8_dx:
+            bk8 = self.bwd_fp8_block_k
+            _check(hidden % bk8 == 0 and 2 * intermediate % bk8 == 0, "bwd_fp8_block_k", bk8,
+                   f"a divisor of hidden ({hidden}) and 2 * intermediate ({2 * intermediate})"
+                   " (the FP8 dgrad items' reduction steps)")
         n_da = intermediate // self.da_cols(intermediate)
         _check(n_da % self.bwd_da_tiles == 0, "bwd_da_tiles", self.bwd_da_tiles,
                f"a divisor of the dA tiles of the intermediate size ({n_da})")

@@ -732,7 +732,7 @@ def mok_backward_kernel(
         RQC: tl.constexpr = 128, POW2: tl.constexpr = False, FP8W: tl.constexpr = False,
         hqT_ptr=None, gqT_ptr=None, srh_ptr=None, srg_ptr=None,
         hqT_desc=None, dyqT_desc=None, xqT_desc=None, gqT_desc=None, gxam_ptr=None,
-        gdyam_ptr=None):
+        gdyam_ptr=None, BK8: tl.constexpr = 64, BKW8: tl.constexpr = 64):
     """One persistent program per SM; see the module docstring for the work order. FENCE:
     rows pulled in this launch (PULL or PA): the C and D items fence the async proxy after
     their group's acquire. FP8DA (``bwd_fp8_da``): the A items' FP8 tiles read dY as FP8
@@ -748,6 +748,9 @@ def mok_backward_kernel(
     (``dyqT_desc``, ``xqT_desc``, scaled by the global column maxima ``gdyam_ptr`` /
     ``gxam_ptr`` [H])."""
     HALF: tl.constexpr = BN // 2
+    BKA: tl.constexpr = BK8 if FP8DA else BK  # reduction steps of the A, B, C and D items:
+    BKX: tl.constexpr = BK8 if FP8DX else BK  # ``bwd_fp8_block_k`` (BK8, BKW8) for the FP8
+    BKWF: tl.constexpr = BKW8 if FP8W else BKW  # ones
     NQ: tl.constexpr = 3 * I // HALF if FP8W else 0  # Q items per group
     NA: tl.constexpr = I // (DAC * DAT)  # A items per row block
     NB: tl.constexpr = H // (BN * DXT)  # B items per row block
@@ -815,7 +818,7 @@ def mok_backward_kernel(
                             _dgrad_down_item(b, j - 1, lr, src, grp, P, pre, hs, ctr,
                                              dyg_a_desc, p_base, drp_base, tab32, w2_desc,
                                              ws2_desc, pre_a_desc, T, E, NBMAX, withhold, H,
-                                             I, S, K, HAS_SHARED, BM, BN, BK, DAC, F32_DOT,
+                                             I, S, K, HAS_SHARED, BM, BN, BKA, DAC, F32_DOT,
                                              INTERLEAVED, dy_base, tab16, DIRECT, DAT, FP8DA,
                                              dyq_base, w2q_desc, ws2q_desc, sw2q_ptr,
                                              sws2q_ptr, FP8DX, gq, GQW, RQC, POW2)
@@ -828,7 +831,7 @@ def mok_backward_kernel(
                 if ok != 0:
                     _dgrad_down_item(b, tk % NA, lr, src, grp, P, pre, hs, ctr, dyg_a_desc,
                                      p_base, drp_base, tab32, w2_desc, ws2_desc, pre_a_desc, T,
-                                     E, NBMAX, withhold, H, I, S, K, HAS_SHARED, BM, BN, BK,
+                                     E, NBMAX, withhold, H, I, S, K, HAS_SHARED, BM, BN, BKA,
                                      DAC, F32_DOT, INTERLEAVED, dy_base, tab16, DIRECT, DAT,
                                      FP8DA, dyq_base, w2q_desc, ws2q_desc, sw2q_ptr,
                                      sws2q_ptr, FP8DX, gq, GQW, RQC, POW2)
@@ -844,14 +847,14 @@ def mok_backward_kernel(
                 elif PHASES & 2:
                     ok = _dgrad_gate_up_item(b, j, lr, src, grp, pre, ctr, err, comb_base,
                                              comb_tab, w1_desc, ws1_desc, T, E, budget, H, I,
-                                             S, HAS_SHARED, BM, BN, BK, DAC, F32_DOT, DXT,
+                                             S, HAS_SHARED, BM, BN, BKX, DAC, F32_DOT, DXT,
                                              pre_b_desc, P, DXTMA,
                                              FP8DX, gq, GQW, w1q_desc, ws1q_desc, sw1q_ptr,
                                              sws1q_ptr)
             elif PHASES & 2:
                 ok = _dgrad_gate_up_item(i // NB, i % NB, lr, src, grp, pre, ctr, err,
                                          comb_base, comb_tab, w1_desc, ws1_desc, T, E, budget,
-                                         H, I, S, HAS_SHARED, BM, BN, BK, DAC, F32_DOT, DXT,
+                                         H, I, S, HAS_SHARED, BM, BN, BKX, DAC, F32_DOT, DXT,
                                          pre_b_desc, P, DXTMA,
                                          FP8DX, gq, GQW, w1q_desc, ws1q_desc, sw1q_ptr,
                                          sws1q_ptr)
@@ -870,7 +873,7 @@ def mok_backward_kernel(
                 c = i % NC
                 ok = _wgrad_down_item(g, c // (H // BN), c % (H // BN), lr, gst, total, P,
                                       hs_c_desc, dyg_c_desc, ctr, err, dw2_ptr, dws2_ptr, T,
-                                      E, NBMAX, budget, H, I, S, K, HAS_SHARED, BM, BN, BKW,
+                                      E, NBMAX, budget, H, I, S, K, HAS_SHARED, BM, BN, BKWF,
                                       DAC, F32_DOT, FENCE, src, dy_base, tab16, DIRECT,
                                       FP8W, qready, NQ, hqT_desc, dyqT_desc, srh, gdyam_ptr,
                                       POW2)
@@ -882,7 +885,7 @@ def mok_backward_kernel(
                 ok = _wgrad_gate_up_item(g, d // (2 * I // BN), d % (2 * I // BN), lr, gst,
                                          total, P, pre_d_desc, xg_d_desc, ctr, err, dw1_ptr,
                                          dws1_ptr, T, E, NBMAX, budget, H, I, S, K, HAS_SHARED,
-                                         BM, BN, BKW, DAC, F32_DOT, INTERLEAVED, FENCE, src,
+                                         BM, BN, BKWF, DAC, F32_DOT, INTERLEAVED, FENCE, src,
                                          x_base, x_tab, DIRECT, xgrp, PA, FP8W, qready,
                                          NQ, xqT_desc, gqT_desc, srg, gxam_ptr, POW2)
         tk = tl.atomic_add(ctr, 1, sem="relaxed", scope="gpu")

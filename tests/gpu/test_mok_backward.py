@@ -355,10 +355,13 @@ def test_fp8_dgrad_items_match_the_quantised_reference(ranks, shared, knobs):
             assert err_q < TOL, (name, err_q)
 
 
-@pytest.mark.parametrize("knobs", [{}, {"bwd_fp8_da": True, "bwd_fp8_dx": True}])
+@pytest.mark.parametrize("knobs", [{}, {"bwd_fp8_da": True, "bwd_fp8_dx": True},
+                                   {"bwd_fp8_da": True, "bwd_fp8_dx": True,
+                                    "bwd_fp8_block_k": 128, "bwd_block_m": 128}])
 @pytest.mark.parametrize("ranks, shared", [(1, True), (2, False), (2, True)])
 def test_fp8_weight_gradients_match_the_quantised_reference(ranks, shared, knobs):
-    """``bwd_fp8_wgrad`` (alone, and with both FP8 dgrad knobs): every weight gradient
+    """``bwd_fp8_wgrad`` (alone, with both FP8 dgrad knobs, and so with 128-deep steps,
+    ``bwd_fp8_block_k``): every weight gradient
     against the same products on the operands quantised as the kernel does
     (``tests.unit.fp8_reference``; bf16 tolerance), every gradient within the FP8 bound of
     the exact layer, dx and the router gradient bitwise the bf16 backward's when only the

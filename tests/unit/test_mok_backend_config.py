@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mok_kernels import MoKConfigError
+from mok_kernels import MoKConfig, MoKConfigError
 from mokbench.backend import get_backend
 from mokbench.mok_backend import (
     CONFIG_ENV,
@@ -123,3 +123,21 @@ def test_fp8_backward_knobs_name_the_row_variant(monkeypatch):
     with pytest.raises(MoKConfigError, match=r"^bwd_fp8_wgrad=True is invalid: allowed false "
                                              r"when bwd_direct_rows"):
         scenario_config(_scenario("bf16"), {"bwd_fp8_wgrad": True, "bwd_direct_rows": True})
+
+
+def test_fp8_backward_block_k_comes_through_the_variant_syntax(monkeypatch):
+    """``mok@bwd_fp8_block_k=128`` reaches the config; a value the kernel has no build for,
+    or one that does not divide the layer, is a one-line error naming the field."""
+    from mokbench.mok_backend import scenario_config
+
+    monkeypatch.delenv(CONFIG_ENV, raising=False)
+    knobs = {"bwd_fp8_da": True, "bwd_fp8_dx": True, "bwd_fp8_wgrad": True}
+    assert scenario_config(_scenario("fp8"), knobs).bwd_fp8_block_k == 64
+    cfg = scenario_config(_scenario("fp8"), {**knobs, "bwd_fp8_block_k": 128})
+    assert cfg.bwd_fp8_block_k == 128
+    with pytest.raises(MoKConfigError, match=r"^bwd_fp8_block_k=96 is invalid: allowed 64 \| 128$"):
+        scenario_config(_scenario("fp8"), {**knobs, "bwd_fp8_block_k": 96})
+    with pytest.raises(MoKConfigError, match=r"^bwd_fp8_block_k=128 is invalid: allowed a "
+                                             r"divisor of hidden \(64\)"):
+        MoKConfig(block_n=32, block_k=16, bwd_fp8_da=True,
+                  bwd_fp8_block_k=128).check_shape(64, 32)

@@ -411,6 +411,56 @@ def test_fp8_weight_gradients_in_interpreter_match_the_quantised_reference():
     assert "fp8 wgrad withheld ok" in out.stdout, out.stdout
 
 
+FP8_BLOCK_K_SCRIPT = COMMON + textwrap.dedent("""
+    from tests.unit.fp8_reference import trunc_bf16, wgrad_of_fp8_columns
+
+    # the whole FP8 backward with 128-deep reduction steps (bwd_fp8_block_k; 128-row
+    # backward blocks, so the weight-gradient items also step 128 rows) against the same
+    # backward at 64 and against the references
+    L, T, E, K, shared, H, I = 1, 40, 3, 2, True, 128, 64
+    torch.manual_seed(5)
+    x, idx, p, w1, w2, ws1, ws2, dy = layer(L, T, E, K, shared, H, I)
+    il = mk.interleave_gate_up
+    W = (il(w1), w2, il(ws1), ws2)
+    exact = reference_all_experts(x, idx, p, w1, w2, ws1, ws2, dy_NH=dy)
+    runs = {}
+    for bk8 in (64, 128):
+        cfg = mk.MoKConfig(minibatch=128, macrobatch=256, block_m=16, block_n=32, block_k=16,
+                           num_warps=4, num_stages=1, spin_budget=1000, tma=True,
+                           gate_up_interleaved=True, bwd_block_m=128, bwd_fp8_da=True,
+                           bwd_fp8_dx=True, bwd_fp8_wgrad=True, bwd_fp8_block_k=bk8)
+        ws = mk.get_workspace(cfg, tokens=T, hidden=H, intermediate=I, local_experts=E,
+                              topk=K, shared=shared, device="cpu", loopback_ranks=L)
+        f8 = mk.quantize_backward_weights(cfg, W[1], W[3], W[0], W[2])
+        y, saved = mk.forward_train(cfg, ws, mk.build_schedule(ws, idx), x, p, *W)
+        pre_LPF = saved.pre_LPF.clone()
+        g = runs[bk8] = mk.backward(cfg, ws, saved, dy, *W, fp8_weights=f8)
+        mk.check_errors(ws)
+        q1, q2, qs1, qs2 = wgrad_of_fp8_columns(saved, pre_LPF, x, dy, p, L, E, K, K + 1,
+                                                cfg.block_m, I, trunc_bf16)
+        for val, want_q, name in ((g.w_gate_up, q1, "w1_EHF"), (g.w_down, q2, "w2_EIH"),
+                                  (g.shared_gate_up, qs1, "ws1_HF"),
+                                  (g.shared_down, qs2, "ws2_IH")):
+            assert rel(val, want_q) < 2e-2, (bk8, name, rel(val, want_q))
+            assert rel(val, exact.dweights[name]) < 1e-1, (bk8, name)
+        assert rel(g.dx_TH, exact.dx_TH) < 1e-1, (bk8, rel(g.dx_TH, exact.dx_TH))
+        assert rel(g.d_router_weights_TK, exact.dprobs_TK) < 1e-1, bk8
+    for name, a in vars(runs[128]).items():  # same quantisation, other summation order
+        b = getattr(runs[64], name)
+        assert (a is None and b is None) or rel(a, b.float()) < 1e-2, (name, rel(a, b.float()))
+    print("fp8 block_k 128 ok")
+""")
+
+
+def test_fp8_backward_with_128_deep_steps_matches_the_64_deep_one():
+    """``bwd_fp8_block_k=128`` (all three FP8 knobs, 128-row backward blocks): the weight
+    gradients against the quantised reference (2e-2), every gradient against the exact layer
+    within the FP8 bound (0.1) and within 1e-2 of the same backward at 64-deep steps."""
+    out = run_interpreted(FP8_BLOCK_K_SCRIPT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "fp8 block_k 128 ok" in out.stdout, out.stdout
+
+
 PULL_DEDUP_SCRIPT = COMMON + textwrap.dedent("""
     for L, T, E, K, shared in [(1, 24, 4, 2, True), (2, 13, 3, 2, False), (3, 9, 2, 2, True)]:
         H, I = 64, 32

@@ -230,6 +230,28 @@ def test_fp8_weight_gradients_build_with_e4m3_mmas(dgrad8):
         assert part.mma_instructions and set(part.mma_instructions) == {e4m3}
 
 
+@pytest.mark.parametrize("fp8_forward", [False, True])
+def test_whole_fp8_backward_builds_with_128_deep_steps(fp8_forward):
+    """``bwd_fp8_block_k=128`` with the three FP8 backward knobs (bf16 or FP8 forward
+    defaults): every GEMM an e4m3 MMA, 128-byte e4m3 TMA boxes for the weights and the
+    transposed copies, the kernel within sm_90's shared memory (196.6 KB with Triton 3.9,
+    twice the 64-deep build's), spills as small as the 64-deep build's (296-328 bytes)."""
+    from mokbench.mok_backend import default_config_fields, fp8_config_fields
+
+    fields = {**default_config_fields(H, I, 16384, 8, 132, 1, 48, 90),
+              **(fp8_config_fields(90) if fp8_forward else {}), "bwd_fp8_da": True,
+              "bwd_fp8_dx": True, "bwd_fp8_wgrad": True, "bwd_fp8_block_k": 128}
+    cfg = mk.MoKConfig.for_shape(H, I, **fields)
+    lw = mk.compile_megakernel(cfg, H, I, shared=True, kernel="backward")
+    assert lw.shared_bytes <= SMEM_LIMIT
+    assert not lw.mma_serialized, lw.ptxas_log
+    assert sorted(set(lw.mma_instructions)) == [
+        "wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3"]
+    assert _spill_bytes(lw.ptxas_log) <= 352, lw.ptxas_log
+    boxes = set(re.findall(r"tensordesc<(\d+)x(\d+)xf8E4M3FN", lw.ttgir))
+    assert boxes and all(k == "128" for _, k in boxes), boxes
+
+
 def test_whole_fp8_backward_builds_for_blackwell():
     """The three FP8 backward knobs together at the backend's Blackwell defaults (sm_100, the
     MXFP8 forward's config): every backward GEMM is a tcgen05 e4m3 MMA (kind::f8f6f4), the

@@ -38,9 +38,11 @@ def test_ci_runs_the_readme_test_command_then_ruff():
     assert lines[i + 1:] == ["ruff check ."]
 
 
-def _speedups(run: str, scenarios: list[str], pass_: str, column: str) -> list[float]:
-    """mok's figures of one pass over ``scenarios`` (id prefixes, in order) of a committed run,
-    rounded as the README prints them; scenarios without the figure are left out."""
+def _speedups(run: str, scenarios: list[str], pass_: str, column: str,
+              backend: str = "mok") -> list[float]:
+    """A mok backend's figures (default plain ``mok``) of one pass over ``scenarios`` (id
+    prefixes, in order) of a committed run, rounded as the README prints them; scenarios
+    without the figure are left out."""
     from mokbench import report
     from mokbench.results import read_env
 
@@ -48,7 +50,7 @@ def _speedups(run: str, scenarios: list[str], pass_: str, column: str) -> list[f
                                read_env(REPO / "results" / run))
     out = []
     for prefix in scenarios:
-        row = summary[summary.scenario_id.str.startswith(prefix) & (summary.backend == "mok")
+        row = summary[summary.scenario_id.str.startswith(prefix) & (summary.backend == backend)
                       & (summary["pass"] == pass_)]
         assert len(row) == 1, (run, prefix, pass_)
         value = row.iloc[0][column]
@@ -57,15 +59,19 @@ def _speedups(run: str, scenarios: list[str], pass_: str, column: str) -> list[f
     return out
 
 
-# The "Where mok stands" table: (row label start, run, scenario id prefixes in the row's order).
+# The "Where mok stands" table: (row label start, run, scenario id prefixes in the row's order
+# [, the row's mok backend when not plain mok]).
+FP8_BWD = "mok@bwd_fp8_da=true,bwd_fp8_dx=true,bwd_fp8_wgrad=true"
 STANDS = [
     ("| one GPU, bf16", ["20261130-213907-h200-bf16-train", "20261130-214015-h200-bf16-train"],
      ["kimi-k2-e48-", "kimi-k2.7-code-E48", "kimi-k2-e384-", "qwen3.5-397b-E64"]),
-    ("| one GPU, FP8", ["20261201-013037-h200-fp8"],
+    ("| one GPU, FP8 (", ["20261201-013037-h200-fp8"],
      ["kimi-k2-e48-E48H7168I2048k8-T16384-ep1-fp8",
       "kimi-k2.7-code-E48H7168I2048k8+se-T16384-ep1-fp8",
       "kimi-k2-e384-E384H7168I2048k8-T4096-ep1-fp8",
       "qwen3.5-397b-E64H4096I1024k10+se-T16384-ep1-fp8"]),
+    ("| one GPU, FP8, the whole FP8 backward", ["20261201-052146-h200-fp8-backward"],
+     ["kimi-k2-e48-", "kimi-k2.7-code-", "qwen3.5-397b-"], FP8_BWD),
     ("| two GPUs, EP 2, bf16", ["20261130-233319-h200x2"],
      ["kimi-k2.7-code-E12H7168I2048k8+se-T8192-ep2-bf16-uniform",
       "kimi-k2.7-code-E12H7168I2048k8+se-T8192-ep2-bf16-zipf1", "deepseek-v4-pro-",
@@ -80,7 +86,8 @@ def test_where_mok_stands_matches_the_runs():
     (report.summarize over its rows.jsonl), in the order of the row's scenarios: training
     forward against the fastest baseline (then, for FP8, against mok's own bf16), backward."""
     lines = REPO.joinpath("README.md").read_text().splitlines()
-    for label, runs, scenarios in STANDS:
+    for label, runs, scenarios, *backend in STANDS:
+        who = backend[0] if backend else "mok"
         row = [ln for ln in lines if ln.startswith(label)]
         assert len(row) == 1, label
         _, _, forward_cell, backward_cell, _ = row[0].split("|")
@@ -90,14 +97,16 @@ def test_where_mok_stands_matches_the_runs():
         for prefix in scenarios:
             for run in runs:
                 try:
-                    want_fwd += _speedups(run, [prefix], "forward", "speedup_vs_best_baseline")
-                    want_bwd += _speedups(run, [prefix], "backward", "speedup_vs_best_baseline")
+                    want_fwd += _speedups(run, [prefix], "forward", "speedup_vs_best_baseline",
+                                          who)
+                    want_bwd += _speedups(run, [prefix], "backward", "speedup_vs_best_baseline",
+                                          who)
                     break
                 except AssertionError:
                     continue
             else:
                 raise AssertionError(f"{prefix} is in none of {runs}")
         if "FP8" in label and len(runs) == 1:
-            want_fwd += _speedups(runs[0], scenarios, "forward", "speedup_vs_bf16")
+            want_fwd += _speedups(runs[0], scenarios, "forward", "speedup_vs_bf16", who)
         assert quoted_fwd == want_fwd, (label, quoted_fwd, want_fwd)
         assert quoted_bwd == want_bwd, (label, quoted_bwd, want_bwd)
