@@ -104,27 +104,40 @@ def compile_fp8_ffn_kernel(kernel: str, recipe: str, *, arch: int = 90, hidden: 
     return _compile(tg.fp8_down_kernel, types, consts, opts, arch)
 
 
-def compile_pull_fp8t_kernel(phase: int = 0, *, hidden: int = 7168, arch: int = 90
-                             ) -> Lowered:
-    """Compile ``pull_rows_fp8t_kernel`` (``bwd_fp8_wgrad``'s pull: token rows gathered by
-    loaded offsets, written as transposed e4m3 copies) for sm_<arch> as the backward
-    launches it: its rows and CH columns per program, ``phase`` 0 (one pass) or 1 / 2
-    (``bwd_pull_dedup``), where the bf16 dY rows are also written."""
-    from mok_kernels._details.tl_backward import pull_rows_fp8t_kernel
+def compile_pull_kernel(kind: str = "bf16", phase: int = 0, *, hidden: int = 7168,
+                        arch: int = 90) -> Lowered:
+    """Compile the backward's separate pull for sm_<arch> as the backward launches it: kind
+    "bf16" (``pull_rows_kernel``: token rows gathered by loaded offsets into [L, P, H] bf16
+    rows, PULL_ROWS rows and ``_row_chunk(H)`` columns per step) or "fp8t"
+    (``pull_rows_fp8t_kernel``, ``bwd_fp8_wgrad``: the rows' transposed e4m3 copies, 64 rows
+    and 128 columns per step, with the bf16 dY rows in phases 1 and 2); ``phase`` 0 (one
+    pass) or 1 / 2 (``bwd_pull_dedup``)."""
+    from mok_kernels._details.backward import PULL_ROWS
+    from mok_kernels._details.forward import _row_chunk
+    from mok_kernels._details.tl_backward import pull_rows_fp8t_kernel, pull_rows_kernel
 
-    a16 = "/16"
-    types = {"src_ptr": "*i32" + a16, "total_ptr": "*i32" + a16, "x_base": "*bf16" + a16,
-             "x_tab": "*i64" + a16, "dy_base": "*bf16" + a16, "tab16": "*i64" + a16,
-             "dyg_ptr": "*bf16" + a16, "xqT_ptr": "*fp8e4nv" + a16,
-             "dyqT_ptr": "*fp8e4nv" + a16, "gxam_ptr": "*fp32" + a16,
-             "gdyam_ptr": "*fp32" + a16, "T": "i32", "P": "i32" + a16,
-             "first_ptr": "*i32" + a16, "xg_ptr": "*bf16" + a16}
-    consts: dict[str, object] = {"H": hidden, "S": 16, "BR": 64, "CH": 128,
-                                 "DY16": phase > 0, "POW2": False, "SOFT_CAST": False,
-                                 "PHASE": phase}
+    a = "/16"  # 16-byte aligned pointers, as the caching allocator gives
+    types = {"src_ptr": "*i32" + a, "total_ptr": "*i32" + a, "x_base": "*bf16" + a,
+             "x_tab": "*i64" + a, "dy_base": "*bf16" + a, "tab16": "*i64" + a,
+             "xg_ptr": "*bf16" + a, "dyg_ptr": "*bf16" + a, "first_ptr": "*i32" + a,
+             "xqT_ptr": "*fp8e4nv" + a, "dyqT_ptr": "*fp8e4nv" + a, "gxam_ptr": "*fp32" + a,
+             "gdyam_ptr": "*fp32" + a, "T": "i32", "P": "i32" + a}
+    if kind == "fp8t":
+        fn = pull_rows_fp8t_kernel
+        consts: dict[str, object] = {"BR": 64, "CH": 128, "DY16": phase > 0, "POW2": False,
+                                     "SOFT_CAST": False}
+        if phase == 0:
+            consts["xg_ptr"] = None
+    elif kind == "bf16":
+        fn = pull_rows_kernel
+        consts = {"BR": PULL_ROWS, "CH": _row_chunk(hidden)}
+    else:
+        raise ValueError(f"kind={kind!r} is invalid: allowed bf16 | fp8t")
+    consts.update(H=hidden, S=16, PHASE=phase)
     if phase == 0:
-        consts.update(first_ptr=None, xg_ptr=None)
-    return _compile(pull_rows_fp8t_kernel, types, consts, {"num_warps": 4}, arch)
+        consts["first_ptr"] = None
+    return _compile(fn, {k: v for k, v in types.items() if k in fn.arg_names}, consts,
+                    {"num_warps": 4}, arch)
 
 
 def _compile(fn, types: dict[str, str], consts: dict[str, object], options: dict,

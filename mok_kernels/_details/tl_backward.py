@@ -105,10 +105,11 @@ def _pull_rows(rows, lr, src, x_base, x_tab, dy_base, tab16, xg_ptr, dyg_ptr, T,
     tok = (tl.maximum(s, 0) // S).to(tl.int64)
     rank, t = tok // T, tok % T
     out = (lr.to(tl.int64) * P + rows) * H
-    if WHICH != 2:
-        x_rows = x_base + tl.load(x_tab + rank, mask=valid, other=0) + t * H
+    if WHICH != 2:  # rows start 16-byte aligned: 16-byte vector loads (see _row_sources)
+        x_rows = x_base + tl.multiple_of(tl.load(x_tab + rank, mask=valid, other=0) + t * H, 8)
     if WHICH != 1:
-        dy_rows = dy_base + tl.load(tab16 + rank, mask=valid, other=0) + t * H
+        dy_rows = dy_base + tl.multiple_of(tl.load(tab16 + rank, mask=valid, other=0) + t * H,
+                                           8)
     for h0 in range(0, H, CH):
         cols = h0 + tl.arange(0, CH)
         cm = cols < H
@@ -141,8 +142,8 @@ def _row_sources(rows, lr, src, first, x_base, x_tab, dy_base, tab16, xg_ptr, dy
     # 64 x 16384 (one H200), against 1.7 ms for the bf16 pull.
     x_rows = x_base + tl.multiple_of(tl.load(x_tab + rank, mask=valid, other=0) + t * H, 8)
     dy_rows = dy_base + tl.multiple_of(tl.load(tab16 + rank, mask=valid, other=0) + t * H, 8)
-    # One return at the end: Triton's code generator (3.6, sm_90) visits the statements after
-    # a return under a constexpr branch, and ``first`` is None when PHASE is 0.
+    # One return at the end: Triton's code generator (3.6 and 3.9) visits the statements
+    # after a return under a constexpr branch, and ``first`` is None when PHASE is 0.
     if PHASE == 0:
         ld = valid
         wr = rows >= 0

@@ -285,16 +285,18 @@ def test_dispatch_dedup_builds_without_spills(fp8_forward):
     assert not lw.spills, lw.ptxas_log
 
 
+@pytest.mark.parametrize("kind", ["bf16", "fp8t"])
 @pytest.mark.parametrize("phase", [0, 1, 2])
-def test_fp8_transposing_pull_moves_rows_in_16_byte_vectors(phase):
-    """``bwd_fp8_wgrad``'s pull loads the gathered bf16 rows and stores the transposed e4m3
-    copies as 16-byte vectors. Without the rows' alignment said (their offsets are loaded
-    values) every bf16 was loaded alone; with a row mask on the transposed stores every
-    byte was stored alone: 24.9 ms at Qwen3.5 64 x 16384 on an H200, against 1.7 ms for
-    the bf16 pull."""
-    from mok_kernels._details.quant_lowering import compile_pull_fp8t_kernel
+def test_separate_pulls_move_rows_in_16_byte_vectors(kind, phase):
+    """The backward's separate pulls (the bf16 one, and ``bwd_fp8_wgrad``'s transposing one;
+    one pass, or the two of ``bwd_pull_dedup``) build for sm_90 and load the gathered bf16
+    rows and store their copies as 16-byte vectors. Without the rows' alignment said (their
+    offsets are loaded values) every bf16 was loaded alone; with a row mask on the
+    transposed stores every byte was stored alone: the transposing pull took 24.9 ms at
+    Qwen3.5 64 x 16384 on an H200, against 1.7 ms for the bf16 pull."""
+    from mok_kernels._details.quant_lowering import compile_pull_kernel
 
-    lw = compile_pull_fp8t_kernel(phase, hidden=4096)
+    lw = compile_pull_kernel(kind, phase, hidden=4096)
     ops = re.findall(r"\b((?:ld|st)\.global(?:\.[a-z0-9]+)+)", lw.ptx)
     narrow = [op for op in ops if op.endswith((".b8", ".u8", ".b16", ".u16"))]
     assert not narrow, sorted(set(ops))
