@@ -148,7 +148,8 @@ def signature(kern, args: dict[str, object]) -> tuple[dict, dict, dict]:
     """(signature, constexprs, attributes) for ``triton.compiler.ASTSource`` from the
     launch's argument dict: a tensor is a pointer to its dtype (16-byte aligned, as the
     caching allocator gives and the launch specialises), a TMA descriptor its dtype and
-    box, an int an i32, a constexpr parameter (or None) its value."""
+    box, an int an i32 (known a multiple of 16 where it is one, as the launch specialises
+    it), a constexpr parameter (or None) its value."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     sig: dict[str, str] = {}
@@ -166,6 +167,8 @@ def signature(kern, args: dict[str, object]) -> tuple[dict, dict, dict]:
             sig[param.name] = f"tensordesc<{_ELEMENT[value.base.dtype]}[{rows}, {cols}]>"
         elif isinstance(value, int):
             sig[param.name] = "i32"
+            if value % 16 == 0:  # as the launch specialises an int that 16 divides
+                attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             raise TypeError(f"{param.name}: no Triton type for {type(value).__name__}")
     return sig, constexprs, attrs

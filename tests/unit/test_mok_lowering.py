@@ -302,3 +302,24 @@ def test_separate_pulls_move_rows_in_16_byte_vectors(kind, phase):
     assert not narrow, sorted(set(ops))
     assert ops.count("ld.global.v4.b32") >= 16, sorted(set(ops))
     assert ops.count("st.global.v4.b32") >= 8, sorted(set(ops))
+
+
+@pytest.mark.parametrize("kernel, knobs", [
+    ("forward", {}), ("backward", {}),
+    ("backward", {"bwd_fp8_da": True, "bwd_fp8_dx": True, "bwd_fp8_wgrad": True})])
+def test_megakernels_access_global_memory_in_wide_words(kernel, knobs):
+    """Every plain global load and store of the megakernels (forward, bf16 backward, whole
+    FP8 backward) moves at least 4 bytes per thread: a 1- or 2-byte access means Triton
+    could not prove a row's alignment. One exception, on purpose: the FP8 backward's
+    quantisation items store their transposed e4m3 bytes one per thread, 32 consecutive
+    ones per warp (whole sectors), since their 16-byte form made the kernel spill more."""
+    from mokbench.mok_backend import default_config_fields
+
+    fields = {**default_config_fields(H, I, 16384, 8, 132, 1, 48, 90), **knobs}
+    cfg = mk.MoKConfig.for_shape(H, I, **fields)
+    lw = mk.compile_megakernel(cfg, H, I, shared=True, kernel=kernel)
+    ops = re.findall(r"\b((?:ld|st)\.global(?:\.[a-z0-9:]+)+)", lw.ptx)
+    assert ops
+    narrow = sorted({op for op in ops if op.endswith((".b8", ".u8", ".s8", ".b16", ".u16",
+                                                       ".s16"))})
+    assert narrow == (["st.global.b8"] if knobs else []), narrow
