@@ -247,10 +247,39 @@ def exit_text(rc: int) -> str:
     return f"killed by {name} from outside the harness (exit code {rc})"
 
 
+class LiveProcesses:
+    """The cells' running launchers, so that another thread can stop them all. Once stopped,
+    a launcher that starts afterwards (its thread was between the stop and its start) is
+    killed at once instead of running to its timeout."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._procs: set[subprocess.Popen] = set()
+        self.stopped = False
+
+    def add(self, proc: subprocess.Popen) -> None:
+        with self._lock:
+            self._procs.add(proc)
+            late = self.stopped
+        if late:
+            _kill_group(proc)
+
+    def discard(self, proc: subprocess.Popen) -> None:
+        with self._lock:
+            self._procs.discard(proc)
+
+    def stop_all(self) -> None:
+        with self._lock:
+            self.stopped = True
+            procs = list(self._procs)
+        for proc in procs:
+            _kill_group(proc)
+
+
 def run_process(cmd: list[str], log_path: Path, timeout_s: float, env: dict,
-                live: set | None = None) -> tuple[int, bool]:
-    """Run ``cmd`` in its own process group; returns (exit code, timed_out). ``live``: a set
-    that holds the process while it runs (so another thread can stop it)."""
+                live: LiveProcesses | None = None) -> tuple[int, bool]:
+    """Run ``cmd`` in its own process group; returns (exit code, timed_out). ``live``: holds
+    the process while it runs (so another thread can stop it)."""
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
@@ -282,15 +311,16 @@ class CellRunner:
         self.writer = RowWriter(self.run_dir / "rows.jsonl")
         self._backends: dict = {}
         self._lock = threading.Lock()  # rows and the backend cache, for --parallel
-        self._live: set[subprocess.Popen] = set()
-        self.stopping = False
+        self._live = LiveProcesses()
+
+    @property
+    def stopping(self) -> bool:
+        return self._live.stopped
 
     def stop_all(self) -> None:
-        """Stop every running cell (their process groups); their rows are not written, so
-        ``--resume`` runs them again."""
-        self.stopping = True
-        for proc in list(self._live):
-            _kill_group(proc)
+        """Stop every running cell (their process groups), and any a thread starts after this;
+        their rows are not written, so ``--resume`` runs them again."""
+        self._live.stop_all()
 
     def _row(self, cell: Cell, pass_: str, **values) -> dict:
         from mokbench.backend import registry, split_label
@@ -382,6 +412,8 @@ class CellRunner:
             if gpus:
                 env["CUDA_VISIBLE_DEVICES"] = extra["cell_gpus"] = ",".join(gpus)
         log_path = self.cells_dir / f"{cell.stem}.log"
+        if self.stopping:  # stopped while this thread was setting the cell up
+            return []
         t0 = time.monotonic()
         rc, timed_out = run_process(torchrun_command(cell, cell_file, self.opts, index), log_path,
                                     self.opts.timeout_s, env, self._live)
