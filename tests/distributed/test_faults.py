@@ -15,6 +15,13 @@ from tests.distributed.helpers import REPO, cli_env, mokbench, only_run_dir, row
 
 pytestmark = pytest.mark.dist
 
+def _default_sigint() -> None:
+    """In the sweep's process: SIGINT back to its default, as in a terminal. A background
+    job of a non-interactive shell (``bash script &``, how CI or nohup may start the tests)
+    ignores SIGINT, its children inherit that, and Python then installs no Ctrl-C handler."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 SWEEP = """
 name = "faults"
 backends = [{backends}]
@@ -88,7 +95,7 @@ def test_ctrl_c_then_resume(tmp_path, sig, code):
     proc = subprocess.Popen([sys.executable, "-m", "mokbench.cli", "sweep", str(f), "--device",
                              "cpu", "--timeout-s", "300", "--out", str(out)], cwd=REPO,
                             env=cli_env(MOKBENCH_GIT_SHA="a" * 40), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True, preexec_fn=_default_sigint)
     deadline = time.time() + 120
     while time.time() < deadline:  # wait for the first cell's three rows (one per pass)
         dirs = list(out.glob("*/rows.jsonl")) if out.exists() else []
