@@ -137,9 +137,8 @@ def _row_sources(rows, lr, src, first, x_base, x_tab, dy_base, tab16, xg_ptr, dy
     rank, t = tok // T, tok % T
     # Every row starts at a multiple of 8 elements (16 bytes: H is a multiple of 8, the rank
     # offsets are those of 16-byte aligned buffers, ``_token_source`` copies an unaligned x):
-    # said, the row loads are 16-byte vectors. Unsaid, Triton 3.6 loaded each bf16 alone
-    # (the offsets are loaded values) and the FP8 transposing pull took 24.9 ms at Qwen3.5
-    # 64 x 16384 (one H200), against 1.7 ms for the bf16 pull.
+    # said, the row loads are 16-byte vectors. Unsaid, Triton loaded each bf16 alone (the
+    # offsets are loaded values), and the FP8 transposing pull took most of the backward.
     x_rows = x_base + tl.multiple_of(tl.load(x_tab + rank, mask=valid, other=0) + t * H, 8)
     dy_rows = dy_base + tl.multiple_of(tl.load(tab16 + rank, mask=valid, other=0) + t * H, 8)
     # One return at the end: Triton's code generator (3.6 and 3.9) visits the statements
