@@ -152,8 +152,8 @@ class Fp8WgradScratch:
     dyqT_LHP: torch.Tensor  # dY^T [L, H, P] e4m3, by gdyam_H
     hqT_LIP: torch.Tensor  # (r h)^T [L, I, P] e4m3, by srh_LGI (per group and column)
     gqT_LFP: torch.Tensor  # [dG dU]^T [L, 2I, P] e4m3 (kernel column layout), by srg_LGF
-    srh_LGI: torch.Tensor  # fp32 column scales of r h per group
-    srg_LGF: torch.Tensor  # fp32 column scales of dG/dU per group
+    srh_LGI: torch.Tensor  # fp32 column scales of r h per group (first its column maxima)
+    srg_LGF: torch.Tensor  # fp32 column scales of dG/dU per group (first its maxima)
     gxam_H: torch.Tensor  # fp32 column max |x| over every rank's tokens
     gdyam_H: torch.Tensor  # fp32 column max |dY| over every rank's tokens
 
@@ -166,8 +166,8 @@ class Fp8WgradScratch:
             dyqT_LHP=torch.empty(L, H, P, dtype=f8, device=device),
             hqT_LIP=torch.empty(L, I, P, dtype=f8, device=device),
             gqT_LFP=torch.empty(L, 2 * I, P, dtype=f8, device=device),
-            srh_LGI=torch.empty(L, G, I, dtype=f32, device=device),
-            srg_LGF=torch.empty(L, G, 2 * I, dtype=f32, device=device),
+            srh_LGI=torch.zeros(L, G, I, dtype=f32, device=device),  # maxima, then scales
+            srg_LGF=torch.zeros(L, G, 2 * I, dtype=f32, device=device),
             gxam_H=torch.empty(H, dtype=f32, device=device),
             gdyam_H=torch.empty(H, dtype=f32, device=device))
 
@@ -416,12 +416,13 @@ def _activation_descriptors(cfg: MoKConfig, pre_LPF: torch.Tensor, hs_LPI: torch
     return acts + dyg_d + xg_d
 
 
-def _fp8_wgrad_args(cfg: MoKConfig, sc: BackwardScratch) -> dict:
+def _fp8_wgrad_args(cfg: MoKConfig, sc: BackwardScratch, pre_LPF: torch.Tensor) -> dict:
     """The FP8 weight-gradient items' arguments (``bwd_fp8_wgrad``): the scratch of
-    ``Fp8WgradScratch`` and TMA descriptors over its transposed copies ([BN/2 or BN features,
-    BKW rows] boxes); all None without the knob."""
+    ``Fp8WgradScratch``, TMA descriptors over its transposed copies ([BN/2 or BN features,
+    BKW8 rows] boxes) and the Q items' descriptor over dG/dU ([BKW rows, BN/2 columns]; r h's
+    is ``hs_c_desc``); all None without the knob."""
     names = ("hqT_ptr", "gqT_ptr", "srh_ptr", "srg_ptr", "hqT_desc",
-             "dyqT_desc", "xqT_desc", "gqT_desc", "gxam_ptr", "gdyam_ptr")
+             "dyqT_desc", "xqT_desc", "gqT_desc", "gxam_ptr", "gdyam_ptr", "pre_q_desc")
     w8 = sc.wgrad8
     if w8 is None:
         return dict.fromkeys(names)
@@ -436,7 +437,9 @@ def _fp8_wgrad_args(cfg: MoKConfig, sc: BackwardScratch) -> dict:
                 gqT_ptr=w8.gqT_LFP, srh_ptr=w8.srh_LGI, srg_ptr=w8.srg_LGF,
                 hqT_desc=desc(w8.hqT_LIP, bn // 2), dyqT_desc=desc(w8.dyqT_LHP, bn),
                 xqT_desc=desc(w8.xqT_LHP, bn // 2), gqT_desc=desc(w8.gqT_LFP, bn),
-                gxam_ptr=w8.gxam_H, gdyam_ptr=w8.gdyam_H)
+                gxam_ptr=w8.gxam_H, gdyam_ptr=w8.gdyam_H,
+                pre_q_desc=TensorDescriptor.from_tensor(pre_LPF.view(-1, pre_LPF.shape[-1]),
+                                                        [wgrad_rows(cfg), bn // 2]))
 
 
 def backward_stages(cfg: MoKConfig) -> int:
@@ -497,7 +500,7 @@ def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tens
         pre_ptr=pre_LPF, hs_ptr=sc.hs_LPI, ctr_ptr=bb.counters_LC, err_ptr=ws.errors_L4,
         dw1_ptr=sc.dw1_EHF, dw2_ptr=sc.dw2_EIH, dws1_ptr=sc.dws1_LHF, dws2_ptr=sc.dws2_LIH,
         **dict(zip(names, descs, strict=True)), **pull, **_fp8_da_args(ws, bb, fp8_weights),
-        **_fp8_dx_args(ws, sc, fp8_weights), **_fp8_wgrad_args(cfg, sc),
+        **_fp8_dx_args(ws, sc, fp8_weights), **_fp8_wgrad_args(cfg, sc, pre_LPF),
         T=ws.T, E=ws.E, NG=ws.E + int(ws.shared), P=ws.P, NCTR=bb.counters_LC.shape[1],
         budget=cfg.spin_budget, withhold=withhold,
         **backward_constants(cfg, hidden=ws.H, intermediate=ws.I, slots=ws.S,
