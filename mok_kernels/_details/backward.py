@@ -152,8 +152,8 @@ class Fp8WgradScratch:
     dyqT_LHP: torch.Tensor  # dY^T [L, H, P] e4m3, by gdyam_H
     hqT_LIP: torch.Tensor  # (r h)^T [L, I, P] e4m3, by srh_LGI (per group and column)
     gqT_LFP: torch.Tensor  # [dG dU]^T [L, 2I, P] e4m3 (kernel column layout), by srg_LGF
-    srh_LGI: torch.Tensor  # fp32 column scales of r h per group (first its column maxima)
-    srg_LGF: torch.Tensor  # fp32 column scales of dG/dU per group (first its maxima)
+    srh_LGI: torch.Tensor  # fp32 column scales of r h per group
+    srg_LGF: torch.Tensor  # fp32 column scales of dG/dU per group
     gxam_H: torch.Tensor  # fp32 column max |x| over every rank's tokens
     gdyam_H: torch.Tensor  # fp32 column max |dY| over every rank's tokens
 
@@ -166,8 +166,8 @@ class Fp8WgradScratch:
             dyqT_LHP=torch.empty(L, H, P, dtype=f8, device=device),
             hqT_LIP=torch.empty(L, I, P, dtype=f8, device=device),
             gqT_LFP=torch.empty(L, 2 * I, P, dtype=f8, device=device),
-            srh_LGI=torch.zeros(L, G, I, dtype=f32, device=device),  # maxima, then scales
-            srg_LGF=torch.zeros(L, G, 2 * I, dtype=f32, device=device),
+            srh_LGI=torch.empty(L, G, I, dtype=f32, device=device),
+            srg_LGF=torch.empty(L, G, 2 * I, dtype=f32, device=device),
             gxam_H=torch.empty(H, dtype=f32, device=device),
             gdyam_H=torch.empty(H, dtype=f32, device=device))
 

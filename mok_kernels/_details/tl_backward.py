@@ -37,11 +37,9 @@ Work items, claimed from one ticket counter per logical rank in the global order
        adds 1 more; the B items wait for that and run FP8 tiles with W_gate_up's e4m3 rows.
     Q  (``FP8W``, ``bwd_fp8_wgrad``, only) quantisation, one per (group g, column tile of
        HALF of r h's I, then of dG/dU's 2I); waits for every A item of g: the tile's
-       columns over g's rows as e4m3 with one scale per column (from the column maxima
-       that g's A items folded in by integer atomic max: exact and order-free), read once
-       through TMA and written transposed (feature-major); the C and D items then wait for
-       all of g's Q items and run FP8 tiles on those and on the pull kernel's transposed
-       copies of dY and x.
+       columns over g's rows (read through TMA) as e4m3 with one scale per column, written
+       transposed (feature-major); the C and D items then wait for all of g's Q items and run FP8
+       tiles on those and on the pull kernel's transposed copies of dY and x.
     C  weight gradient of down, one per (group g, I tile of HALF, H tile of BN); waits for
        every A item of g: dW_down[g] = (r h)[rows of g]^T @ dY[rows of g].
     D  weight gradient of gate+up, one per (group g, H tile of HALF, 2I tile of BN); waits for
@@ -213,30 +211,6 @@ def _home_rows(base, tab, rank, t, valid, H: tl.constexpr):
 
 
 @triton.jit
-def _col_amax_into(am_ptrs, v, valid):
-    """``bwd_fp8_wgrad``: fold the column max |v| of an fp32 [BM, C] tile over its valid rows
-    (NaN read as +inf, as ``finite_amax``) into the fp32 maxima at ``am_ptrs`` [C] (zeroed
-    before the launch) by integer atomic max on their bits: non-negative floats order as
-    their bits do, and max is exact and order-free, so the result is the same bits on every
-    run whatever order the row blocks come in."""
-    am = finite_amax(tl.where(valid[:, None], v, 0.0), 0)
-    tl.atomic_max(am_ptrs.to(tl.pointer_type(tl.int32), bitcast=True),
-                  am.to(tl.int32, bitcast=True), sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def _fold_col_amax(src_rows, am, F: tl.constexpr, valid, BM: tl.constexpr,
-                   RQC: tl.constexpr, F32_DOT: tl.constexpr):
-    """``bwd_fp8_wgrad``: the column maxima of the BM bf16 rows of F values at ``src_rows``
-    (over the valid rows), RQC columns (at most F) at a time, folded into ``am`` [F]."""
-    C: tl.constexpr = RQC if RQC <= F else F
-    offs = tl.arange(0, C)
-    for c0 in tl.range(0, F, C):
-        v = to_f32(tl.load(src_rows[:, None] + (c0 + offs)[None, :]), F32_DOT)
-        _col_amax_into(am + c0 + offs, v, valid)
-
-
-@triton.jit
 def _swiglu_bwd_half(da_raw, c0, prow, pre_desc, pre_rows, hs_rows, r, I: tl.constexpr,
                      BM: tl.constexpr, Q: tl.constexpr, INTERLEAVED: tl.constexpr):
     """SwiGLU backward for Q columns c0.. of a row block (rows from ``prow`` in the [L*P, ...]
@@ -311,14 +285,11 @@ def _da_tile_fp8(jt, rank, t, valid, lr, g, E, dyq_base, tab16, w2q_desc, ws2q_d
 
 @triton.jit
 def _requant_dgu_rows(src_rows, dst_rows16, F: tl.constexpr, BM: tl.constexpr,
-                      RQC: tl.constexpr, POW2: tl.constexpr, F32_DOT: tl.constexpr,
-                      FP8W: tl.constexpr = False, am=None, valid=None):
+                      RQC: tl.constexpr, POW2: tl.constexpr, F32_DOT: tl.constexpr):
     """``FP8DX``: the BM bf16 dG/dU rows of F = 2I values at ``src_rows`` (written by the A
     items, acquired by the caller) as FP8 rows at ``dst_rows16`` (F e4m3 values, then one
     fp32 scale per row over all F: ``fp8_row_views``): their max |v| in RQC-column chunks,
-    then the quantised chunks. The bf16 rows stay for the dW_gate_up items. FP8W: the
-    second pass also folds the column maxima over the valid rows into ``am``
-    (``_col_amax_into``)."""
+    then the quantised chunks. The bf16 rows stay for the dW_gate_up items."""
     offs = tl.arange(0, RQC)
     amax = tl.zeros((BM,), dtype=tl.float32)
     for c0 in tl.range(0, F, RQC):
@@ -329,8 +300,6 @@ def _requant_dgu_rows(src_rows, dst_rows16, F: tl.constexpr, BM: tl.constexpr,
     for c0 in tl.range(0, F, RQC):
         v = to_f32(tl.load(src_rows[:, None] + (c0 + offs)[None, :]), F32_DOT)
         tl.store(q_rows[:, None] + (c0 + offs)[None, :], to_e4m3(v * inv[:, None], F32_DOT))
-        if FP8W:
-            _col_amax_into(am + c0 + offs, v, valid)
     tl.store(s_rows, scale)
 
 
@@ -398,20 +367,13 @@ def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, 
                      FP8DA: tl.constexpr = False, dyq_base=None, w2q_desc=None,
                      ws2q_desc=None, sw2q_ptr=None, sws2q_ptr=None,
                      FP8DX: tl.constexpr = False, gq=None, GQW: tl.constexpr = 0,
-                     RQC: tl.constexpr = 128, POW2: tl.constexpr = False,
-                     FP8W: tl.constexpr = False, srh=None, srg=None):
+                     RQC: tl.constexpr = 128, POW2: tl.constexpr = False):
     """A item: dA[rows of block b, I tiles jt0*DAT .. of DAC columns] and its epilogue
     (``_da_epilogue``); DAT tiles per item in one flattened loop (the next tile's loads
     overlap a tile's epilogue), and the item signals +DAT. DIRECT: the dY rows are gathered
     from their home ranks (``dy_base`` + ``tab16``) instead of read from the pulled rows.
-    FP8DA: FP8 tiles (``_da_tile_fp8``) instead of the bf16 ones. FP8W: the item that
-    completes the row block folds the block's column maxima of r h and dG/dU into group g's
-    rows of ``srh`` / ``srg`` (which the Q items turn into scales) before its group add; in
-    the epilogue itself they made the kernel spill (sm_90: 868 bytes instead of 84 with the
-    A items alone), and here the rows, just written, come from L2."""
+    FP8DA: FP8 tiles (``_da_tile_fp8``) instead of the bf16 ones."""
     g = tl.load(grp + b)
-    amh = srh + g * I if FP8W else srh
-    amg = srg + g * (2 * I) if FP8W else srg
     rows = b * BM + tl.arange(0, BM)
     valid, rank, t, k, routed = _row_meta(src, rows, T, S, K)
     d2, w_row0 = _weight_desc(lr, g, E, w2_desc, ws2_desc, I, True, HAS_SHARED)
@@ -441,22 +403,14 @@ def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, 
                          tab32, pre_a_desc, I, K, BM, BN, DAC, INTERLEAVED)
     if (withhold != 3) | (b != 0) | (jt0 != 0):
         tl.debug_barrier()
-        if FP8DX or FP8W:  # the item that completes the row block reads its rows again
+        if FP8DX:  # the item that completes the row block quantises its dG/dU rows
             old = tl.atomic_add(ctr + 1 + b, DAT, sem="acq_rel", scope="gpu")
             if old + DAT == I // DAC:
                 tl.debug_barrier()  # every thread after the acquire of the other items' rows
-                pre_rows = pre + rows.to(tl.int64) * (2 * I)
-                if FP8W:  # the block's column maxima of r h (and of dG/dU, below or here)
-                    _fold_col_amax(hs + rows.to(tl.int64) * I, amh, I, valid, BM, RQC,
-                                   F32_DOT)
-                    if not FP8DX:
-                        _fold_col_amax(pre_rows, amg, 2 * I, valid, BM, RQC, F32_DOT)
-                if FP8DX:  # its dG/dU rows in FP8 (FP8W: their column maxima on the way)
-                    _requant_dgu_rows(pre_rows, gq + rows.to(tl.int64) * GQW, 2 * I, BM, RQC,
-                                      POW2, F32_DOT, FP8W, amg, valid)
-                tl.debug_barrier()  # the maxima's atomics before the releases below
-                if FP8DX:
-                    tl.atomic_add(ctr + 1 + b, 1, sem="release", scope="gpu")
+                _requant_dgu_rows(pre + rows.to(tl.int64) * (2 * I),
+                                  gq + rows.to(tl.int64) * GQW, 2 * I, BM, RQC, POW2, F32_DOT)
+                tl.debug_barrier()
+                tl.atomic_add(ctr + 1 + b, 1, sem="release", scope="gpu")
         else:
             tl.atomic_add(ctr + 1 + b, DAT, sem="release", scope="gpu")
         tl.atomic_add(ctr + 1 + NBMAX + g, DAT, sem="release", scope="gpu")
@@ -559,13 +513,23 @@ def _quant_cols(desc, row0, dst, sc, col0, start, end, src, P, QC: tl.constexpr,
                 BKW: tl.constexpr, POW2: tl.constexpr, F32_DOT: tl.constexpr):
     """Columns col0 .. col0 + QC of one group's rows start..end of a [P, W] bf16 matrix (r h
     or dG/dU; read through ``desc``, [BKW, QC] boxes of this logical rank's rows from
-    ``row0``) as e4m3 with one scale per column over those rows: the column maxima that the
-    A items folded into ``sc`` (+ column) become the scales there, then one pass writes the
-    values transposed (feature-major, rows contiguous) to ``dst`` [W, P]; padding rows
-    write 0 (they neither set a max nor add to a product)."""
+    ``row0``) as e4m3 with one scale per column over those rows: a first pass takes the
+    column max |v| (NaN read as +inf, so its column's scale turns NaN), the scales go to
+    ``sc`` (+ column), a second pass writes the values transposed (feature-major, rows
+    contiguous) to ``dst`` [W, P]; padding rows read 0 (they neither set a max nor add to a
+    product). Both passes are pipelined TMA copies (``num_stages``): with plain loads, one
+    at a time, the Q items took about 4.4 of the 36.7 ms FP8 backward at Kimi K2.7 Code.
+    Folding the maxima into the A items instead, to read once here, made the A items 1.9 ms
+    slower at the same shape (both timed by benchmarks/mok_backward_time.py,
+    notes/mok-kernel.md)."""
     cols = col0 + tl.arange(0, QC)
-    inv, scale = e4m3_scales(tl.load(sc + cols), POW2)
-    tl.debug_barrier()  # every thread has read the maxima before they are overwritten
+    amax = tl.zeros((QC,), dtype=tl.float32)
+    for r0 in tl.range(start, end, BKW, num_stages=3):
+        rows = r0 + tl.arange(0, BKW)
+        live = tl.load(src + rows) >= 0
+        v = tl.where(live[:, None], to_f32(desc.load([row0 + r0, col0]), F32_DOT), 0.0)
+        amax = tl.maximum(amax, finite_amax(v, 0))
+    inv, scale = e4m3_scales(amax, POW2)
     tl.store(sc + cols, scale)
     for r0 in tl.range(start, end, BKW, num_stages=3):
         rows = r0 + tl.arange(0, BKW)
@@ -583,12 +547,9 @@ def _wgrad_quant_item(g, c, lr, gst, total, src, P, hs_q_desc, pre_q_desc, hqT, 
     """Q item (``bwd_fp8_wgrad``): column tile c (BN/2 columns; r h's I / (BN/2) tiles, then
     dG/dU's 2I / (BN/2)) of group g in FP8 (``_quant_cols``), once every A item of g is done
     (they wrote r h and dG/dU with plain stores, read here through TMA: the acquire fences
-    the async proxy, and folded the column maxima into ``srh`` / ``srg``); then fences the
-    async proxy (the C and D items read the copies through TMA) and adds 1 to ``qready[g]``
-    (not for the first Q item, of the largest group, when ``withhold`` is 4: a test's way to
-    make the C and D items' bounded wait expire). One pass over the rows: the maxima came
-    with the A items, so r h and dG/dU are read once here (a separate max pass read them
-    twice)."""
+    the async proxy); then fences the async proxy (the C and D items read the copies through
+    TMA) and adds 1 to ``qready[g]`` (not for the first Q item, of the largest group, when
+    ``withhold`` is 4: a test's way to make the C and D items' bounded wait expire)."""
     HALF: tl.constexpr = BN // 2
     NH: tl.constexpr = I // HALF
     start, end, ok = _group_ready(g, gst, total, ctr, err, NBMAX, budget, I, BM, DAC, F32_DOT,
@@ -789,9 +750,8 @@ def mok_backward_kernel(
     at a time) and W_gate_up's e4m3 rows (``w1q_desc`` / ``ws1q_desc``, scales ``sw1q_ptr`` /
     ``sws1q_ptr``). FP8W (``bwd_fp8_wgrad``): Q items after the B items quantise r h and
     dG/dU per group and column into transposed copies (``hqT_ptr`` [L, I, P], ``gqT_ptr``
-    [L, 2I, P], scales ``srh_ptr`` [L, NG, I], ``srg_ptr`` [L, NG, 2I], zeroed before the
-    launch: the A items fold the column maxima into them first; dG/dU read through
-    ``pre_q_desc``, r h through ``hs_c_desc``);
+    [L, 2I, P], scales ``srh_ptr`` [L, NG, I], ``srg_ptr`` [L, NG, 2I]; r h read through
+    ``hs_c_desc``, dG/dU through ``pre_q_desc``);
     the C and D items run FP8 tiles on those and on the pulled copies of dY and x
     (``dyqT_desc``, ``xqT_desc``, scaled by the global column maxima ``gdyam_ptr`` /
     ``gxam_ptr`` [H])."""
@@ -869,8 +829,7 @@ def mok_backward_kernel(
                                              I, S, K, HAS_SHARED, BM, BN, BKA, DAC, F32_DOT,
                                              INTERLEAVED, dy_base, tab16, DIRECT, DAT, FP8DA,
                                              dyq_base, w2q_desc, ws2q_desc, sw2q_ptr,
-                                             sws2q_ptr, FP8DX, gq, GQW, RQC, POW2,
-                                             FP8W, srh, srg)
+                                             sws2q_ptr, FP8DX, gq, GQW, RQC, POW2)
             elif PHASES & 1:
                 b = tk // NA
                 if PULL:  # its rows pulled by an item of this launch (plain stores; TMA here)
@@ -883,8 +842,7 @@ def mok_backward_kernel(
                                      E, NBMAX, withhold, H, I, S, K, HAS_SHARED, BM, BN, BKA,
                                      DAC, F32_DOT, INTERLEAVED, dy_base, tab16, DIRECT, DAT,
                                      FP8DA, dyq_base, w2q_desc, ws2q_desc, sw2q_ptr,
-                                     sws2q_ptr, FP8DX, gq, GQW, RQC, POW2, FP8W, srh,
-                                     srg)
+                                     sws2q_ptr, FP8DX, gq, GQW, RQC, POW2)
         elif tk < end_b:
             i = tk - end_a
             if PA > 0:

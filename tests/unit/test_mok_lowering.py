@@ -211,8 +211,7 @@ def test_fp8_weight_gradients_build_with_e4m3_mmas(dgrad8):
     the weight-gradient items run full-width e4m3 MMAs on their TMA tiles, fit in shared
     memory, and build without spills on their own (the Q and C items, the Q and D items);
     the whole kernel spills a little (220-296 bytes with Triton 3.9): bounded here until a
-    GPU run times the knob. The Q items' loads are pipelined TMA copies (one pass over r h
-    and dG/dU: the A items fold the column maxima in)."""
+    GPU run times the knob. The Q items read r h and dG/dU through pipelined TMA copies."""
     from mokbench.mok_backend import default_config_fields
 
     fields = {**default_config_fields(H, I, 16384, 8, 132, 1, 48, 90), "bwd_fp8_wgrad": True,
@@ -229,7 +228,7 @@ def test_fp8_weight_gradients_build_with_e4m3_mmas(dgrad8):
         part = mk.compile_megakernel(cfg, H, I, shared=True, kernel="backward", phases=phases)
         assert not part.spills, part.ptxas_log
         assert part.mma_instructions and set(part.mma_instructions) == {e4m3}
-        # the Q items read r h and dG/dU through TMA, pipelined: copies ahead of the loop
+        # the Q items read r h and dG/dU through TMA, pipelined: copies ahead of the loops
         for desc in ("hs_c_desc", "pre_q_desc"):
             copies = re.findall(rf"async_tma_copy_global_to_local %{desc}\[", part.ttgir)
             assert len(copies) >= 2, (desc, len(copies))
@@ -240,9 +239,8 @@ def test_whole_fp8_backward_builds_with_128_deep_steps(fp8_forward):
     """``bwd_fp8_block_k=128`` with the three FP8 backward knobs (bf16 or FP8 forward
     defaults): every GEMM an e4m3 MMA, 128-byte e4m3 TMA boxes for the weights and the
     transposed copies, the kernel within sm_90's shared memory (196.6 KB with Triton 3.9,
-    twice the 64-deep build's), small spills (444 bytes with Triton 3.9, 496 with 3.6; 260
-    and 364 at 64 deep: ptxas's allocation over the whole kernel moves with any item's
-    code, the items on their own spill at most 116)."""
+    twice the 64-deep build's), small spills (320 bytes with Triton 3.9, 400 with 3.6;
+    ptxas's allocation over the whole kernel moves with any item's code)."""
     from mokbench.mok_backend import default_config_fields, fp8_config_fields
 
     fields = {**default_config_fields(H, I, 16384, 8, 132, 1, 48, 90),
@@ -254,7 +252,7 @@ def test_whole_fp8_backward_builds_with_128_deep_steps(fp8_forward):
     assert not lw.mma_serialized, lw.ptxas_log
     assert sorted(set(lw.mma_instructions)) == [
         "wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3"]
-    assert _spill_bytes(lw.ptxas_log) <= 512, lw.ptxas_log
+    assert _spill_bytes(lw.ptxas_log) <= 416, lw.ptxas_log
     boxes = set(re.findall(r"tensordesc<(\d+)x(\d+)xf8E4M3FN", lw.ttgir))
     assert boxes and all(k == "128" for _, k in boxes), boxes
 
@@ -262,9 +260,8 @@ def test_whole_fp8_backward_builds_with_128_deep_steps(fp8_forward):
 def test_whole_fp8_backward_builds_for_blackwell():
     """The three FP8 backward knobs together at the backend's Blackwell defaults (sm_100, the
     MXFP8 forward's config): every backward GEMM is a tcgen05 e4m3 MMA (kind::f8f6f4), the
-    kernel fits in shared memory, its spills stay small (204 bytes with Triton 3.9, in the
-    A items, whose row-block completion also folds the FP8 weight gradients' column maxima
-    in [BM, 128] chunks; 52 before that). Built only: unverified on Blackwell hardware."""
+    kernel fits in shared memory, its spills stay small (76 bytes with Triton 3.9). Built
+    only: unverified on Blackwell hardware."""
     from mokbench.mok_backend import default_config_fields, fp8_config_fields
 
     fields = {**default_config_fields(H, I, 16384, 8, 148, 1, 48, 100), **fp8_config_fields(100),
@@ -273,7 +270,7 @@ def test_whole_fp8_backward_builds_for_blackwell():
     lw = mk.compile_megakernel(cfg, H, I, shared=True, kernel="backward", arch=100)
     assert lw.shared_bytes <= SMEM_LIMIT
     assert sorted(set(lw.mma_instructions)) == ["tcgen05.mma.cta_group::1.kind::f8f6f4"]
-    assert _spill_bytes(lw.ptxas_log) <= 256, lw.ptxas_log
+    assert _spill_bytes(lw.ptxas_log) <= 96, lw.ptxas_log
 
 
 @pytest.mark.parametrize("fp8_forward", [False, True])
