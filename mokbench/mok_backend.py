@@ -71,6 +71,24 @@ def fp8_config_fields(arch: int = 90, recipe: str | None = None) -> dict:
             "bwd_block_m": 128 if bm < 128 else 0}
 
 
+def fp8_backward_fields(arch: int = 90, world_size: int = 1) -> dict:
+    """The FP8 backward with ``precision = "fp8"`` on Hopper at EP 1: the dA, dX and weight-
+    gradient items in e4m3 (``bwd_fp8_da``, ``bwd_fp8_dx``, ``bwd_fp8_wgrad``) with 128-deep
+    steps (``bwd_fp8_block_k``), as TE's and Megatron's FP8 rows run their backward in FP8.
+    Why: on one H200 at Kimi K2.7 Code 48 x 16384 the profiling script
+    ``benchmarks/mok_backward_time.py`` timed 46.203 ms for the bf16 backward, 36.729 for the
+    FP8 one at 64-deep steps and 35.368 at 128 (one machine, notes/mok-kernel.md), and the sweep
+    results/20261201-081217-h200-fp8-backward put it at 1.063x / 1.027x TE's FP8 backward (Kimi
+    K2 48 x 16384, Kimi K2.7 Code) and 1.367x Megatron's (Qwen3.5), within TE's error. Not on
+    Blackwell (unverified there) nor at EP 2 and more (not GPU-run there yet): the bf16
+    backward, as before. Any of these knobs can be set back by a variant
+    (``mok@bwd_fp8_wgrad=false``)."""
+    if arch >= 100 or world_size > 1:
+        return {}
+    return {"bwd_fp8_da": True, "bwd_fp8_dx": True, "bwd_fp8_wgrad": True,
+            "bwd_fp8_block_k": 128}
+
+
 def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int,
                           num_sms: int, world_size: int = 1,
                           local_experts: int | None = None, arch: int = 90) -> dict:
@@ -150,9 +168,9 @@ def config_from_env(hidden: int, intermediate: int, defaults: dict,
 
 def scenario_config(scenario, options: dict | None = None, num_sms: int = 132,
                     arch: int = 90):
-    """The MoKConfig of a cell: shape defaults (FP8 ones for ``precision = "fp8"``, recipe
-    from the ``fp8`` knob), then $MOKBENCH_MOK_CONFIG, then the variant's options. A knob
-    that contradicts the precision is a one-line error."""
+    """The MoKConfig of a cell: shape defaults (FP8 ones for ``precision = "fp8"``: recipe
+    from the ``fp8`` knob, ``fp8_backward_fields``), then $MOKBENCH_MOK_CONFIG, then the
+    variant's options. A knob that contradicts the precision is a one-line error."""
     from mok_kernels import MoKConfigError
 
     s = scenario.shape
@@ -162,6 +180,7 @@ def scenario_config(scenario, options: dict | None = None, num_sms: int = 132,
     if fp8:
         recipe = {**env_overrides(), **(options or {})}.get("fp8") or None
         defaults.update(fp8_config_fields(arch, recipe))
+        defaults.update(fp8_backward_fields(arch, scenario.world_size))
     cfg = config_from_env(s.hidden, s.intermediate, defaults, options)
     if fp8 != (cfg.fp8 != "none"):
         raise MoKConfigError(f"fp8={cfg.fp8!r} is invalid for precision {scenario.precision!r}:"

@@ -108,15 +108,25 @@ def test_fp8_knob_must_match_the_precision(monkeypatch):
 
 
 def test_fp8_backward_knobs_name_the_row_variant(monkeypatch):
-    """The FP8 backward knobs come through the variant syntax (``mok@bwd_fp8_wgrad=true``)
-    and name the backward's precision in the row's variant (``bwd=fp8_da_dx_wgrad``); a
-    combination the kernel cannot run is a one-line error naming the field."""
+    """An FP8 cell on Hopper at EP 1 runs the whole FP8 backward by default; at EP 2, on
+    Blackwell and in bf16 cells the bf16 one. The FP8 backward knobs come through the variant
+    syntax (``mok@bwd_fp8_wgrad=false``) and name the backward's precision in the row's
+    variant (``bwd=fp8_da_dx_wgrad``); a combination the kernel cannot run is a one-line error
+    naming the field."""
     from mokbench.mok_backend import backward_kind, scenario_config
+    from mokbench.scenario import ModelShape, Scenario
 
     monkeypatch.delenv(CONFIG_ENV, raising=False)
-    assert backward_kind(scenario_config(_scenario("fp8"))) == "bf16"
-    for knobs, kind in (({"bwd_fp8_wgrad": True}, "fp8_wgrad"),
-                        ({"bwd_fp8_da": True, "bwd_fp8_dx": True}, "fp8_da_dx"),
+    assert backward_kind(scenario_config(_scenario("fp8"))) == "fp8_da_dx_wgrad"
+    assert backward_kind(scenario_config(_scenario("bf16"))) == "bf16"
+    assert backward_kind(scenario_config(_scenario("fp8"), num_sms=148, arch=100)) == "bf16"
+    ep2 = Scenario(ModelShape("kimi", 48, 7168, 2048, 8), tokens_per_rank=8192, world_size=2,
+                   precision="fp8")
+    assert backward_kind(scenario_config(ep2)) == "bf16"
+    off = {"bwd_fp8_da": False, "bwd_fp8_dx": False, "bwd_fp8_wgrad": False}
+    assert backward_kind(scenario_config(_scenario("fp8"), off)) == "bf16"
+    for knobs, kind in (({**off, "bwd_fp8_wgrad": True}, "fp8_wgrad"),
+                        ({"bwd_fp8_wgrad": False}, "fp8_da_dx"),
                         ({"bwd_fp8_da": True, "bwd_fp8_dx": True, "bwd_fp8_wgrad": True},
                          "fp8_da_dx_wgrad")):
         assert backward_kind(scenario_config(_scenario("fp8"), knobs)) == kind
@@ -132,9 +142,9 @@ def test_fp8_backward_block_k_comes_through_the_variant_syntax(monkeypatch):
 
     monkeypatch.delenv(CONFIG_ENV, raising=False)
     knobs = {"bwd_fp8_da": True, "bwd_fp8_dx": True, "bwd_fp8_wgrad": True}
-    assert scenario_config(_scenario("fp8"), knobs).bwd_fp8_block_k == 64
-    cfg = scenario_config(_scenario("fp8"), {**knobs, "bwd_fp8_block_k": 128})
-    assert cfg.bwd_fp8_block_k == 128
+    assert scenario_config(_scenario("fp8"), knobs).bwd_fp8_block_k == 128  # the FP8 default
+    cfg = scenario_config(_scenario("fp8"), {**knobs, "bwd_fp8_block_k": 64})
+    assert cfg.bwd_fp8_block_k == 64
     with pytest.raises(MoKConfigError, match=r"^bwd_fp8_block_k=96 is invalid: allowed 64 \| 128$"):
         scenario_config(_scenario("fp8"), {**knobs, "bwd_fp8_block_k": 96})
     with pytest.raises(MoKConfigError, match=r"^bwd_fp8_block_k=128 is invalid: allowed a "

@@ -89,7 +89,8 @@ for recipe, I in (("blockwise", 128), ("rowwise", 128), ("mx", 128), ("rowwise_a
         sched = mk.build_schedule(ws, idx)
         if train:
             y, ctx = mk.forward_train(cfg, ws, sched, x, p, *fw)
-            # the bf16 backward on the FP8 forward's context (what the backend runs)
+            # the bf16 backward on the FP8 forward's context (what the backend runs at EP 2
+            # and on Blackwell)
             dy = torch.randn(L * T, H).bfloat16()
             g = mk.backward(cfg, ws, ctx, dy, il(w1), w2, il(ws1) if shared else None, ws2)
             gr = reference_all_experts(x, idx, p, w1, w2, ws1, ws2, dy_NH=dy)
