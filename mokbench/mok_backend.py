@@ -19,11 +19,11 @@ nothing.
 FP8 (``precision = "fp8"``): the forward runs the megakernel's FP8 path
 (``MoKConfig.fp8``; knob ``fp8`` = blockwise | rowwise | mx | rowwise_all, default
 ``default_fp8_recipe``), with the weights quantised once at setup (not timed); the backward
-is the BF16 backward megakernel on the BF16 weights (the row's variant says ``bwd=bf16``),
-or with the knobs ``bwd_fp8_da`` / ``bwd_fp8_dx`` / ``bwd_fp8_wgrad`` its dA / dX /
-weight-gradient items in FP8 (``bwd=fp8_da``, ``fp8_dx``, ``fp8_wgrad``, ``fp8_da_dx_wgrad``
-...; the weights' FP8 copies the dgrad items read made once at setup,
-``quantize_backward_weights``).
+runs its dA / dX / weight-gradient items in FP8 as the knobs ``bwd_fp8_da`` / ``bwd_fp8_dx``
+/ ``bwd_fp8_wgrad`` say (all three by default on Hopper at EP 1, ``fp8_backward_fields``; the
+row's variant says ``bwd=fp8_da_dx_wgrad``, ``fp8_da``, ...; the weights' FP8 copies the
+dgrad items read made once at setup, ``quantize_backward_weights``), else the BF16 backward
+megakernel on the BF16 weights (``bwd=bf16``).
 """
 
 from __future__ import annotations

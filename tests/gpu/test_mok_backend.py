@@ -12,6 +12,7 @@ from mokbench.backend import RunContext, get_backend  # noqa: E402
 from mokbench.inputs import make_inputs, make_weights  # noqa: E402
 from mokbench.reference import reference_layer  # noqa: E402
 from mokbench.scenario import ModelShape, Scenario  # noqa: E402
+from tests.layer_check import check_single_rank  # noqa: E402
 
 
 @pytest.mark.parametrize("graph, interleaved", [("true", "false"), ("false", "false"),
@@ -35,4 +36,23 @@ def test_backend_forward_matches_reference(monkeypatch, graph, interleaved):
         assert y.shape == ref.shape and y.dtype == torch.bfloat16 and not y.requires_grad
         assert ((y.float() - ref).norm() / ref.norm()).item() < 1e-2
     backend.check()
+    backend.teardown()
+
+
+def test_backend_fp8_cell_runs_the_fp8_backward_within_the_fp8_bound(monkeypatch):
+    """An FP8 cell on one Hopper GPU: the backend's default config runs the whole FP8 backward
+    (the row's variant says so), and forward and backward pass the harness's FP8 check against
+    the reference layer, as in a sweep cell."""
+    monkeypatch.delenv("MOKBENCH_MOK_CONFIG", raising=False)
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the FP8 backward is the FP8 cells' default on Hopper only")
+    sc = Scenario(ModelShape("t", 16, 2048, 512, 4), tokens_per_rank=1024, world_size=1,
+                  precision="fp8")
+    res = check_single_rank("mok", sc, torch.device("cuda"))
+    assert res.forward.ok, res.forward.reason()
+    assert res.backward.ok, res.backward.reason()
+    backend = get_backend("mok")
+    dev = torch.device("cuda")
+    backend.setup(sc, RunContext(device=dev), make_weights(sc, 0, dev))
+    assert "bwd=fp8_da_dx_wgrad" in backend.variant, backend.variant
     backend.teardown()
