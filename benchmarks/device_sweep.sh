@@ -2,7 +2,7 @@
 # One machine lease: calibrate, run a sweep, bring back the run folder's files.
 # Usage (on the GPU machine, from the repo root): benchmarks/device_sweep.sh SWEEP_FILE [mokbench sweep args...]
 # Env: OUT (where the files go), MB_ROOT (run folders' root, default /tmp/mb), SWEEP_LIMIT_S,
-# SNAPSHOT (default 1: run from a copy of the tree, see below; 0: from the tree itself).
+# SNAPSHOT (default 1: run from a copy of the tree, benchmarks/tree_snapshot.sh; 0: from the tree).
 # Writes to $OUT: sweep.log and run.tgz (the whole run folder: rows, env.json, sweep file, cell logs).
 # te rows need TransformerEngine, megatron_alltoall and hybridep_megatron rows Megatron-Core too:
 # install them there first (without a package index: benchmarks/offline_wheels.sh, README Set up).
@@ -11,17 +11,9 @@ sweep=$1; shift
 out=${OUT:-/tmp/out}
 root=${MB_ROOT:-/tmp/mb}  # one root per concurrent sweep; one sweep over all GPUs: pass --parallel N
 mkdir -p "$out" "$root" && out=$(cd "$out" && pwd) && root=$(cd "$root" && pwd)
-if [[ ${SNAPSHOT:-1} == 1 ]]; then
-  # Every cell's worker imports the package afresh. On a lent machine each later call re-sends
-  # the working tree, and a worker that starts while the files are rewritten fails
-  # (results/20261201-081217-h200-fp8-backward lost TE's Qwen3.5 cells to a polling call):
-  # run from a copy taken now. Large ignored folders (wheels, environments) stay behind.
-  snap=$(mktemp -d /tmp/mokbench-tree.XXXXXX)
-  trap 'rm -rf "$snap"' EXIT
-  tar cf - --exclude=./offline-wheels --exclude=./.venv --exclude=./.gl . | tar xf - -C "$snap" \
-    || { echo "device_sweep.sh: cannot copy the tree to $snap" >&2; exit 2; }
-  cd "$snap" || exit 2
-fi
+# shellcheck source=benchmarks/tree_snapshot.sh
+. "$(dirname "${BASH_SOURCE[0]}")/tree_snapshot.sh"
+snapshot_tree || { echo "device_sweep.sh: cannot copy the tree" >&2; exit 2; }
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 COLUMNS=200
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 timeout -s INT "${SWEEP_LIMIT_S:-540}" python -m mokbench.cli sweep "$sweep" --calibrate --out "$root" "$@" 2>&1 | tee "$out/sweep.log" \

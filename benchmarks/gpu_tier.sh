@@ -12,7 +12,8 @@
 #   CUDA_VISIBLE_DEVICES names them instead. Logs: ${OUT:-/tmp/gpu-tier}/gpu<i>.log, multi.log;
 #   a summary line per log (pytest's last line). Exit 1 if a pytest failed (rc 5, nothing
 #   collected, is ok), 2 on usage errors or no GPU. --dry-run prints the commands only.
-# Env: PYTHON (default python), OUT.
+# Env: PYTHON (default python), OUT, SNAPSHOT (default 1: the tests run from a copy of the tree
+#   taken at the start, benchmarks/tree_snapshot.sh; 0: from the tree itself).
 set -uo pipefail
 
 # Relative cost of each file (forward and backward megakernel files dominate); others weigh 1.
@@ -42,10 +43,17 @@ done
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$REPO" || die "cannot enter $REPO"
+out=${OUT:-/tmp/gpu-tier}
+[[ $out == /* ]] || out=$REPO/$out  # the logs stay where they were asked, not in the copy
+if ((!dry)); then  # from a copy of the tree (SNAPSHOT=0: from the tree itself)
+  # shellcheck source=benchmarks/tree_snapshot.sh
+  . "$REPO/benchmarks/tree_snapshot.sh"
+  snapshot_tree || die "cannot copy $REPO"
+  REPO=$PWD
+fi
 PY=${PYTHON:-python}
 export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-out=${OUT:-/tmp/gpu-tier}
 
 # The GPUs, as the ids to put in CUDA_VISIBLE_DEVICES.
 gpus=()
