@@ -35,13 +35,18 @@ def _tree(tmp_path: Path) -> Path:
     return tree
 
 
-def test_the_copy_is_taken_at_the_start_and_removed_at_exit(tmp_path):
-    tree = _tree(tmp_path)
+def _run(tree: Path, snapshot: str) -> list[str]:
+    """The script's three lines: where it ran, the module's text there, the folder's names."""
     out = subprocess.run(["bash", "-c", SCRIPT.format(helper=HELPER, tree=tree)], cwd=tree,
                          capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "SNAPSHOT": "1"})
+                         env={**os.environ, "SNAPSHOT": snapshot})
     assert out.returncode == 0, out.stderr
-    where, content, listing = out.stdout.splitlines()
+    return out.stdout.splitlines()
+
+
+def test_the_copy_is_taken_at_the_start_and_removed_at_exit(tmp_path):
+    tree = _tree(tmp_path)
+    where, content, listing = _run(tree, "1")
     assert where.startswith("/tmp/mokbench-tree.") and Path(where) != tree
     assert content == "original"
     assert "pkg" in listing.split()
@@ -50,10 +55,6 @@ def test_the_copy_is_taken_at_the_start_and_removed_at_exit(tmp_path):
 
 
 def test_snapshot_0_runs_in_the_checkout(tmp_path):
-    tree = _tree(tmp_path)
-    out = subprocess.run(["bash", "-c", SCRIPT.format(helper=HELPER, tree=tree)], cwd=tree,
-                         capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "SNAPSHOT": "0"})
-    assert out.returncode == 0, out.stderr
-    where, content, _ = out.stdout.splitlines()
+    where, content, _ = _run(_tree(tmp_path), "0")
+    tree = tmp_path / "tree"
     assert Path(where) == tree and content == "changed"
