@@ -75,11 +75,11 @@ def fp8_backward_fields(arch: int = 90, world_size: int = 1) -> dict:
     """The FP8 backward with ``precision = "fp8"`` on Hopper at EP 1: the dA, dX and weight-
     gradient items in e4m3 (``bwd_fp8_da``, ``bwd_fp8_dx``, ``bwd_fp8_wgrad``) with 128-deep
     steps (``bwd_fp8_block_k``), as TE's and Megatron's FP8 rows run their backward in FP8.
-    Why: on one H200 at Kimi K2.7 Code 48 x 16384 the profiling script
-    ``benchmarks/mok_backward_time.py`` timed 46.203 ms for the bf16 backward, 36.729 for the
-    FP8 one at 64-deep steps and 35.368 at 128 (one machine, notes/mok-kernel.md), and the sweep
-    results/20261201-081217-h200-fp8-backward put it at 1.063x / 1.027x TE's FP8 backward (Kimi
-    K2 48 x 16384, Kimi K2.7 Code) and 1.367x Megatron's (Qwen3.5), within TE's error. Not on
+    Why: the sweep results/20261201-081217-h200-fp8-backward put it at 1.063x / 1.027x TE's
+    FP8 backward (Kimi K2 48 x 16384, Kimi K2.7 Code) and 1.367x Megatron's (Qwen3.5),
+    within TE's error, where mok's bf16 backward trailed TE (results/20261201-013037-h200-fp8);
+    the profiling script ``benchmarks/mok_backward_time.py`` timed the 128-deep steps faster
+    than 64 (not a sweep; notes/mok-kernel.md). Not on
     Blackwell (unverified there) nor at EP 2 and more (not GPU-run there yet): the bf16
     backward, as before. Any of these knobs can be set back by a variant
     (``mok@bwd_fp8_wgrad=false``)."""

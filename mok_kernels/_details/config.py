@@ -153,14 +153,15 @@ class MoKConfig:
         from there (no pull of these rows), W_down quantised once per (expert, intermediate
         row) over H (``quantize_backward_weights``, passed to ``backward``). The dG/dU rows,
         the dX and weight-gradient items stay bf16. First stage of the FP8 backward (the
-        plan in notes/mok-kernel.md); off by default: not yet timed on a GPU.
+        plan in notes/mok-kernel.md); off by default (the mok backend turns it on in FP8 cells
+        on Hopper at EP 1).
     bwd_fp8_dx: the backward's dX items (dgrad of gate+up, dX = [dG dU] @ W_gate_up^T, a
         third of the backward's FLOPs) run FP8 tiles, row-wise scaled: the dA item whose
         counter add completes a row block reads the block's dG/dU rows back (bf16, as the
         dW_gate_up items still read them), quantises them, one scale per row over 2I, into
         scratch rows, then releases the row block to its dX items; W_gate_up is quantised
         once per (expert, hidden row) over 2I (``quantize_backward_weights``). Second stage
-        of the FP8 backward; off by default: not yet timed on a GPU.
+        of the FP8 backward; off by default (on in the mok backend's FP8 cells on Hopper at EP 1).
     bwd_fp8_wgrad: the backward's weight-gradient items (dW_down = (r h)^T dY and
         dW_gate_up = x^T [dG dU], K = the expert's rows: half of the backward's FLOPs) run
         FP8 tiles with fp32 accumulation and pure tensor-core K loops, each operand scaled
@@ -169,15 +170,16 @@ class MoKConfig:
         both operands K-major). x and dY: one scale per hidden column over every rank's
         tokens (each rank's column max taken at home, their max read from the peers), and
         the pull kernel writes their FP8 transposed copies instead of the bf16 x rows; r h
-        and dG/dU: one scale per column over the expert's rows (the dA items keep a column
-        max per row block, quantisation items after the dX items reduce them and write the
-        transposed copies, the weight-gradient items wait for those). Needs the separate
-        pull (not bwd_direct_rows, bwd_fused_pull or bwd_pull_ahead). Third stage of the FP8
-        backward; off by default: not yet timed on a GPU.
+        and dG/dU: one scale per column over the expert's rows (quantisation items after the
+        dX items take each column's max over the expert's rows, then write the transposed
+        copies; the weight-gradient items wait for those). Needs the separate pull (not
+        bwd_direct_rows, bwd_fused_pull or bwd_pull_ahead). Third stage of the FP8
+        backward; off by default (on in the mok backend's FP8 cells on Hopper at EP 1).
     bwd_fp8_block_k: the reduction step of the backward's FP8 items (with bwd_fp8_da,
         bwd_fp8_dx or bwd_fp8_wgrad): 64 (the bf16 items' step, 128 bytes of bf16 per row)
         or 128 (128 bytes of e4m3 per row, the FP8 forward's block_k: half the K-loop
-        iterations and barrier waits per FLOP). Off the default until a GPU run times it.
+        iterations and barrier waits per FLOP). 64 by default; the mok backend's FP8 cells on
+        Hopper at EP 1 use 128 (timed faster, notes/mok-kernel.md).
     fp8: the forward's FP8 recipe (``tl_gemm_fp8``): "none" (bf16), "blockwise" (1x128
         activation and 128x128 weight scales, as TransformerEngine's Float8BlockScaling),
         "rowwise" (per row / per weight column, applied after the K loop; h still 1x128),

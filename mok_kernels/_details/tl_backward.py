@@ -38,8 +38,8 @@ Work items, claimed from one ticket counter per logical rank in the global order
     Q  (``FP8W``, ``bwd_fp8_wgrad``, only) quantisation, one per (group g, column tile of
        HALF of r h's I, then of dG/dU's 2I); waits for every A item of g: the tile's
        columns over g's rows (read through TMA) as e4m3 with one scale per column, written
-       transposed (feature-major); the C and D items then wait for all of g's Q items and run FP8
-       tiles on those and on the pull kernel's transposed copies of dY and x.
+       transposed (feature-major); the C and D items then wait for all of g's Q items and
+       run FP8 tiles on those and on the pull kernel's transposed copies of dY and x.
     C  weight gradient of down, one per (group g, I tile of HALF, H tile of BN); waits for
        every A item of g: dW_down[g] = (r h)[rows of g]^T @ dY[rows of g].
     D  weight gradient of gate+up, one per (group g, H tile of HALF, 2I tile of BN); waits for
@@ -518,10 +518,9 @@ def _quant_cols(desc, row0, dst, sc, col0, start, end, src, P, QC: tl.constexpr,
     ``sc`` (+ column), a second pass writes the values transposed (feature-major, rows
     contiguous) to ``dst`` [W, P]; padding rows read 0 (they neither set a max nor add to a
     product). Both passes are pipelined TMA copies (``num_stages``): with plain loads, one
-    at a time, the Q items took about 4.4 of the 36.7 ms FP8 backward at Kimi K2.7 Code.
-    Folding the maxima into the A items instead, to read once here, made the A items 1.9 ms
-    slower at the same shape (both timed by benchmarks/mok_backward_time.py,
-    notes/mok-kernel.md)."""
+    at a time, the Q items were a large part of the FP8 backward; folding the maxima into
+    the A items instead, to read once here, slowed the A items by more than it saved (both
+    timed by the profiling script benchmarks/mok_backward_time.py; notes/mok-kernel.md)."""
     cols = col0 + tl.arange(0, QC)
     amax = tl.zeros((QC,), dtype=tl.float32)
     for r0 in tl.range(start, end, BKW, num_stages=3):
