@@ -20,7 +20,7 @@ FP8 (``precision = "fp8"``): the forward runs the megakernel's FP8 path
 (``MoKConfig.fp8``; knob ``fp8`` = blockwise | rowwise | mx | rowwise_all, default
 ``default_fp8_recipe``), with the weights quantised once at setup (not timed); the backward
 runs its dA / dX / weight-gradient items in FP8 as the knobs ``bwd_fp8_da`` / ``bwd_fp8_dx``
-/ ``bwd_fp8_wgrad`` say (all three by default on Hopper at EP 1, ``fp8_backward_fields``; the
+/ ``bwd_fp8_wgrad`` say (all three by default on Hopper, ``fp8_backward_fields``; the
 row's variant says ``bwd=fp8_da_dx_wgrad``, ``fp8_da``, ...; the weights' FP8 copies the
 dgrad items read made once at setup, ``quantize_backward_weights``), else the BF16 backward
 megakernel on the BF16 weights (``bwd=bf16``).
@@ -72,18 +72,20 @@ def fp8_config_fields(arch: int = 90, recipe: str | None = None) -> dict:
 
 
 def fp8_backward_fields(arch: int = 90, world_size: int = 1) -> dict:
-    """The FP8 backward with ``precision = "fp8"`` on Hopper at EP 1: the dA, dX and weight-
-    gradient items in e4m3 (``bwd_fp8_da``, ``bwd_fp8_dx``, ``bwd_fp8_wgrad``) with 128-deep
-    steps (``bwd_fp8_block_k``), as TE's and Megatron's FP8 rows run their backward in FP8.
-    Why: the sweep results/20261201-081217-h200-fp8-backward put it at 1.063x / 1.027x TE's
-    FP8 backward (Kimi K2 48 x 16384, Kimi K2.7 Code) and 1.367x Megatron's (Qwen3.5),
-    within TE's error, where mok's bf16 backward trailed TE (results/20261201-013037-h200-fp8);
-    the profiling script ``benchmarks/mok_backward_time.py`` timed the 128-deep steps faster
-    than 64 (not a sweep; notes/mok-kernel.md). Not on
-    Blackwell (unverified there) nor at EP 2 and more (not GPU-run there yet): the bf16
-    backward, as before. Any of these knobs can be set back by a variant
+    """The FP8 backward with ``precision = "fp8"`` on Hopper: the dA, dX and weight-gradient
+    items in e4m3 (``bwd_fp8_da``, ``bwd_fp8_dx``, ``bwd_fp8_wgrad``) with 128-deep steps
+    (``bwd_fp8_block_k``), as TE's and Megatron's FP8 rows run their backward in FP8.
+    Why: at EP 1 the sweep results/20261201-081217-h200-fp8-backward put it at 1.063x /
+    1.027x TE's FP8 backward (Kimi K2 48 x 16384, Kimi K2.7 Code) and 1.367x Megatron's
+    (Qwen3.5), within TE's error, where mok's bf16 backward trailed TE
+    (results/20261201-013037-h200-fp8); the profiling script ``benchmarks/mok_backward_time.py``
+    timed the 128-deep steps faster than 64 (not a sweep; notes/mok-kernel.md). At EP 2
+    (results/20261201-101615-h200x2-fp8, both with ``bwd_pull_dedup``) it took 20.544 /
+    11.725 / 4.239 ms against the bf16 backward's 24.613 / 13.670 / 4.131 at Kimi K2.7 Code,
+    DeepSeek-V4-Pro and Qwen3.5 (2.6% slower at the smallest shape, Qwen3.5). Not on Blackwell
+    (unverified there): the bf16 backward. Any of these knobs can be set back by a variant
     (``mok@bwd_fp8_wgrad=false``)."""
-    if arch >= 100 or world_size > 1:
+    if arch >= 100:
         return {}
     return {"bwd_fp8_da": True, "bwd_fp8_dx": True, "bwd_fp8_wgrad": True,
             "bwd_fp8_block_k": 128}
@@ -106,7 +108,14 @@ def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int
     block_n intermediate columns (``bwd_wide_da``) on Hopper: backward 41.711 / 30.017 /
     46.921 / 16.517 ms against 41.736 / 30.065 / 47.018 / 16.840 with block_n / 2 in the four
     scenarios of sweeps/h200-bf16-train.toml (results/20261130-213907-h200-bf16-train,
-    results/20261130-214015-h200-bf16-train), unmeasured on Blackwell.
+    results/20261130-214015-h200-bf16-train), unmeasured on Blackwell. On several ranks the
+    backward's pull fetches a token's x and dY rows once per rank (``bwd_pull_dedup``): at
+    EP 2 on two H200s (results/20261201-102706-h200x2-mok-ep, bf16, with ``dispatch_dedup``
+    in the same cells' forwards) backward 4.142 / 25.225 / 14.007 / 13.578 ms against
+    4.612 / 26.376 / 14.293 / 14.051 without, at Qwen3.5, Kimi K2.7 Code, DeepSeek-V4-Pro
+    uniform and rank_local; the forward's ``dispatch_dedup`` stays off (slower in every cell
+    of those runs). Its schedule work (a token's first row, a min over its slots) is in the
+    forward; the forward with ``bwd_pull_dedup`` alone has not been timed apart.
 
     Why: each measured faster on H200 than its alternatives, and the tile rule keeps to where
     it was measured (notes/mok-kernel.md, "Why the mok backend's defaults are what they
@@ -122,7 +131,8 @@ def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int
     return {"minibatch": mb, "macrobatch": 3 * mb, "fwd_comm_sms": 0 if world_size == 1 else 16,
             "tma": True, "gate_up_interleaved": True, "num_stages": 4,
             "compile_schedule": True, "gate_up_tiles": tiles, "down_tiles": tiles,
-            "bwd_dx_tma": arch < 100, "bwd_wide_da": arch < 100}
+            "bwd_dx_tma": arch < 100, "bwd_wide_da": arch < 100,
+            "bwd_pull_dedup": world_size > 1}
 
 
 def graph_option(options: dict | None = None) -> bool:
@@ -151,15 +161,30 @@ def env_overrides() -> dict:
     return over
 
 
+_NO_SEPARATE_PULL = ("bwd_direct_rows", "bwd_fused_pull", "bwd_pull_ahead")
+"""Backward knobs that replace the separate pull, which ``bwd_pull_dedup`` needs (and
+``bwd_fp8_wgrad``, except under ``bwd_fused_pull`` with ``bwd_fp8_da``, whose pull items write
+its copies): set by the user, they turn those off where only a default set them."""
+
+
 def config_from_env(hidden: int, intermediate: int, defaults: dict,
                     options: dict | None = None):
     """MoKConfig from shape defaults, then $MOKBENCH_MOK_CONFIG, then the backend label's
-    options (``mok@minibatch=2048``); a minibatch without a macrobatch gets 3 ring slots."""
+    options (``mok@minibatch=2048``); a minibatch without a macrobatch gets 3 ring slots, and
+    a knob that replaces the backward's separate pull (``_NO_SEPARATE_PULL``) turns off the
+    defaults that need it unless they are asked for too (then the conflict is the error)."""
     from mok_kernels import MoKConfig
 
     fields = dict(defaults)
     over = {**env_overrides(), **(options or {})}
     over.pop("cuda_graph", None)  # a backend option, not a kernel knob
+    if any(over.get(k) for k in _NO_SEPARATE_PULL):  # asked for: defaults needing it yield
+        fp8_pull_items = (over.get("bwd_fused_pull") and not over.get("bwd_direct_rows")
+                          and not over.get("bwd_pull_ahead")
+                          and over.get("bwd_fp8_da", fields.get("bwd_fp8_da")))
+        for k in ("bwd_pull_dedup",) + (() if fp8_pull_items else ("bwd_fp8_wgrad",)):
+            if k not in over:
+                fields[k] = False
     if "minibatch" in over and "macrobatch" not in over:
         fields["macrobatch"] = 3 * over["minibatch"]
     fields.update(over)

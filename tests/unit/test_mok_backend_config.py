@@ -39,6 +39,28 @@ def test_defaults_follow_two_waves_and_cap_at_rows():
     assert big["bwd_dx_tma"] is True and big["bwd_wide_da"] is True
     bw = default_config_fields(7168, 2048, 16384, 8, 148, arch=100)
     assert bw["bwd_dx_tma"] is False and bw["bwd_wide_da"] is False
+    # the backward's pull fetches a token's rows once per rank on several ranks only
+    assert big["bwd_pull_dedup"] is False
+    assert default_config_fields(7168, 2048, 8192, 8, 132, world_size=2)["bwd_pull_dedup"]
+
+
+def test_a_pull_knob_turns_off_the_defaults_that_need_the_separate_pull(monkeypatch):
+    """``bwd_direct_rows`` (or fused_pull, pull_ahead) asked for at EP 2 or in an FP8 cell
+    turns off the default ``bwd_pull_dedup`` / ``bwd_fp8_wgrad`` instead of failing; asked
+    for together, the conflict is the one-line error."""
+    from mokbench.mok_backend import scenario_config
+    from mokbench.scenario import ModelShape, Scenario
+
+    monkeypatch.delenv(CONFIG_ENV, raising=False)
+    ep2 = Scenario(ModelShape("kimi", 48, 7168, 2048, 8), tokens_per_rank=8192, world_size=2,
+                   precision="fp8")
+    assert scenario_config(ep2).bwd_pull_dedup and scenario_config(ep2).bwd_fp8_wgrad
+    cfg = scenario_config(ep2, {"bwd_direct_rows": True})
+    assert cfg.bwd_direct_rows and not cfg.bwd_pull_dedup and not cfg.bwd_fp8_wgrad
+    assert cfg.bwd_fp8_da  # the dgrad items do not need the separate pull
+    with pytest.raises(MoKConfigError, match=r"^bwd_pull_dedup=True is invalid: allowed false "
+                                             r"when bwd_direct_rows"):
+        scenario_config(ep2, {"bwd_direct_rows": True, "bwd_pull_dedup": True})
 
 
 def test_env_override(monkeypatch):
@@ -108,7 +130,7 @@ def test_fp8_knob_must_match_the_precision(monkeypatch):
 
 
 def test_fp8_backward_knobs_name_the_row_variant(monkeypatch):
-    """An FP8 cell on Hopper at EP 1 runs the whole FP8 backward by default; at EP 2, on
+    """An FP8 cell on Hopper runs the whole FP8 backward by default, at EP 1 and EP 2; on
     Blackwell and in bf16 cells the bf16 one. The FP8 backward knobs come through the variant
     syntax (``mok@bwd_fp8_wgrad=false``) and name the backward's precision in the row's
     variant (``bwd=fp8_da_dx_wgrad``); a combination the kernel cannot run is a one-line error
@@ -122,7 +144,7 @@ def test_fp8_backward_knobs_name_the_row_variant(monkeypatch):
     assert backward_kind(scenario_config(_scenario("fp8"), num_sms=148, arch=100)) == "bf16"
     ep2 = Scenario(ModelShape("kimi", 48, 7168, 2048, 8), tokens_per_rank=8192, world_size=2,
                    precision="fp8")
-    assert backward_kind(scenario_config(ep2)) == "bf16"
+    assert backward_kind(scenario_config(ep2)) == "fp8_da_dx_wgrad"
     off = {"bwd_fp8_da": False, "bwd_fp8_dx": False, "bwd_fp8_wgrad": False}
     assert backward_kind(scenario_config(_scenario("fp8"), off)) == "bf16"
     for knobs, kind in (({**off, "bwd_fp8_wgrad": True}, "fp8_wgrad"),

@@ -60,7 +60,7 @@ def _speedups(run: str, scenarios: list[str], pass_: str, column: str,
 
 
 # The "Where mok stands" table: (row label start, run, scenario id prefixes in the row's order
-# [, the row's mok backend when not plain mok]).
+# [, the row's mok backend when not plain mok, or (forward's, backward's) backends]).
 FP8_BWD = "mok@bwd_fp8_da=true,bwd_fp8_dx=true,bwd_fp8_wgrad=true"
 STANDS = [
     ("| one GPU, bf16", ["20261130-213907-h200-bf16-train", "20261130-214015-h200-bf16-train"],
@@ -72,12 +72,21 @@ STANDS = [
       "qwen3.5-397b-E64H4096I1024k10+se-T16384-ep1-fp8"]),
     ("| one GPU, FP8, the whole FP8 backward", ["20261201-081217-h200-fp8-backward"],
      ["kimi-k2-e48-", "kimi-k2.7-code-", "qwen3.5-397b-"], FP8_BWD + ",bwd_fp8_block_k=128"),
-    ("| two GPUs, EP 2, bf16", ["20261130-233319-h200x2"],
+    ("| two GPUs, EP 2, bf16, with DeepEP", ["20261130-233319-h200x2"],
      ["kimi-k2.7-code-E12H7168I2048k8+se-T8192-ep2-bf16-uniform",
       "kimi-k2.7-code-E12H7168I2048k8+se-T8192-ep2-bf16-zipf1", "deepseek-v4-pro-",
       "qwen3.5-397b-", "kimi-k2.7-code-E12H7168I2048k8+se-T2048"]),
-    ("| two GPUs, EP 2, FP8", ["20261201-013815-h200x2-fp8"],
+    ("| two GPUs, EP 2, FP8, every", ["20261201-013815-h200x2-fp8"],
      ["kimi-k2.7-code-", "deepseek-v4-pro-", "qwen3.5-397b-"]),
+    ("| two GPUs, EP 2, bf16, beside", ["20261201-102706-h200x2-mok-ep"],
+     ["qwen3.5-397b-", "kimi-k2.7-code-",
+      "deepseek-v4-pro-E12H7168I3072k6+se-T4096-ep2-bf16-uniform",
+      "deepseek-v4-pro-E12H7168I3072k6+se-T4096-ep2-bf16-ranklocal"],
+     ("mok", "mok@dispatch_dedup=true,bwd_pull_dedup=true")),
+    ("| two GPUs, EP 2, FP8, beside", ["20261201-101615-h200x2-fp8"],
+     ["kimi-k2.7-code-", "deepseek-v4-pro-", "qwen3.5-397b-"],
+     ("mok", "mok@dispatch_dedup=true,bwd_pull_dedup=true," + FP8_BWD[4:]
+      + ",bwd_fp8_block_k=128")),
 ]
 
 
@@ -88,6 +97,7 @@ def test_where_mok_stands_matches_the_runs():
     lines = REPO.joinpath("README.md").read_text().splitlines()
     for label, runs, scenarios, *backend in STANDS:
         who = backend[0] if backend else "mok"
+        who_fwd, who_bwd = who if isinstance(who, tuple) else (who, who)
         row = [ln for ln in lines if ln.startswith(label)]
         assert len(row) == 1, label
         _, _, forward_cell, backward_cell, _ = row[0].split("|")
@@ -98,15 +108,15 @@ def test_where_mok_stands_matches_the_runs():
             for run in runs:
                 try:
                     want_fwd += _speedups(run, [prefix], "forward", "speedup_vs_best_baseline",
-                                          who)
+                                          who_fwd)
                     want_bwd += _speedups(run, [prefix], "backward", "speedup_vs_best_baseline",
-                                          who)
+                                          who_bwd)
                     break
                 except AssertionError:
                     continue
             else:
                 raise AssertionError(f"{prefix} is in none of {runs}")
         if "FP8" in label and len(runs) == 1:
-            want_fwd += _speedups(runs[0], scenarios, "forward", "speedup_vs_bf16", who)
+            want_fwd += _speedups(runs[0], scenarios, "forward", "speedup_vs_bf16", who_fwd)
         assert quoted_fwd == want_fwd, (label, quoted_fwd, want_fwd)
         assert quoted_bwd == want_bwd, (label, quoted_bwd, want_bwd)
