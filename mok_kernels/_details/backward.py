@@ -256,11 +256,12 @@ def counters_per_rank(cfg: MoKConfig, P: int, E: int) -> int:
     """int32 counters of one logical rank (rounded up to 32): the ticket, one per row block,
     one per group (E + 1 with the shared expert slot); with ``bwd_fused_pull`` or
     ``bwd_pull_ahead`` also one pulled flag per row block and the pull ticket; with
-    ``bwd_pull_ahead`` then one x-pulled count per group."""
+    ``bwd_pull_ahead`` (or ``bwd_fused_pull`` with ``bwd_fp8_da``) then one pulled count per
+    group; with ``bwd_fp8_wgrad`` one Q count per group."""
     n = 1 + P // cfg.bwd_bm + E + 1
     if cfg.bwd_fused_pull or cfg.bwd_pull_ahead:
         n += P // cfg.bwd_bm + 1
-    if cfg.bwd_pull_ahead:
+    if cfg.bwd_pull_ahead or (cfg.bwd_fused_pull and cfg.bwd_fp8_da):
         n += E + 1
     if cfg.bwd_fp8_wgrad:  # Q items done per group
         n += E + 1
@@ -422,7 +423,8 @@ def _fp8_wgrad_args(cfg: MoKConfig, sc: BackwardScratch, pre_LPF: torch.Tensor) 
     BKW8 rows] boxes) and the Q items' descriptor over dG/dU ([BKW rows, BN/2 columns]; r h's
     is ``hs_c_desc``); all None without the knob."""
     names = ("hqT_ptr", "gqT_ptr", "srh_ptr", "srg_ptr", "hqT_desc",
-             "dyqT_desc", "xqT_desc", "gqT_desc", "gxam_ptr", "gdyam_ptr", "pre_q_desc")
+             "dyqT_desc", "xqT_desc", "gqT_desc", "gxam_ptr", "gdyam_ptr", "pre_q_desc",
+             "xqT_ptr", "dyqT_ptr")
     w8 = sc.wgrad8
     if w8 is None:
         return dict.fromkeys(names)
@@ -439,7 +441,8 @@ def _fp8_wgrad_args(cfg: MoKConfig, sc: BackwardScratch, pre_LPF: torch.Tensor) 
                 xqT_desc=desc(w8.xqT_LHP, bn // 2), gqT_desc=desc(w8.gqT_LFP, bn),
                 gxam_ptr=w8.gxam_H, gdyam_ptr=w8.gdyam_H,
                 pre_q_desc=TensorDescriptor.from_tensor(pre_LPF.view(-1, pre_LPF.shape[-1]),
-                                                        [wgrad_rows(cfg), bn // 2]))
+                                                        [wgrad_rows(cfg), bn // 2]),
+                xqT_ptr=w8.xqT_LHP, dyqT_ptr=w8.dyqT_LHP)  # the in-kernel pull's stores
 
 
 def backward_stages(cfg: MoKConfig) -> int:
@@ -465,7 +468,8 @@ def backward_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots:
                 FP8DX=cfg.bwd_fp8_dx, GQW=dgu_row_elements(intermediate),
                 RQC=min(128, 2 * intermediate), POW2=cfg.fp8_pow2_scales,
                 FP8W=cfg.bwd_fp8_wgrad, BK8=fp8_backward_block_k(cfg),
-                BKW8=fp8_wgrad_rows(cfg))
+                BKW8=fp8_wgrad_rows(cfg), PULLG=cfg.bwd_fused_pull and cfg.bwd_fp8_da,
+                PBR=min(wgrad_rows(cfg), cfg.bwd_bm), PCH=min(128, _row_chunk(hidden)))
 
 
 def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tensor,
@@ -524,7 +528,9 @@ def _pull_fp8_copies(ws: Workspace, bb: BackwardBuffers, st: ScheduleTensors,
     """``bwd_fp8_wgrad``: the global column maxima of x and dY (after the barrier: every
     rank's own are in), then the pull of x and dY rows into their FP8 transposed copies
     (and the bf16 dY rows where the dA items read them); with ``bwd_pull_dedup`` in two
-    passes, a token's first row on this rank from home, then its other rows from it."""
+    passes, a token's first row on this rank from home, then its other rows from it. With
+    ``bwd_fused_pull`` (and ``bwd_fp8_da``) the maxima only: the megakernel's pull items
+    write the copies."""
     from mok_kernels._details.tl_backward import global_col_amax_kernel, pull_rows_fp8t_kernel
 
     cfg, w8, H = ws.config, sc.wgrad8, ws.H
@@ -532,6 +538,8 @@ def _pull_fp8_copies(ws: Workspace, bb: BackwardBuffers, st: ScheduleTensors,
     global_col_amax_kernel[(-(-H // ch),)](bb.xam_LH, bb.dyam_LH, bb.tab32_R,
                                            bb.tab32_R.numel(), w8.gxam_H, w8.gdyam_H, H=H,
                                            CH=ch, num_warps=4)
+    if cfg.bwd_fused_pull:
+        return
     br = wgrad_rows(cfg)
     dy16 = sc.dyg_LPH is not None
     for phase in (1, 2) if cfg.bwd_pull_dedup else (0,):

@@ -44,8 +44,10 @@ class MoKConfig:
         the ring; the token's other rows on that rank copy it from the cache (local memory)
         once a per-token flag says it is in. NVLink bytes of dispatch then go from one row
         per (token, k) slot to one per (token, destination rank), as DeepEP and HybridEP send
-        (notes/mok-kernel.md, "mok at EP 2"). Needs fwd_comm_sms > 0. Off by default: not
-        yet run on a GPU.
+        (notes/mok-kernel.md, "mok at EP 2"). Needs fwd_comm_sms > 0. Off by default: at EP
+        2 on two H200s the forward was slower with it in every cell timed (bf16 and FP8;
+        results/20261201-102706-h200x2-mok-ep, results/20261201-101615-h200x2-fp8), by
+        0.15-0.42 ms in bf16 and 0.8-2.1 ms in FP8.
     minibatch: schedule rows (tokens x k, padded per expert to block_m) handed to the experts
         at once; a multiple of block_m.
     macrobatch: ring capacity in rows; a multiple of minibatch (ring slots = macrobatch /
@@ -101,7 +103,11 @@ class MoKConfig:
     bwd_pull_programs: with ``bwd_fused_pull``, how many programs per logical rank run the
         pull items (the others start on dA items at once and wait for their row blocks, so
         the memory-bound pull overlaps the compute-bound GEMMs on other SMs); 0 = every
-        program pulls before its first GEMM item.
+        program pulls before its first GEMM item. With ``bwd_fp8_da`` the dA items read dY's
+        FP8 rows at home and do not wait for the pull: the weight-gradient items wait for
+        every row block of their group instead (a count per group), so the pull overlaps
+        the dA and dX items (with ``bwd_fp8_wgrad`` the pull items write the FP8 transposed
+        copies of x and dY). Not yet run on a GPU.
     bwd_direct_rows: the backward reads the dY and x rows of its GEMMs straight from the
         tokens' home ranks (peer memory) by row gathers inside the work items, as the forward's
         GEMM programs do without communication programs, instead of pulling them first into
@@ -115,7 +121,9 @@ class MoKConfig:
         ``dispatch_dedup`` does for the forward. Gradients bitwise the plain pull's. Needs
         the separate pull (not bwd_direct_rows, bwd_fused_pull or bwd_pull_ahead); with
         ``bwd_fp8_wgrad`` it keeps the first rows' bf16 x and dY as the second pass's
-        source (P x H x 2 bytes more scratch). Off by default: not yet run on a GPU.
+        source (P x H x 2 bytes more scratch). Off here; the mok backend turns it on at EP 2
+        and more, where it made the backward faster in every cell timed
+        (``mokbench.mok_backend.default_config_fields``).
     bwd_dx_tiles: H tiles of block_n columns per dX (B) work item of the backward, in one
         flattened loop (the next tile's loads overlap a tile's store, as gate_up_tiles and
         down_tiles do in the forward); must divide hidden / block_n. 1 by default: not
@@ -173,7 +181,8 @@ class MoKConfig:
         and dG/dU: one scale per column over the expert's rows (quantisation items after the
         dX items take each column's max over the expert's rows, then write the transposed
         copies; the weight-gradient items wait for those). Needs the separate pull (not
-        bwd_direct_rows, bwd_fused_pull or bwd_pull_ahead). Third stage of the FP8
+        bwd_direct_rows or bwd_pull_ahead), or ``bwd_fused_pull`` with ``bwd_fp8_da`` (the
+        pull items then write the FP8 copies). Third stage of the FP8
         backward; off by default (on in the mok backend's FP8 cells on Hopper at EP 1).
     bwd_fp8_block_k: the reduction step of the backward's FP8 items (with bwd_fp8_da,
         bwd_fp8_dx or bwd_fp8_wgrad): 64 (the bf16 items' step, 128 bytes of bf16 per row)
@@ -318,11 +327,12 @@ class MoKConfig:
                                              or self.bwd_pull_ahead)),
                "bwd_pull_dedup", self.bwd_pull_dedup, "false when bwd_direct_rows, "
                "bwd_fused_pull or bwd_pull_ahead is set (it dedupes the separate pull)")
-        _check(not (self.bwd_fp8_wgrad and (self.bwd_direct_rows or self.bwd_fused_pull
-                                            or self.bwd_pull_ahead)),
-               "bwd_fp8_wgrad", self.bwd_fp8_wgrad, "false when bwd_direct_rows, "
-               "bwd_fused_pull or bwd_pull_ahead is set (its FP8 copies of x and dY come "
-               "from the separate pull)")
+        _check(not (self.bwd_fp8_wgrad and (self.bwd_direct_rows or self.bwd_pull_ahead
+                                            or (self.bwd_fused_pull and not self.bwd_fp8_da))),
+               "bwd_fp8_wgrad", self.bwd_fp8_wgrad, "false when bwd_direct_rows or "
+               "bwd_pull_ahead is set, or bwd_fused_pull without bwd_fp8_da (its FP8 copies "
+               "of x and dY come from the separate pull, or from pull items the dA items do "
+               "not wait for)")
         _check(self.fp8 in FP8_MODES, "fp8", self.fp8, " | ".join(FP8_MODES))
         _check(isinstance(self.fp8_pow2_scales, bool), "fp8_pow2_scales", self.fp8_pow2_scales,
                "true | false")

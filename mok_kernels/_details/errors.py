@@ -17,7 +17,7 @@ ERR_WAIT_HSLOT_FREE = 5  # gate+up GEMM (no comm programs) waited for a SwiGLU r
 ERR_WAIT_DGRAD_ROWBLOCK = 6  # backward dgrad gate+up waited for the row block's dA tiles
 ERR_WAIT_DGRAD_GROUP = 7  # backward gate+up weight gradient waited for its expert's dA tiles
 ERR_WAIT_BWD_PULLED = 8  # backward dA GEMM waited for its row block's pulled dY (and x) rows
-ERR_WAIT_BWD_XPULLED = 9  # backward gate+up weight gradient waited for its expert's x rows
+ERR_WAIT_BWD_XPULLED = 9  # backward weight gradient waited for its expert's pulled rows
 ERR_WAIT_DEDUP = 10  # dispatch waited for a token's first row on this rank to be pulled
 ERR_WAIT_WGRAD_QUANT = 11  # backward FP8 weight gradient waited for its expert's FP8 columns
 ERR_CAPACITY = 16  # routing needed more schedule rows than capacity_mult allows
@@ -31,7 +31,7 @@ WAIT_NAMES = {
     ERR_WAIT_DGRAD_ROWBLOCK: "backward dX GEMM <- dA GEMM: row block ready",
     ERR_WAIT_DGRAD_GROUP: "backward gate+up weight gradient <- dA GEMM: expert rows ready",
     ERR_WAIT_BWD_PULLED: "backward dA GEMM <- pull: row block's rows pulled",
-    ERR_WAIT_BWD_XPULLED: "backward gate+up weight gradient <- pull: expert's x rows pulled",
+    ERR_WAIT_BWD_XPULLED: "backward weight gradient <- pull: expert's rows pulled",
     ERR_WAIT_DEDUP: "dispatch <- dispatch: token's first row pulled into the token cache",
     ERR_WAIT_WGRAD_QUANT: "backward FP8 weight gradient <- quantise: expert's columns in FP8",
 }

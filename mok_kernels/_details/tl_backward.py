@@ -570,6 +570,19 @@ def _wgrad_quant_item(g, c, lr, gst, total, src, P, hs_q_desc, pre_q_desc, hqT, 
 
 
 @triton.jit
+def _pulled_rows(ok, xgrp, g, start, end, err, budget, BM: tl.constexpr,
+                 F32_DOT: tl.constexpr):
+    """After ``ok``: wait until every row block of group g (rows start..end) is pulled in
+    this launch (``xgrp[g]``, +1 per block, release), then fence the async proxy (plain
+    stores, TMA reads); returns the wait's ok."""
+    if ok != 0:
+        ok = wait_geq(xgrp + g, (end - start) // BM, err, budget, _E_BWD_XPULLED, g)
+        if ok != 0:
+            _async_proxy_fence(ok, F32_DOT)
+    return ok
+
+
+@triton.jit
 def _wgrad_wait(g, gst, total, ctr, err, NBMAX, budget, I: tl.constexpr, BM: tl.constexpr,
                 DAC: tl.constexpr, F32_DOT: tl.constexpr, PULL: tl.constexpr,
                 FP8W: tl.constexpr, qready, NQ: tl.constexpr):
@@ -619,16 +632,18 @@ def _wgrad_down_item(g, it, jn, lr, gst, total, P, hs_c_desc, dyg_c_desc, ctr, e
                      dy_base=None, tab16=None, DIRECT: tl.constexpr = False,
                      FP8W: tl.constexpr = False, qready=None, NQ: tl.constexpr = 0,
                      hqT_desc=None, dyqT_desc=None, srh=None, gdyam=None,
-                     POW2: tl.constexpr = False):
+                     POW2: tl.constexpr = False, XW: tl.constexpr = False, xgrp=None):
     """C item: dW_down[g][I tile it, H tile jn] = sum over g's rows of (r h)^T dY; waits for
     every A item of g (they write r h). DIRECT: the dY rows are gathered from their home
     ranks instead of read from the pulled rows. FP8W: e4m3 tiles of the transposed copies
     (``hqT_desc`` [L*I, P], ``dyqT_desc`` [L*H, P]: K-major, a pure FP8 K loop), then the
     column scales (r h's of group g in ``srh``, dY's from the global column max
-    ``gdyam``); waits for g's Q items instead."""
+    ``gdyam``); waits for g's Q items instead. XW: also for g's pulled rows (``_pulled_rows``)."""
     HALF: tl.constexpr = BN // 2
     start, end, ok = _wgrad_wait(g, gst, total, ctr, err, NBMAX, budget, I, BM, DAC, F32_DOT,
                                  PULL, FP8W, qready, NQ)
+    if XW:
+        ok = _pulled_rows(ok, xgrp, g, start, end, err, budget, BM, F32_DOT)
     if ok != 0:
         icols = it * HALF + tl.arange(0, HALF)
         hcols = jn * BN + tl.arange(0, BN)
@@ -664,22 +679,22 @@ def _wgrad_gate_up_item(g, it, jn, lr, gst, total, P, pre_d_desc, xg_d_desc, ctr
                         DIRECT: tl.constexpr = False, xgrp=None, PA: tl.constexpr = 0,
                         FP8W: tl.constexpr = False, qready=None, NQ: tl.constexpr = 0,
                         xqT_desc=None, gqT_desc=None, srg=None, gxam=None,
-                        POW2: tl.constexpr = False):
+                        POW2: tl.constexpr = False, XW: tl.constexpr = False):
     """D item: dW_gate_up[g][H tile it, 2I tile jn] = sum over g's rows of x^T [dG dU].
     DIRECT: the x rows are gathered from the tokens' home ranks instead of the pulled rows.
     PA (``bwd_pull_ahead``): also waits until every row block of g has its x rows pulled
     (``xgrp[g]``, +1 per block), then fences the async proxy (plain stores, TMA reads).
     FP8W: e4m3 tiles of the transposed copies (``xqT_desc`` [L*H, P], ``gqT_desc``
     [L*2I, P]), then the column scales (x's from the global column max ``gxam``, dG/dU's
-    of group g in ``srg``); waits for g's Q items instead."""
+    of group g in ``srg``); waits for g's Q items instead. XW: waits for g's pulled rows as
+    PA does (``bwd_fused_pull`` with ``bwd_fp8_da``)."""
     HALF: tl.constexpr = BN // 2
     start, end, ok = _wgrad_wait(g, gst, total, ctr, err, NBMAX, budget, I, BM, DAC, F32_DOT,
                                  PULL, FP8W, qready, NQ)
     if PA > 0:
-        if ok != 0:
-            ok = wait_geq(xgrp + g, (end - start) // BM, err, budget, _E_BWD_XPULLED, g)
-            if ok != 0:
-                _async_proxy_fence(ok, F32_DOT)
+        ok = _pulled_rows(ok, xgrp, g, start, end, err, budget, BM, F32_DOT)
+    elif XW:
+        ok = _pulled_rows(ok, xgrp, g, start, end, err, budget, BM, F32_DOT)
     if ok != 0:
         hcols = it * HALF + tl.arange(0, HALF)
         fcols = jn * BN + tl.arange(0, BN)
@@ -738,7 +753,9 @@ def mok_backward_kernel(
         RQC: tl.constexpr = 128, POW2: tl.constexpr = False, FP8W: tl.constexpr = False,
         hqT_ptr=None, gqT_ptr=None, srh_ptr=None, srg_ptr=None,
         hqT_desc=None, dyqT_desc=None, xqT_desc=None, gqT_desc=None, gxam_ptr=None,
-        gdyam_ptr=None, BK8: tl.constexpr = 64, BKW8: tl.constexpr = 64, pre_q_desc=None):
+        gdyam_ptr=None, BK8: tl.constexpr = 64, BKW8: tl.constexpr = 64, pre_q_desc=None,
+        xqT_ptr=None, dyqT_ptr=None, PULLG: tl.constexpr = False, PBR: tl.constexpr = 16,
+        PCH: tl.constexpr = 128):
     """One persistent program per SM; see the module docstring for the work order. FENCE:
     rows pulled in this launch (PULL or PA): the C and D items fence the async proxy after
     their group's acquire. FP8DA (``bwd_fp8_da``): the A items' FP8 tiles read dY as FP8
@@ -753,7 +770,11 @@ def mok_backward_kernel(
     ``hs_c_desc``, dG/dU through ``pre_q_desc``);
     the C and D items run FP8 tiles on those and on the pulled copies of dY and x
     (``dyqT_desc``, ``xqT_desc``, scaled by the global column maxima ``gdyam_ptr`` /
-    ``gxam_ptr`` [H])."""
+    ``gxam_ptr`` [H]). PULLG (``bwd_fused_pull`` with ``bwd_fp8_da``): the dA items read dY
+    at home and do not wait for the pull items; each pull item adds 1 to its group's count
+    and the C and D items wait for their group's row blocks instead; with FP8W the pull items
+    write the FP8 transposed copies of x and dY (``xqT_ptr``, ``dyqT_ptr`` [L, H, P]; PBR rows
+    by PCH columns at a time), as the separate pull kernel does."""
     HALF: tl.constexpr = BN // 2
     BKA: tl.constexpr = BK8 if FP8DA else BK  # reduction steps of the A, B, C and D items:
     BKX: tl.constexpr = BK8 if FP8DX else BK  # ``bwd_fp8_block_k`` (BK8, BKW8) for the FP8
@@ -779,7 +800,9 @@ def mok_backward_kernel(
     gqT = gqT_ptr + lr.to(tl.int64) * (2 * I) * P if FP8W else gqT_ptr
     srh = srh_ptr + lr * NG * I if FP8W else srh_ptr
     srg = srg_ptr + lr * NG * (2 * I) if FP8W else srg_ptr
-    qready = ctr + 1 + NBMAX + NG  # FP8W: [NG] Q items done per group
+    qready = ctr + 1 + NBMAX + NG  # FP8W: [NG] Q items done per group, after PULLG's counters
+    if PULLG:
+        qready = qready + NBMAX + 1 + NG
     nb = total // BM
     if PA > 0:  # a dY pull item (block s) then the A items of block s - PA, per slot s
         end_a = (nb + PA) * (NA + 1)
@@ -799,11 +822,21 @@ def mok_backward_kernel(
         if (pid - lr * PROGS) < PULLERS:
             pt = tl.atomic_add(pulled + NBMAX, 1, sem="relaxed", scope="gpu")
             while pt < nb:
-                _pull_block(pt, lr, src, x_base, x_tab, dy_base, tab16, xg_ptr, dyg_ptr, T, P,
-                            H, S, BM, BR, CH)
+                if FP8W:  # the FP8 transposed copies of x and dY (PULLG: no bf16 rows)
+                    for r0 in range(0, BM, PBR):
+                        _pull_fp8t_rows(pt * BM + r0 + tl.arange(0, PBR), lr, src_ptr, x_base,
+                                        x_tab, dy_base, tab16, dyg_ptr, xqT_ptr, dyqT_ptr,
+                                        gxam_ptr, gdyam_ptr, T, P, H, S, PCH, False, POW2,
+                                        F32_DOT)
+                else:
+                    _pull_block(pt, lr, src, x_base, x_tab, dy_base, tab16, xg_ptr, dyg_ptr,
+                                T, P, H, S, BM, BR, CH)
                 pt = _async_proxy_fence(pt, F32_DOT)  # before the release: TMA readers follow
                 tl.debug_barrier()
-                tl.atomic_add(pulled + pt, 1, sem="release", scope="gpu")
+                if PULLG:  # counted per group: the C and D items wait for their group's
+                    tl.atomic_add(xgrp + tl.load(grp + pt), 1, sem="release", scope="gpu")
+                else:
+                    tl.atomic_add(pulled + pt, 1, sem="release", scope="gpu")
                 pt = tl.atomic_add(pulled + NBMAX, 1, sem="relaxed", scope="gpu")
     tk = tl.atomic_add(ctr, 1, sem="relaxed", scope="gpu")
     while (tk < n_items) & (ok != 0):
@@ -832,9 +865,13 @@ def mok_backward_kernel(
             elif PHASES & 1:
                 b = tk // NA
                 if PULL:  # its rows pulled by an item of this launch (plain stores; TMA here)
-                    ok = wait_geq(ctr + 1 + NBMAX + NG + b, 1, err, budget, _E_BWD_PULLED, b)
-                    if ok != 0:
-                        _async_proxy_fence(ok, F32_DOT)
+                    if PULLG:  # dY's FP8 rows read at home: nothing to wait for
+                        pass
+                    else:
+                        ok = wait_geq(ctr + 1 + NBMAX + NG + b, 1, err, budget, _E_BWD_PULLED,
+                                      b)
+                        if ok != 0:
+                            _async_proxy_fence(ok, F32_DOT)
                 if ok != 0:
                     _dgrad_down_item(b, tk % NA, lr, src, grp, P, pre, hs, ctr, dyg_a_desc,
                                      p_base, drp_base, tab32, w2_desc, ws2_desc, pre_a_desc, T,
@@ -883,7 +920,7 @@ def mok_backward_kernel(
                                       E, NBMAX, budget, H, I, S, K, HAS_SHARED, BM, BN, BKWF,
                                       DAC, F32_DOT, FENCE, src, dy_base, tab16, DIRECT,
                                       FP8W, qready, NQ, hqT_desc, dyqT_desc, srh, gdyam_ptr,
-                                      POW2)
+                                      POW2, PULLG, xgrp)
         else:
             if PHASES & 8:
                 i = tk - end_c
@@ -894,7 +931,7 @@ def mok_backward_kernel(
                                          dws1_ptr, T, E, NBMAX, budget, H, I, S, K, HAS_SHARED,
                                          BM, BN, BKWF, DAC, F32_DOT, INTERLEAVED, FENCE, src,
                                          x_base, x_tab, DIRECT, xgrp, PA, FP8W, qready,
-                                         NQ, xqT_desc, gqT_desc, srg, gxam_ptr, POW2)
+                                         NQ, xqT_desc, gqT_desc, srg, gxam_ptr, POW2, PULLG)
         tk = tl.atomic_add(ctr, 1, sem="relaxed", scope="gpu")
 
 
@@ -971,36 +1008,49 @@ def pull_rows_fp8t_kernel(src_ptr, total_ptr, x_base, x_tab, dy_base, tab16, dyg
     r0 = tl.program_id(1) * BR
     total = tl.load(total_ptr + lr)
     if r0 < total:
-        rows = r0 + tl.arange(0, BR)
-        x_rows, dy_rows, ld, wr = _row_sources(
-            rows, lr, src_ptr + lr.to(tl.int64) * P,
-            first_ptr + lr.to(tl.int64) * P if PHASE > 0 else first_ptr, x_base, x_tab,
-            dy_base, tab16, xg_ptr, dyg_ptr, T, P, H, S, PHASE)
-        if PHASE == 2:  # every valid row from its first row's copy (its own for a first)
-            ld = tl.load(src_ptr + lr.to(tl.int64) * P + rows) >= 0
-        xq = xqT_ptr + lr.to(tl.int64) * H * P
-        dyq = dyqT_ptr + lr.to(tl.int64) * H * P
-        out16 = (lr.to(tl.int64) * P + rows) * H
-        for h0 in range(0, H, CH):
-            cols = h0 + tl.arange(0, CH)
-            cm = cols < H
-            m = ld[:, None] & cm[None, :]
-            mw = wr[:, None] & cm[None, :]
-            # The transposed stores are masked by column only (a row mask along their
-            # contiguous dimension made them byte stores): PHASE 0 and 2 write every row
-            # (padding rows 0), PHASE 1 none (it writes the bf16 copies that PHASE 2 reads).
-            tcols = cols.to(tl.int64)[None, :] * P + rows[:, None]
-            v = tl.load(x_rows[:, None] + cols[None, :], mask=m, other=0.0)
-            if PHASE == 1:  # the second pass's source
-                tl.store(xg_ptr + out16[:, None] + cols[None, :], v, mask=mw)
-            else:
-                inv = e4m3_scales(tl.load(gxam_ptr + cols, mask=cm, other=0.0), POW2)[0]
-                tl.store(xq + tcols, to_e4m3(to_f32(v, SOFT_CAST) * inv[None, :], SOFT_CAST),
-                         mask=cm[None, :])
-            v = tl.load(dy_rows[:, None] + cols[None, :], mask=m, other=0.0)
-            if DY16:
-                tl.store(dyg_ptr + out16[:, None] + cols[None, :], v, mask=mw)
-            if PHASE != 1:
-                inv = e4m3_scales(tl.load(gdyam_ptr + cols, mask=cm, other=0.0), POW2)[0]
-                tl.store(dyq + tcols, to_e4m3(to_f32(v, SOFT_CAST) * inv[None, :], SOFT_CAST),
-                         mask=cm[None, :])
+        _pull_fp8t_rows(r0 + tl.arange(0, BR), lr, src_ptr, x_base, x_tab, dy_base, tab16,
+                        dyg_ptr, xqT_ptr, dyqT_ptr, gxam_ptr, gdyam_ptr, T, P, H, S, CH, DY16,
+                        POW2, SOFT_CAST, first_ptr, xg_ptr, PHASE)
+
+
+@triton.jit
+def _pull_fp8t_rows(rows, lr, src_ptr, x_base, x_tab, dy_base, tab16, dyg_ptr, xqT_ptr,
+                    dyqT_ptr, gxam_ptr, gdyam_ptr, T, P, H: tl.constexpr, S: tl.constexpr,
+                    CH: tl.constexpr, DY16: tl.constexpr, POW2: tl.constexpr,
+                    SOFT_CAST: tl.constexpr, first_ptr=None, xg_ptr=None,
+                    PHASE: tl.constexpr = 0):
+    """The body of ``pull_rows_fp8t_kernel`` for schedule rows ``rows`` of logical rank lr
+    (below its total); also the in-kernel pull items' (``bwd_fused_pull`` with FP8 weight
+    gradients, PHASE 0)."""
+    x_rows, dy_rows, ld, wr = _row_sources(
+        rows, lr, src_ptr + lr.to(tl.int64) * P,
+        first_ptr + lr.to(tl.int64) * P if PHASE > 0 else first_ptr, x_base, x_tab,
+        dy_base, tab16, xg_ptr, dyg_ptr, T, P, H, S, PHASE)
+    if PHASE == 2:  # every valid row from its first row's copy (its own for a first)
+        ld = tl.load(src_ptr + lr.to(tl.int64) * P + rows) >= 0
+    xq = xqT_ptr + lr.to(tl.int64) * H * P
+    dyq = dyqT_ptr + lr.to(tl.int64) * H * P
+    out16 = (lr.to(tl.int64) * P + rows) * H
+    for h0 in range(0, H, CH):
+        cols = h0 + tl.arange(0, CH)
+        cm = cols < H
+        m = ld[:, None] & cm[None, :]
+        mw = wr[:, None] & cm[None, :]
+        # The transposed stores are masked by column only (a row mask along their
+        # contiguous dimension made them byte stores): PHASE 0 and 2 write every row
+        # (padding rows 0), PHASE 1 none (it writes the bf16 copies that PHASE 2 reads).
+        tcols = cols.to(tl.int64)[None, :] * P + rows[:, None]
+        v = tl.load(x_rows[:, None] + cols[None, :], mask=m, other=0.0)
+        if PHASE == 1:  # the second pass's source
+            tl.store(xg_ptr + out16[:, None] + cols[None, :], v, mask=mw)
+        else:
+            inv = e4m3_scales(tl.load(gxam_ptr + cols, mask=cm, other=0.0), POW2)[0]
+            tl.store(xq + tcols, to_e4m3(to_f32(v, SOFT_CAST) * inv[None, :], SOFT_CAST),
+                     mask=cm[None, :])
+        v = tl.load(dy_rows[:, None] + cols[None, :], mask=m, other=0.0)
+        if DY16:
+            tl.store(dyg_ptr + out16[:, None] + cols[None, :], v, mask=mw)
+        if PHASE != 1:
+            inv = e4m3_scales(tl.load(gdyam_ptr + cols, mask=cm, other=0.0), POW2)[0]
+            tl.store(dyq + tcols, to_e4m3(to_f32(v, SOFT_CAST) * inv[None, :], SOFT_CAST),
+                     mask=cm[None, :])

@@ -380,6 +380,23 @@ def test_fp8_weight_gradients_match_the_quantised_reference(ranks, shared, knobs
             assert err < TOL, (name, err)
 
 
+@pytest.mark.parametrize("pullers", [0, 32])
+@pytest.mark.parametrize("ranks, shared", [(1, True), (2, False)])
+def test_fp8_pull_items_give_the_separate_pulls_gradients_bitwise(ranks, shared, pullers):
+    """The whole FP8 backward with ``bwd_fused_pull`` (pull items inside the megakernel write
+    the FP8 transposed copies of x and dY; the dA items do not wait for them, the weight-
+    gradient items wait for their group's rows), every program pulling or 32 of them: every
+    gradient bitwise the separate pull's, on the GPU's real concurrency (programs racing for
+    tickets, the waits met out of order), and reruns bitwise equal."""
+    f8 = {"bwd_fp8_da": True, "bwd_fp8_dx": True, "bwd_fp8_wgrad": True,
+          "bwd_fp8_block_k": 128, "bwd_block_m": 128}
+    plain = _fp8_backward_runs(ranks, shared, f8, 7)
+    fused = _fp8_backward_runs(ranks, shared, {**f8, "bwd_fused_pull": True,
+                                               "bwd_pull_programs": pullers}, 7)
+    for a, b in zip(vars(plain.g).values(), vars(fused.g).values()):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
 EP_SCRIPT = r"""
 import os, torch, torch.distributed as dist
 import mok_kernels as mk

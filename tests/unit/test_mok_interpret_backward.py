@@ -498,3 +498,41 @@ def test_pull_dedup_gives_the_plain_pulls_gradients_bitwise():
     out = run_interpreted(PULL_DEDUP_SCRIPT)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("pull dedup ok") == 9, out.stdout
+
+
+FUSED_FP8_PULL_SCRIPT = COMMON + textwrap.dedent("""
+    for L, T, E, K, shared in [(1, 24, 4, 2, True), (2, 13, 3, 2, False)]:
+        H, I = 64, 32
+        x, idx, p, _, W, dy, exact = interleaved_case(L, T, E, K, shared, 5 + L)
+        for base in ({"bwd_fp8_da": True}, {"bwd_fp8_da": True, "bwd_fp8_wgrad": True}):
+            out = []
+            # the pull items first: their scratch cannot hold the separate pull's rows
+            for pull in ({"bwd_fused_pull": True}, {"bwd_fused_pull": True,
+                                                    "bwd_pull_programs": 1}, {}):
+                cfg = config(True, **base, **pull)
+                ws = mk.get_workspace(cfg, tokens=T, hidden=H, intermediate=I,
+                                      local_experts=E, topk=K, shared=shared, device="cpu",
+                                      loopback_ranks=L)
+                f8 = mk.quantize_backward_weights(cfg, W[1], W[3], W[0], W[2])
+                y, saved = mk.forward_train(cfg, ws, mk.build_schedule(ws, idx), x, p, *W)
+                out.append(mk.backward(cfg, ws, saved, dy, *W, fp8_weights=f8))
+                mk.check_errors(ws)
+            for other in out[:-1]:
+                for a, b in zip(vars(other).values(), vars(out[-1]).values()):
+                    assert (a is None and b is None) or torch.equal(a, b), (L, base)
+            assert rel(out[0].w_down, exact.dweights["w2_EIH"]) < 1e-1
+            assert rel(out[0].w_gate_up, exact.dweights["w1_EHF"]) < 1e-1
+            print("fused fp8 pull ok", L, base)
+""")
+
+
+def test_pull_items_with_fp8_da_give_the_separate_pulls_gradients_bitwise():
+    """``bwd_fused_pull`` with ``bwd_fp8_da`` (the dA items read dY's FP8 rows at home and do
+    not wait for the pull; the weight-gradient items wait for their group's pulled rows),
+    with bf16 and with FP8 weight gradients (the pull items then write the FP8 transposed
+    copies of x and dY), every program pulling or one: every gradient bitwise the separate
+    pull's, one and two loopback ranks (pull items that wrote nothing would leave the
+    scratch unwritten and fail the check)."""
+    out = run_interpreted(FUSED_FP8_PULL_SCRIPT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("fused fp8 pull ok") == 4, out.stdout
