@@ -156,12 +156,14 @@ class Fp8WgradScratch:
     srg_LGF: torch.Tensor  # fp32 column scales of dG/dU per group
     gxam_H: torch.Tensor  # fp32 column max |x| over every rank's tokens
     gdyam_H: torch.Tensor  # fp32 column max |dY| over every rank's tokens
+    bmax_LBF: torch.Tensor | None = None  # bwd_fp8_block_colmax: dG/dU column max per row block
 
     @staticmethod
-    def empty(L: int, H: int, I: int, P: int, G: int,
-              device: torch.device | str) -> Fp8WgradScratch:
+    def empty(L: int, H: int, I: int, P: int, G: int, device: torch.device | str,
+              blocks: int = 0) -> Fp8WgradScratch:
         f8, f32 = torch.float8_e4m3fn, torch.float32
         return Fp8WgradScratch(
+            bmax_LBF=torch.empty(L, blocks, 2 * I, dtype=f32, device=device) if blocks else None,
             xqT_LHP=torch.empty(L, H, P, dtype=f8, device=device),
             dyqT_LHP=torch.empty(L, H, P, dtype=f8, device=device),
             hqT_LIP=torch.empty(L, I, P, dtype=f8, device=device),
@@ -194,7 +196,8 @@ def backward_scratch(ws: Workspace) -> BackwardScratch:
                  if pulled and (dedup or not (w8 and cfg.bwd_fp8_da)) else None),
         gq_LPG=(torch.empty(L, P, dgu_row_elements(I), dtype=bf, device=dev)
                 if cfg.bwd_fp8_dx else None),
-        wgrad8=(Fp8WgradScratch.empty(L, H, I, P, ws.E + int(ws.shared), dev)
+        wgrad8=(Fp8WgradScratch.empty(L, H, I, P, ws.E + int(ws.shared), dev,
+                                      P // cfg.bwd_bm if cfg.bwd_fp8_block_colmax else 0)
                 if w8 else None))
 
 
@@ -424,7 +427,7 @@ def _fp8_wgrad_args(cfg: MoKConfig, sc: BackwardScratch, pre_LPF: torch.Tensor) 
     is ``hs_c_desc``); all None without the knob."""
     names = ("hqT_ptr", "gqT_ptr", "srh_ptr", "srg_ptr", "hqT_desc",
              "dyqT_desc", "xqT_desc", "gqT_desc", "gxam_ptr", "gdyam_ptr", "pre_q_desc",
-             "xqT_ptr", "dyqT_ptr")
+             "xqT_ptr", "dyqT_ptr", "bmax_ptr")
     w8 = sc.wgrad8
     if w8 is None:
         return dict.fromkeys(names)
@@ -442,7 +445,8 @@ def _fp8_wgrad_args(cfg: MoKConfig, sc: BackwardScratch, pre_LPF: torch.Tensor) 
                 gxam_ptr=w8.gxam_H, gdyam_ptr=w8.gdyam_H,
                 pre_q_desc=TensorDescriptor.from_tensor(pre_LPF.view(-1, pre_LPF.shape[-1]),
                                                         [wgrad_rows(cfg), bn // 2]),
-                xqT_ptr=w8.xqT_LHP, dyqT_ptr=w8.dyqT_LHP)  # the in-kernel pull's stores
+                xqT_ptr=w8.xqT_LHP, dyqT_ptr=w8.dyqT_LHP,  # the in-kernel pull's stores
+                bmax_ptr=w8.bmax_LBF)
 
 
 def backward_stages(cfg: MoKConfig) -> int:
@@ -469,7 +473,8 @@ def backward_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots:
                 RQC=min(128, 2 * intermediate), POW2=cfg.fp8_pow2_scales,
                 FP8W=cfg.bwd_fp8_wgrad, BK8=fp8_backward_block_k(cfg),
                 BKW8=fp8_wgrad_rows(cfg), PULLG=cfg.bwd_fused_pull and cfg.bwd_fp8_da,
-                PBR=min(wgrad_rows(cfg), cfg.bwd_bm), PCH=min(128, _row_chunk(hidden)))
+                PBR=min(wgrad_rows(cfg), cfg.bwd_bm), PCH=min(128, _row_chunk(hidden)),
+                QBM=cfg.bwd_fp8_block_colmax)
 
 
 def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tensor,

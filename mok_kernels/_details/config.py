@@ -162,14 +162,14 @@ class MoKConfig:
         row) over H (``quantize_backward_weights``, passed to ``backward``). The dG/dU rows,
         the dX and weight-gradient items stay bf16. First stage of the FP8 backward (the
         plan in notes/mok-kernel.md); off by default (the mok backend turns it on in FP8 cells
-        on Hopper at EP 1).
+        on Hopper).
     bwd_fp8_dx: the backward's dX items (dgrad of gate+up, dX = [dG dU] @ W_gate_up^T, a
         third of the backward's FLOPs) run FP8 tiles, row-wise scaled: the dA item whose
         counter add completes a row block reads the block's dG/dU rows back (bf16, as the
         dW_gate_up items still read them), quantises them, one scale per row over 2I, into
         scratch rows, then releases the row block to its dX items; W_gate_up is quantised
         once per (expert, hidden row) over 2I (``quantize_backward_weights``). Second stage
-        of the FP8 backward; off by default (on in the mok backend's FP8 cells on Hopper at EP 1).
+        of the FP8 backward; off by default (on in the mok backend's FP8 cells on Hopper).
     bwd_fp8_wgrad: the backward's weight-gradient items (dW_down = (r h)^T dY and
         dW_gate_up = x^T [dG dU], K = the expert's rows: half of the backward's FLOPs) run
         FP8 tiles with fp32 accumulation and pure tensor-core K loops, each operand scaled
@@ -183,12 +183,18 @@ class MoKConfig:
         copies; the weight-gradient items wait for those). Needs the separate pull (not
         bwd_direct_rows or bwd_pull_ahead), or ``bwd_fused_pull`` with ``bwd_fp8_da`` (the
         pull items then write the FP8 copies). Third stage of the FP8
-        backward; off by default (on in the mok backend's FP8 cells on Hopper at EP 1).
+        backward; off by default (on in the mok backend's FP8 cells on Hopper).
+    bwd_fp8_block_colmax: with ``bwd_fp8_dx`` and ``bwd_fp8_wgrad``: the dA item that
+        requantises a row block's dG/dU rows (it reads them all anyway) also stores the
+        block's column maxima (fp32, P / block_m x 2I per rank), and the Q items of dG/dU
+        take each column's max over the group from those instead of a first pass over the
+        group's rows: a third less of the Q items' reads. Max is exact in any order, so the
+        gradients are bitwise those without it. Off by default: not yet run on a GPU.
     bwd_fp8_block_k: the reduction step of the backward's FP8 items (with bwd_fp8_da,
         bwd_fp8_dx or bwd_fp8_wgrad): 64 (the bf16 items' step, 128 bytes of bf16 per row)
         or 128 (128 bytes of e4m3 per row, the FP8 forward's block_k: half the K-loop
         iterations and barrier waits per FLOP). 64 by default; the mok backend's FP8 cells on
-        Hopper at EP 1 use 128 (timed faster, notes/mok-kernel.md).
+        Hopper use 128 (timed faster, notes/mok-kernel.md).
     fp8: the forward's FP8 recipe (``tl_gemm_fp8``): "none" (bf16), "blockwise" (1x128
         activation and 128x128 weight scales, as TransformerEngine's Float8BlockScaling),
         "rowwise" (per row / per weight column, applied after the K loop; h still 1x128),
@@ -237,6 +243,7 @@ class MoKConfig:
     bwd_fp8_dx: bool = False
     bwd_fp8_wgrad: bool = False
     bwd_fp8_block_k: int = 64
+    bwd_fp8_block_colmax: bool = False
     fp8: str = "none"
     fp8_pow2_scales: bool = False
 
@@ -321,6 +328,12 @@ class MoKConfig:
                "true | false")
         _check(self.bwd_fp8_block_k in (64, 128) and not isinstance(self.bwd_fp8_block_k, bool),
                "bwd_fp8_block_k", self.bwd_fp8_block_k, "64 | 128")
+        _check(isinstance(self.bwd_fp8_block_colmax, bool), "bwd_fp8_block_colmax",
+               self.bwd_fp8_block_colmax, "true | false")
+        _check(not self.bwd_fp8_block_colmax or (self.bwd_fp8_dx and self.bwd_fp8_wgrad),
+               "bwd_fp8_block_colmax", self.bwd_fp8_block_colmax,
+               "false unless bwd_fp8_dx and bwd_fp8_wgrad are set (it keeps the maxima of "
+               "the dX items' requantisation for the weight gradients' Q items)")
         _check(isinstance(self.bwd_pull_dedup, bool), "bwd_pull_dedup", self.bwd_pull_dedup,
                "true | false")
         _check(not (self.bwd_pull_dedup and (self.bwd_direct_rows or self.bwd_fused_pull

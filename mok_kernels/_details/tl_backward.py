@@ -285,11 +285,14 @@ def _da_tile_fp8(jt, rank, t, valid, lr, g, E, dyq_base, tab16, w2q_desc, ws2q_d
 
 @triton.jit
 def _requant_dgu_rows(src_rows, dst_rows16, F: tl.constexpr, BM: tl.constexpr,
-                      RQC: tl.constexpr, POW2: tl.constexpr, F32_DOT: tl.constexpr):
+                      RQC: tl.constexpr, POW2: tl.constexpr, F32_DOT: tl.constexpr,
+                      valid=None, bmax_row=None, QBM: tl.constexpr = False):
     """``FP8DX``: the BM bf16 dG/dU rows of F = 2I values at ``src_rows`` (written by the A
     items, acquired by the caller) as FP8 rows at ``dst_rows16`` (F e4m3 values, then one
     fp32 scale per row over all F: ``fp8_row_views``): their max |v| in RQC-column chunks,
-    then the quantised chunks. The bf16 rows stay for the dW_gate_up items."""
+    then the quantised chunks. The bf16 rows stay for the dW_gate_up items. QBM
+    (``bwd_fp8_block_colmax``): a third pass stores the block's column max |v| over its
+    ``valid`` rows (NaN as +inf) at ``bmax_row`` [F], for the Q items."""
     offs = tl.arange(0, RQC)
     amax = tl.zeros((BM,), dtype=tl.float32)
     for c0 in tl.range(0, F, RQC):
@@ -301,6 +304,11 @@ def _requant_dgu_rows(src_rows, dst_rows16, F: tl.constexpr, BM: tl.constexpr,
         v = to_f32(tl.load(src_rows[:, None] + (c0 + offs)[None, :]), F32_DOT)
         tl.store(q_rows[:, None] + (c0 + offs)[None, :], to_e4m3(v * inv[:, None], F32_DOT))
     tl.store(s_rows, scale)
+    if QBM:  # a pass of its own (the block's rows are in L2 by now): inside the first pass
+        # the column reduction beside the row one cost more spill stores (notes/mok-kernel.md)
+        for c0 in tl.range(0, F, RQC):
+            v = to_f32(tl.load(src_rows[:, None] + (c0 + offs)[None, :]), F32_DOT)
+            tl.store(bmax_row + c0 + offs, finite_amax(tl.where(valid[:, None], v, 0.0), 0))
 
 
 @triton.jit
@@ -367,12 +375,14 @@ def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, 
                      FP8DA: tl.constexpr = False, dyq_base=None, w2q_desc=None,
                      ws2q_desc=None, sw2q_ptr=None, sws2q_ptr=None,
                      FP8DX: tl.constexpr = False, gq=None, GQW: tl.constexpr = 0,
-                     RQC: tl.constexpr = 128, POW2: tl.constexpr = False):
+                     RQC: tl.constexpr = 128, POW2: tl.constexpr = False,
+                     QBM: tl.constexpr = False, bmax=None):
     """A item: dA[rows of block b, I tiles jt0*DAT .. of DAC columns] and its epilogue
     (``_da_epilogue``); DAT tiles per item in one flattened loop (the next tile's loads
     overlap a tile's epilogue), and the item signals +DAT. DIRECT: the dY rows are gathered
     from their home ranks (``dy_base`` + ``tab16``) instead of read from the pulled rows.
-    FP8DA: FP8 tiles (``_da_tile_fp8``) instead of the bf16 ones."""
+    FP8DA: FP8 tiles (``_da_tile_fp8``) instead of the bf16 ones. QBM: the requantisation
+    (FP8DX) also stores the block's dG/dU column maxima at ``bmax`` [L, NBMAX, 2I]."""
     g = tl.load(grp + b)
     rows = b * BM + tl.arange(0, BM)
     valid, rank, t, k, routed = _row_meta(src, rows, T, S, K)
@@ -408,7 +418,9 @@ def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, 
             if old + DAT == I // DAC:
                 tl.debug_barrier()  # every thread after the acquire of the other items' rows
                 _requant_dgu_rows(pre + rows.to(tl.int64) * (2 * I),
-                                  gq + rows.to(tl.int64) * GQW, 2 * I, BM, RQC, POW2, F32_DOT)
+                                  gq + rows.to(tl.int64) * GQW, 2 * I, BM, RQC, POW2, F32_DOT,
+                                  valid, bmax + (lr * NBMAX + b).to(tl.int64) * (2 * I)
+                                  if QBM else bmax, QBM)
                 tl.debug_barrier()
                 tl.atomic_add(ctr + 1 + b, 1, sem="release", scope="gpu")
         else:
@@ -510,7 +522,9 @@ def _group_ready(g, gst, total, ctr, err, NBMAX, budget, I: tl.constexpr, BM: tl
 
 @triton.jit
 def _quant_cols(desc, row0, dst, sc, col0, start, end, src, P, QC: tl.constexpr,
-                BKW: tl.constexpr, POW2: tl.constexpr, F32_DOT: tl.constexpr):
+                BKW: tl.constexpr, POW2: tl.constexpr, F32_DOT: tl.constexpr,
+                BMX: tl.constexpr = False, bmax=None, BM: tl.constexpr = 128,
+                W: tl.constexpr = 0):
     """Columns col0 .. col0 + QC of one group's rows start..end of a [P, W] bf16 matrix (r h
     or dG/dU; read through ``desc``, [BKW, QC] boxes of this logical rank's rows from
     ``row0``) as e4m3 with one scale per column over those rows: a first pass takes the
@@ -520,14 +534,21 @@ def _quant_cols(desc, row0, dst, sc, col0, start, end, src, P, QC: tl.constexpr,
     product). Both passes are pipelined TMA copies (``num_stages``): with plain loads, one
     at a time, the Q items were a large part of the FP8 backward; folding the maxima into
     the A items instead, to read once here, slowed the A items by more than it saved (both
-    timed by the profiling script benchmarks/mok_backward_time.py; notes/mok-kernel.md)."""
+    timed by the profiling script benchmarks/mok_backward_time.py; notes/mok-kernel.md).
+    BMX (``bwd_fp8_block_colmax``): the column max from the row blocks' maxima at ``bmax``
+    (these columns of block b at ``bmax + b * W``; start and end are multiples of BM)
+    instead of the first pass: the same max, exactly."""
     cols = col0 + tl.arange(0, QC)
     amax = tl.zeros((QC,), dtype=tl.float32)
-    for r0 in tl.range(start, end, BKW, num_stages=3):
-        rows = r0 + tl.arange(0, BKW)
-        live = tl.load(src + rows) >= 0
-        v = tl.where(live[:, None], to_f32(desc.load([row0 + r0, col0]), F32_DOT), 0.0)
-        amax = tl.maximum(amax, finite_amax(v, 0))
+    if BMX:
+        for b in range(start // BM, end // BM):
+            amax = tl.maximum(amax, tl.load(bmax + b * W + tl.arange(0, QC)))
+    else:
+        for r0 in tl.range(start, end, BKW, num_stages=3):
+            rows = r0 + tl.arange(0, BKW)
+            live = tl.load(src + rows) >= 0
+            v = tl.where(live[:, None], to_f32(desc.load([row0 + r0, col0]), F32_DOT), 0.0)
+            amax = tl.maximum(amax, finite_amax(v, 0))
     inv, scale = e4m3_scales(amax, POW2)
     tl.store(sc + cols, scale)
     for r0 in tl.range(start, end, BKW, num_stages=3):
@@ -542,7 +563,8 @@ def _quant_cols(desc, row0, dst, sc, col0, start, end, src, P, QC: tl.constexpr,
 def _wgrad_quant_item(g, c, lr, gst, total, src, P, hs_q_desc, pre_q_desc, hqT, gqT, srh, srg,
                       ctr, err, qready, NBMAX, budget, withhold, NG, I: tl.constexpr,
                       BM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr,
-                      DAC: tl.constexpr, F32_DOT: tl.constexpr, POW2: tl.constexpr):
+                      DAC: tl.constexpr, F32_DOT: tl.constexpr, POW2: tl.constexpr,
+                      QBM: tl.constexpr = False, bmax=None):
     """Q item (``bwd_fp8_wgrad``): column tile c (BN/2 columns; r h's I / (BN/2) tiles, then
     dG/dU's 2I / (BN/2)) of group g in FP8 (``_quant_cols``), once every A item of g is done
     (they wrote r h and dG/dU with plain stores, read here through TMA: the acquire fences
@@ -563,7 +585,9 @@ def _wgrad_quant_item(g, c, lr, gst, total, src, P, hs_q_desc, pre_q_desc, hqT, 
                         HALF, BKW, POW2, F32_DOT)
         else:
             _quant_cols(pre_q_desc, lr * P, gqT, srg + g * (2 * I), (c - NH) * HALF, start,
-                        end, src, P, HALF, BKW, POW2, F32_DOT)
+                        end, src, P, HALF, BKW, POW2, F32_DOT, QBM,
+                        bmax + lr * NBMAX * (2 * I) + (c - NH) * HALF if QBM else bmax, BM,
+                        2 * I)
         if (withhold != 4) | (g != NG - 1) | (c != 0):
             _pulled_signal(qready + g, ok, F32_DOT)
     return ok
@@ -755,7 +779,7 @@ def mok_backward_kernel(
         hqT_desc=None, dyqT_desc=None, xqT_desc=None, gqT_desc=None, gxam_ptr=None,
         gdyam_ptr=None, BK8: tl.constexpr = 64, BKW8: tl.constexpr = 64, pre_q_desc=None,
         xqT_ptr=None, dyqT_ptr=None, PULLG: tl.constexpr = False, PBR: tl.constexpr = 16,
-        PCH: tl.constexpr = 128):
+        PCH: tl.constexpr = 128, bmax_ptr=None, QBM: tl.constexpr = False):
     """One persistent program per SM; see the module docstring for the work order. FENCE:
     rows pulled in this launch (PULL or PA): the C and D items fence the async proxy after
     their group's acquire. FP8DA (``bwd_fp8_da``): the A items' FP8 tiles read dY as FP8
@@ -861,7 +885,8 @@ def mok_backward_kernel(
                                              I, S, K, HAS_SHARED, BM, BN, BKA, DAC, F32_DOT,
                                              INTERLEAVED, dy_base, tab16, DIRECT, DAT, FP8DA,
                                              dyq_base, w2q_desc, ws2q_desc, sw2q_ptr,
-                                             sws2q_ptr, FP8DX, gq, GQW, RQC, POW2)
+                                             sws2q_ptr, FP8DX, gq, GQW, RQC, POW2, QBM,
+                                             bmax_ptr)
             elif PHASES & 1:
                 b = tk // NA
                 if PULL:  # its rows pulled by an item of this launch (plain stores; TMA here)
@@ -878,7 +903,7 @@ def mok_backward_kernel(
                                      E, NBMAX, withhold, H, I, S, K, HAS_SHARED, BM, BN, BKA,
                                      DAC, F32_DOT, INTERLEAVED, dy_base, tab16, DIRECT, DAT,
                                      FP8DA, dyq_base, w2q_desc, ws2q_desc, sw2q_ptr,
-                                     sws2q_ptr, FP8DX, gq, GQW, RQC, POW2)
+                                     sws2q_ptr, FP8DX, gq, GQW, RQC, POW2, QBM, bmax_ptr)
         elif tk < end_b:
             i = tk - end_a
             if PA > 0:
@@ -909,7 +934,7 @@ def mok_backward_kernel(
                     ok = _wgrad_quant_item(NG - 1 - i // NQ, i % NQ, lr, gst, total, src, P,
                                            hs_c_desc, pre_q_desc, hqT, gqT, srh, srg, ctr,
                                            err, qready, NBMAX, budget, withhold, NG, I, BM,
-                                           BN, BKW, DAC, F32_DOT, POW2)
+                                           BN, BKW, DAC, F32_DOT, POW2, QBM, bmax_ptr)
         elif tk < end_c:
             if PHASES & 4:
                 i = tk - end_q

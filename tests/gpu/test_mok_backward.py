@@ -397,6 +397,19 @@ def test_fp8_pull_items_give_the_separate_pulls_gradients_bitwise(ranks, shared,
         assert (a is None and b is None) or torch.equal(a, b)
 
 
+@pytest.mark.parametrize("ranks, shared", [(1, True), (2, False)])
+def test_block_column_maxima_give_the_two_pass_gradients_bitwise(ranks, shared):
+    """``bwd_fp8_block_colmax`` (the Q items of dG/dU take each column's max from the row
+    blocks' maxima the requantising dA items stored): every gradient bitwise the two-pass Q
+    items', reruns bitwise equal."""
+    f8 = {"bwd_fp8_da": True, "bwd_fp8_dx": True, "bwd_fp8_wgrad": True,
+          "bwd_fp8_block_k": 128, "bwd_block_m": 128}
+    plain = _fp8_backward_runs(ranks, shared, f8, 11)
+    colmax = _fp8_backward_runs(ranks, shared, {**f8, "bwd_fp8_block_colmax": True}, 11)
+    for a, b in zip(vars(plain.g).values(), vars(colmax.g).values()):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
 EP_SCRIPT = r"""
 import os, torch, torch.distributed as dist
 import mok_kernels as mk

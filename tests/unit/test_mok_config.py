@@ -37,6 +37,8 @@ from mok_kernels import MoKConfig, MoKConfigError, plan
     ({"bwd_fp8_wgrad": True, "bwd_direct_rows": True}, "bwd_fp8_wgrad"),
     ({"bwd_fp8_wgrad": True, "bwd_fused_pull": True}, "bwd_fp8_wgrad"),
     ({"bwd_fp8_wgrad": True, "bwd_pull_ahead": 1}, "bwd_fp8_wgrad"),
+    ({"bwd_fp8_block_colmax": 1}, "bwd_fp8_block_colmax"),
+    ({"bwd_fp8_block_colmax": True, "bwd_fp8_wgrad": True}, "bwd_fp8_block_colmax"),
     ({"dispatch_dedup": True}, "dispatch_dedup"),
     ({"dispatch_dedup": 1, "fwd_comm_sms": 8}, "dispatch_dedup"),
     ({"bwd_pull_ahead": -1}, "bwd_pull_ahead"),

@@ -536,3 +536,33 @@ def test_pull_items_with_fp8_da_give_the_separate_pulls_gradients_bitwise():
     out = run_interpreted(FUSED_FP8_PULL_SCRIPT)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("fused fp8 pull ok") == 4, out.stdout
+
+
+BLOCK_COLMAX_SCRIPT = COMMON + textwrap.dedent("""
+    for L, T, E, K, shared in [(1, 24, 4, 2, True), (2, 13, 3, 2, False)]:
+        H, I = 64, 32
+        x, idx, p, _, W, dy, exact = interleaved_case(L, T, E, K, shared, 9 + L)
+        out = []
+        for colmax in (True, False):
+            cfg = config(True, bwd_fp8_da=True, bwd_fp8_dx=True, bwd_fp8_wgrad=True,
+                         bwd_fp8_block_colmax=colmax)
+            ws = mk.get_workspace(cfg, tokens=T, hidden=H, intermediate=I, local_experts=E,
+                                  topk=K, shared=shared, device="cpu", loopback_ranks=L)
+            f8 = mk.quantize_backward_weights(cfg, W[1], W[3], W[0], W[2])
+            y, saved = mk.forward_train(cfg, ws, mk.build_schedule(ws, idx), x, p, *W)
+            out.append(mk.backward(cfg, ws, saved, dy, *W, fp8_weights=f8))
+            mk.check_errors(ws)
+        for a, b in zip(vars(out[0]).values(), vars(out[1]).values()):
+            assert (a is None and b is None) or torch.equal(a, b), L
+        assert rel(out[0].w_gate_up, exact.dweights["w1_EHF"]) < 1e-1
+        print("block colmax ok", L)
+""")
+
+
+def test_block_column_maxima_give_the_two_pass_gradients_bitwise():
+    """``bwd_fp8_block_colmax`` (the requantising dA item keeps each row block's dG/dU column
+    maxima; the Q items take the group's max from them instead of a first pass over the
+    rows): every gradient bitwise the two-pass Q items', one and two loopback ranks."""
+    out = run_interpreted(BLOCK_COLMAX_SCRIPT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("block colmax ok") == 2, out.stdout
