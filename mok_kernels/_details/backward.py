@@ -156,14 +156,14 @@ class Fp8WgradScratch:
     srg_LGF: torch.Tensor  # fp32 column scales of dG/dU per group
     gxam_H: torch.Tensor  # fp32 column max |x| over every rank's tokens
     gdyam_H: torch.Tensor  # fp32 column max |dY| over every rank's tokens
-    bmax_LBF: torch.Tensor | None = None  # bwd_fp8_block_colmax: dG/dU column max per row block
+    bmax_LBF: torch.Tensor | None = None  # bwd_fp8_block_colmax: r h, dG/dU column max per block
 
     @staticmethod
     def empty(L: int, H: int, I: int, P: int, G: int, device: torch.device | str,
               blocks: int = 0) -> Fp8WgradScratch:
         f8, f32 = torch.float8_e4m3fn, torch.float32
         return Fp8WgradScratch(
-            bmax_LBF=torch.empty(L, blocks, 2 * I, dtype=f32, device=device) if blocks else None,
+            bmax_LBF=torch.empty(L, blocks, 3 * I, dtype=f32, device=device) if blocks else None,
             xqT_LHP=torch.empty(L, H, P, dtype=f8, device=device),
             dyqT_LHP=torch.empty(L, H, P, dtype=f8, device=device),
             hqT_LIP=torch.empty(L, I, P, dtype=f8, device=device),

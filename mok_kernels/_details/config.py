@@ -185,11 +185,11 @@ class MoKConfig:
         pull items then write the FP8 copies). Third stage of the FP8
         backward; off by default (on in the mok backend's FP8 cells on Hopper).
     bwd_fp8_block_colmax: with ``bwd_fp8_dx`` and ``bwd_fp8_wgrad``: the dA item that
-        requantises a row block's dG/dU rows (it reads them all anyway) also stores the
-        block's column maxima (fp32, P / block_m x 2I per rank), and the Q items of dG/dU
-        take each column's max over the group from those instead of a first pass over the
-        group's rows: a third less of the Q items' reads. Max is exact in any order, so the
-        gradients are bitwise those without it. Off by default: not yet run on a GPU.
+        completes a row block (and requantises its dG/dU rows) also stores the block's column
+        maxima of r h and dG/dU (fp32, P / block_m x 3I per rank; the rows are in L2 then),
+        and the Q items take each column's max over the group from those instead of a first
+        pass over the group's rows: half of the Q items' reads. Max is exact in any order, so
+        the gradients are bitwise those without it. Off by default: not yet run on a GPU.
     bwd_fp8_block_k: the reduction step of the backward's FP8 items (with bwd_fp8_da,
         bwd_fp8_dx or bwd_fp8_wgrad): 64 (the bf16 items' step, 128 bytes of bf16 per row)
         or 128 (128 bytes of e4m3 per row, the FP8 forward's block_k: half the K-loop

@@ -284,15 +284,23 @@ def _da_tile_fp8(jt, rank, t, valid, lr, g, E, dyq_base, tab16, w2q_desc, ws2q_d
 
 
 @triton.jit
+def _block_col_max(src_rows, F: tl.constexpr, valid, dst, BM: tl.constexpr,
+                   RQC: tl.constexpr, F32_DOT: tl.constexpr):
+    """``bwd_fp8_block_colmax``: the column max |v| (NaN as +inf) over the ``valid`` ones of
+    the BM bf16 rows of F values at ``src_rows``, stored at ``dst`` [F]."""
+    offs = tl.arange(0, RQC)
+    for c0 in tl.range(0, F, RQC):
+        v = to_f32(tl.load(src_rows[:, None] + (c0 + offs)[None, :]), F32_DOT)
+        tl.store(dst + c0 + offs, finite_amax(tl.where(valid[:, None], v, 0.0), 0))
+
+
+@triton.jit
 def _requant_dgu_rows(src_rows, dst_rows16, F: tl.constexpr, BM: tl.constexpr,
-                      RQC: tl.constexpr, POW2: tl.constexpr, F32_DOT: tl.constexpr,
-                      valid=None, bmax_row=None, QBM: tl.constexpr = False):
+                      RQC: tl.constexpr, POW2: tl.constexpr, F32_DOT: tl.constexpr):
     """``FP8DX``: the BM bf16 dG/dU rows of F = 2I values at ``src_rows`` (written by the A
     items, acquired by the caller) as FP8 rows at ``dst_rows16`` (F e4m3 values, then one
     fp32 scale per row over all F: ``fp8_row_views``): their max |v| in RQC-column chunks,
-    then the quantised chunks. The bf16 rows stay for the dW_gate_up items. QBM
-    (``bwd_fp8_block_colmax``): a third pass stores the block's column max |v| over its
-    ``valid`` rows (NaN as +inf) at ``bmax_row`` [F], for the Q items."""
+    then the quantised chunks. The bf16 rows stay for the dW_gate_up items."""
     offs = tl.arange(0, RQC)
     amax = tl.zeros((BM,), dtype=tl.float32)
     for c0 in tl.range(0, F, RQC):
@@ -304,11 +312,6 @@ def _requant_dgu_rows(src_rows, dst_rows16, F: tl.constexpr, BM: tl.constexpr,
         v = to_f32(tl.load(src_rows[:, None] + (c0 + offs)[None, :]), F32_DOT)
         tl.store(q_rows[:, None] + (c0 + offs)[None, :], to_e4m3(v * inv[:, None], F32_DOT))
     tl.store(s_rows, scale)
-    if QBM:  # a pass of its own (the block's rows are in L2 by now): inside the first pass
-        # the column reduction beside the row one cost more spill stores (notes/mok-kernel.md)
-        for c0 in tl.range(0, F, RQC):
-            v = to_f32(tl.load(src_rows[:, None] + (c0 + offs)[None, :]), F32_DOT)
-            tl.store(bmax_row + c0 + offs, finite_amax(tl.where(valid[:, None], v, 0.0), 0))
 
 
 @triton.jit
@@ -381,8 +384,9 @@ def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, 
     (``_da_epilogue``); DAT tiles per item in one flattened loop (the next tile's loads
     overlap a tile's epilogue), and the item signals +DAT. DIRECT: the dY rows are gathered
     from their home ranks (``dy_base`` + ``tab16``) instead of read from the pulled rows.
-    FP8DA: FP8 tiles (``_da_tile_fp8``) instead of the bf16 ones. QBM: the requantisation
-    (FP8DX) also stores the block's dG/dU column maxima at ``bmax`` [L, NBMAX, 2I]."""
+    FP8DA: FP8 tiles (``_da_tile_fp8``) instead of the bf16 ones. QBM: the item that
+    completes the block (FP8DX) also stores its column maxima of r h and dG/dU at ``bmax``
+    [L, NBMAX, 3I]."""
     g = tl.load(grp + b)
     rows = b * BM + tl.arange(0, BM)
     valid, rank, t, k, routed = _row_meta(src, rows, T, S, K)
@@ -418,9 +422,15 @@ def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, 
             if old + DAT == I // DAC:
                 tl.debug_barrier()  # every thread after the acquire of the other items' rows
                 _requant_dgu_rows(pre + rows.to(tl.int64) * (2 * I),
-                                  gq + rows.to(tl.int64) * GQW, 2 * I, BM, RQC, POW2, F32_DOT,
-                                  valid, bmax + (lr * NBMAX + b).to(tl.int64) * (2 * I)
-                                  if QBM else bmax, QBM)
+                                  gq + rows.to(tl.int64) * GQW, 2 * I, BM, RQC, POW2, F32_DOT)
+                if QBM:  # the block's column maxima of r h, then dG/dU, for the Q items:
+                    # passes of their own over rows in L2 (inside the requantisation's first
+                    # pass the column reduction spilled as much)
+                    bm_row = bmax + (lr * NBMAX + b).to(tl.int64) * (3 * I)
+                    _block_col_max(hs + rows.to(tl.int64) * I, I, valid, bm_row, BM, RQC,
+                                   F32_DOT)
+                    _block_col_max(pre + rows.to(tl.int64) * (2 * I), 2 * I, valid,
+                                   bm_row + I, BM, RQC, F32_DOT)
                 tl.debug_barrier()
                 tl.atomic_add(ctr + 1 + b, 1, sem="release", scope="gpu")
         else:
@@ -580,14 +590,13 @@ def _wgrad_quant_item(g, c, lr, gst, total, src, P, hs_q_desc, pre_q_desc, hqT, 
     # of 16 rows makes them 16-byte vectors, but the whole kernel then spilled 380 bytes
     # instead of 296 (sm_90, Kimi shape, Triton 3.9), so it is left unsaid.
     if ok != 0:
+        bm = bmax + lr * NBMAX * (3 * I) + c * HALF if QBM else bmax  # r h, then dG/dU
         if c < NH:
             _quant_cols(hs_q_desc, lr * P, hqT, srh + g * I, c * HALF, start, end, src, P,
-                        HALF, BKW, POW2, F32_DOT)
+                        HALF, BKW, POW2, F32_DOT, QBM, bm, BM, 3 * I)
         else:
             _quant_cols(pre_q_desc, lr * P, gqT, srg + g * (2 * I), (c - NH) * HALF, start,
-                        end, src, P, HALF, BKW, POW2, F32_DOT, QBM,
-                        bmax + lr * NBMAX * (2 * I) + (c - NH) * HALF if QBM else bmax, BM,
-                        2 * I)
+                        end, src, P, HALF, BKW, POW2, F32_DOT, QBM, bm, BM, 3 * I)
         if (withhold != 4) | (g != NG - 1) | (c != 0):
             _pulled_signal(qready + g, ok, F32_DOT)
     return ok

@@ -399,9 +399,9 @@ def test_fp8_pull_items_give_the_separate_pulls_gradients_bitwise(ranks, shared,
 
 @pytest.mark.parametrize("ranks, shared", [(1, True), (2, False)])
 def test_block_column_maxima_give_the_two_pass_gradients_bitwise(ranks, shared):
-    """``bwd_fp8_block_colmax`` (the Q items of dG/dU take each column's max from the row
-    blocks' maxima the requantising dA items stored): every gradient bitwise the two-pass Q
-    items', reruns bitwise equal."""
+    """``bwd_fp8_block_colmax`` (the Q items take each column's max from the row blocks'
+    maxima of r h and dG/dU that the block-completing dA items stored): every gradient
+    bitwise the two-pass Q items', reruns bitwise equal."""
     f8 = {"bwd_fp8_da": True, "bwd_fp8_dx": True, "bwd_fp8_wgrad": True,
           "bwd_fp8_block_k": 128, "bwd_block_m": 128}
     plain = _fp8_backward_runs(ranks, shared, f8, 11)

@@ -560,9 +560,10 @@ BLOCK_COLMAX_SCRIPT = COMMON + textwrap.dedent("""
 
 
 def test_block_column_maxima_give_the_two_pass_gradients_bitwise():
-    """``bwd_fp8_block_colmax`` (the requantising dA item keeps each row block's dG/dU column
-    maxima; the Q items take the group's max from them instead of a first pass over the
-    rows): every gradient bitwise the two-pass Q items', one and two loopback ranks."""
+    """``bwd_fp8_block_colmax`` (the block-completing dA item keeps each row block's column
+    maxima of r h and dG/dU; the Q items take the group's max from them instead of a first
+    pass over the rows): every gradient bitwise the two-pass Q items', one and two loopback
+    ranks (without the r h maxima, or with them halved, the check fails)."""
     out = run_interpreted(BLOCK_COLMAX_SCRIPT)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("block colmax ok") == 2, out.stdout

@@ -264,8 +264,8 @@ def test_whole_fp8_backward_builds_with_pull_items_or_block_maxima(knobs):
     """The whole FP8 backward with ``bwd_fused_pull`` (the pull items write the FP8
     transposed copies of x and dY; every program pulls first, or 32 of them while the rest
     start on the dA items), or with ``bwd_fp8_block_colmax``: e4m3 MMAs only, within sm_90's
-    shared memory, small spills (Triton 3.9: 324 bytes with the pull items, 452 with the
-    block maxima, 320 with neither; Triton 3.6: 92, 528, 400), and the async proxy fenced
+    shared memory, small spills (Triton 3.9: 324 bytes with the pull items, 340 with the
+    block maxima, 320 with neither; Triton 3.6: 92, 468, 400), and the async proxy fenced
     after each pull item and before the weight-gradient items read TMA copies."""
     from mokbench.mok_backend import default_config_fields, fp8_config_fields
 
