@@ -57,6 +57,21 @@ COMMON = textwrap.dedent("""
         W = (il(w1), w2, il(ws1) if shared else None, ws2)
         exact = reference_all_experts(x, idx, p, w1, w2, ws1, ws2, dy_NH=dy)
         return x, idx, p, (w1, w2, ws1, ws2), W, dy, exact
+
+    def run_fp8(cfg, L, T, E, K, shared, H, I, x, idx, p, W, dy):
+        # training forward and backward on cfg's workspace, the backward's FP8 weight copies
+        # made as the backend makes them; (gradients, forward context)
+        ws = mk.get_workspace(cfg, tokens=T, hidden=H, intermediate=I, local_experts=E,
+                              topk=K, shared=shared, device="cpu", loopback_ranks=L)
+        f8 = mk.quantize_backward_weights(cfg, W[1], W[3], W[0], W[2])
+        y, saved = mk.forward_train(cfg, ws, mk.build_schedule(ws, idx), x, p, *W)
+        g = mk.backward(cfg, ws, saved, dy, *W, fp8_weights=f8)
+        mk.check_errors(ws)
+        return g, saved
+
+    def assert_bitwise(a, b, what):
+        for u, v in zip(vars(a).values(), vars(b).values()):
+            assert (u is None and v is None) or torch.equal(u, v), what
 """)
 
 SCRIPT = COMMON + textwrap.dedent("""
@@ -157,6 +172,13 @@ SCRIPT = COMMON + textwrap.dedent("""
 """)
 
 
+def _prints(out, line: str, times: int) -> None:
+    """The interpreted script exited 0 and printed ``line`` ``times`` times (once per case
+    it checked)."""
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count(line) == times, out.stdout
+
+
 def test_backward_in_interpreter_matches_autograd():
     repo = Path(__file__).resolve().parents[2]
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(repo))
@@ -251,12 +273,7 @@ FP8_DGRAD_SCRIPT = COMMON + textwrap.dedent("""
         # tiles per item (the completing add is then 2 at once): the same checks
         for extra in ({"bwd_block_m": 32}, {"bwd_da_tiles": 2, "bwd_dx_tiles": 2}):
             cfg = config(True, bwd_fp8_da=True, bwd_fp8_dx=True, **extra)
-            ws = mk.get_workspace(cfg, tokens=T, hidden=H, intermediate=I, local_experts=E,
-                                  topk=K, shared=shared, device="cpu", loopback_ranks=L)
-            f8 = mk.quantize_backward_weights(cfg, W[1], W[3], W[0], W[2])
-            y, saved = mk.forward_train(cfg, ws, mk.build_schedule(ws, idx), x, p, *W)
-            g = mk.backward(cfg, ws, saved, dy, *W, fp8_weights=f8)
-            mk.check_errors(ws)
+            g, saved = run_fp8(cfg, L, T, E, K, shared, H, I, x, idx, p, W, dy)
             want = dx_of_fp8_rows(saved, W, L, T, E, K, K + int(shared), H, 16)
             assert rel(g.dx_TH, want) < 2e-2, (L, extra, rel(g.dx_TH, want))
             for name, r in (("dx", exact.dx_TH), ("dp", exact.dprobs_TK),
@@ -404,8 +421,7 @@ def test_fp8_weight_gradients_in_interpreter_match_the_quantised_reference():
     shows in the weight gradients; a withheld quantisation signal ends in the named
     timeout, not a hang."""
     out = run_interpreted(FP8_WGRAD_SCRIPT)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("fp8 wgrad ok") == 4, out.stdout
+    _prints(out, "fp8 wgrad ok", 4)
     assert out.stdout.count("fp8 wgrad layout ok") == 2, out.stdout
     assert "fp8 wgrad nan ok" in out.stdout, out.stdout
     assert "fp8 wgrad withheld ok" in out.stdout, out.stdout
@@ -469,19 +485,13 @@ PULL_DEDUP_SCRIPT = COMMON + textwrap.dedent("""
             out = []
             for dedup in (True, False):  # dedup first: its scratch cannot hold the plain run's
                 cfg = config(True, bwd_pull_dedup=dedup, **base)
-                ws = mk.get_workspace(cfg, tokens=T, hidden=H, intermediate=I,
-                                      local_experts=E, topk=K, shared=shared, device="cpu",
-                                      loopback_ranks=L)
-                f8 = mk.quantize_backward_weights(cfg, W[1], W[3], W[0], W[2])
-                y, saved = mk.forward_train(cfg, ws, mk.build_schedule(ws, idx), x, p, *W)
+                g, saved = run_fp8(cfg, L, T, E, K, shared, H, I, x, idx, p, W, dy)
                 if dedup:  # some rows of a token come from its first row on the rank
                     first = saved.schedule.tensors.first_LP
                     rows = torch.arange(first.shape[1])
                     assert int(((first >= 0) & (first != rows)).sum()) > 0
-                out.append(mk.backward(cfg, ws, saved, dy, *W, fp8_weights=f8))
-                mk.check_errors(ws)
-            for a, b in zip(vars(out[0]).values(), vars(out[1]).values()):
-                assert (a is None and b is None) or torch.equal(a, b), (L, base)
+                out.append(g)
+            assert_bitwise(out[0], out[1], (L, base))
             tol = 1e-1 if base else 2e-2
             assert rel(out[0].w_down, exact.dweights["w2_EIH"]) < tol
             assert rel(out[0].dx_TH, exact.dx_TH) < tol
@@ -495,9 +505,7 @@ def test_pull_dedup_gives_the_plain_pulls_gradients_bitwise():
     second pass's source): every gradient bitwise the plain pull's, with rows that do come
     from their token's first row (a second pass that wrote nothing would leave them
     unwritten and the check fails)."""
-    out = run_interpreted(PULL_DEDUP_SCRIPT)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("pull dedup ok") == 9, out.stdout
+    _prints(run_interpreted(PULL_DEDUP_SCRIPT), "pull dedup ok", 9)
 
 
 FUSED_FP8_PULL_SCRIPT = COMMON + textwrap.dedent("""
@@ -510,16 +518,9 @@ FUSED_FP8_PULL_SCRIPT = COMMON + textwrap.dedent("""
             for pull in ({"bwd_fused_pull": True}, {"bwd_fused_pull": True,
                                                     "bwd_pull_programs": 1}, {}):
                 cfg = config(True, **base, **pull)
-                ws = mk.get_workspace(cfg, tokens=T, hidden=H, intermediate=I,
-                                      local_experts=E, topk=K, shared=shared, device="cpu",
-                                      loopback_ranks=L)
-                f8 = mk.quantize_backward_weights(cfg, W[1], W[3], W[0], W[2])
-                y, saved = mk.forward_train(cfg, ws, mk.build_schedule(ws, idx), x, p, *W)
-                out.append(mk.backward(cfg, ws, saved, dy, *W, fp8_weights=f8))
-                mk.check_errors(ws)
+                out.append(run_fp8(cfg, L, T, E, K, shared, H, I, x, idx, p, W, dy)[0])
             for other in out[:-1]:
-                for a, b in zip(vars(other).values(), vars(out[-1]).values()):
-                    assert (a is None and b is None) or torch.equal(a, b), (L, base)
+                assert_bitwise(other, out[-1], (L, base))
             assert rel(out[0].w_down, exact.dweights["w2_EIH"]) < 1e-1
             assert rel(out[0].w_gate_up, exact.dweights["w1_EHF"]) < 1e-1
             print("fused fp8 pull ok", L, base)
@@ -533,9 +534,7 @@ def test_pull_items_with_fp8_da_give_the_separate_pulls_gradients_bitwise():
     copies of x and dY), every program pulling or one: every gradient bitwise the separate
     pull's, one and two loopback ranks (pull items that wrote nothing would leave the
     scratch unwritten and fail the check)."""
-    out = run_interpreted(FUSED_FP8_PULL_SCRIPT)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("fused fp8 pull ok") == 4, out.stdout
+    _prints(run_interpreted(FUSED_FP8_PULL_SCRIPT), "fused fp8 pull ok", 4)
 
 
 BLOCK_COLMAX_SCRIPT = COMMON + textwrap.dedent("""
@@ -546,14 +545,8 @@ BLOCK_COLMAX_SCRIPT = COMMON + textwrap.dedent("""
         for colmax in (True, False):
             cfg = config(True, bwd_fp8_da=True, bwd_fp8_dx=True, bwd_fp8_wgrad=True,
                          bwd_fp8_block_colmax=colmax)
-            ws = mk.get_workspace(cfg, tokens=T, hidden=H, intermediate=I, local_experts=E,
-                                  topk=K, shared=shared, device="cpu", loopback_ranks=L)
-            f8 = mk.quantize_backward_weights(cfg, W[1], W[3], W[0], W[2])
-            y, saved = mk.forward_train(cfg, ws, mk.build_schedule(ws, idx), x, p, *W)
-            out.append(mk.backward(cfg, ws, saved, dy, *W, fp8_weights=f8))
-            mk.check_errors(ws)
-        for a, b in zip(vars(out[0]).values(), vars(out[1]).values()):
-            assert (a is None and b is None) or torch.equal(a, b), L
+            out.append(run_fp8(cfg, L, T, E, K, shared, H, I, x, idx, p, W, dy)[0])
+        assert_bitwise(out[0], out[1], L)
         assert rel(out[0].w_gate_up, exact.dweights["w1_EHF"]) < 1e-1
         print("block colmax ok", L)
 """)
@@ -564,6 +557,4 @@ def test_block_column_maxima_give_the_two_pass_gradients_bitwise():
     maxima of r h and dG/dU; the Q items take the group's max from them instead of a first
     pass over the rows): every gradient bitwise the two-pass Q items', one and two loopback
     ranks (without the r h maxima, or with them halved, the check fails)."""
-    out = run_interpreted(BLOCK_COLMAX_SCRIPT)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("block colmax ok") == 2, out.stdout
+    _prints(run_interpreted(BLOCK_COLMAX_SCRIPT), "block colmax ok", 2)
