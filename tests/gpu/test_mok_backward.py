@@ -422,13 +422,19 @@ gen = torch.Generator("cuda").manual_seed(1)
 dy = torch.randn(R * T, H, device="cuda", generator=gen).bfloat16()
 ref = reference_grads(x, idx, p, w, dy)
 mine = slice(rank * T, (rank + 1) * T)
-for comm, direct, fp8da, w8 in ((0, False, False, False), (8, False, False, False),
-                                (0, True, False, False), (8, False, True, False),
-                                (8, False, True, True)):
+for comm, direct, fp8da, w8, items in ((0, False, False, False, False),
+                                       (8, False, False, False, False),
+                                       (0, True, False, False, False),
+                                       (8, False, True, False, False),
+                                       (8, False, True, True, False),
+                                       (8, False, True, True, True)):
+    # items: the pull as items inside the megakernel (bwd_fused_pull, 8 pulling programs),
+    # reading the peer's rows while the dA items run
     cfg = mk.MoKConfig.for_shape(H, I, minibatch=256, macrobatch=768, tma=True,
                                  fwd_comm_sms=comm, bwd_direct_rows=direct, bwd_fp8_da=fp8da,
                                  bwd_fp8_dx=fp8da, dispatch_dedup=fp8da, bwd_fp8_wgrad=w8,
-                                 bwd_pull_dedup=fp8da)
+                                 bwd_pull_dedup=fp8da and not items, bwd_fused_pull=items,
+                                 bwd_pull_programs=8 if items else 0)
     ws = mk.get_workspace(cfg, tokens=T, hidden=H, intermediate=I, local_experts=E, topk=K,
                           shared=True, device="cuda", group=dist.group.WORLD)
     mine_e = slice(rank * E, (rank + 1) * E)
@@ -454,7 +460,8 @@ for comm, direct, fp8da, w8 in ((0, False, False, False), (8, False, False, Fals
         tol = (1e-1 if (fp8da and name in ("dx", "dp", "dw1", "dws1"))
                or (w8 and name.startswith("dw")) else 1e-2)
         assert err < tol, (rank, comm, direct, fp8da, w8, name, err)
-    print("rank", rank, "comm", comm, "direct", direct, "fp8da", fp8da, "wgrad8", w8, "ok")
+    print("rank", rank, "comm", comm, "direct", direct, "fp8da", fp8da, "wgrad8", w8, "items",
+          items, "ok")
 dist.destroy_process_group()
 """
 
@@ -469,4 +476,4 @@ def test_real_ep_over_two_gpus():
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                           str(script)], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert out.stdout.count("ok") == 10
+    assert out.stdout.count("ok") == 12
