@@ -71,7 +71,7 @@ def fp8_config_fields(arch: int = 90, recipe: str | None = None) -> dict:
             "bwd_block_m": 128 if bm < 128 else 0}
 
 
-def fp8_backward_fields(arch: int = 90, world_size: int = 1) -> dict:
+def fp8_backward_fields(arch: int = 90) -> dict:
     """The FP8 backward with ``precision = "fp8"`` on Hopper: the dA, dX and weight-gradient
     items in e4m3 (``bwd_fp8_da``, ``bwd_fp8_dx``, ``bwd_fp8_wgrad``) with 128-deep steps
     (``bwd_fp8_block_k``), as TE's and Megatron's FP8 rows run their backward in FP8.
@@ -205,7 +205,7 @@ def scenario_config(scenario, options: dict | None = None, num_sms: int = 132,
     if fp8:
         recipe = {**env_overrides(), **(options or {})}.get("fp8") or None
         defaults.update(fp8_config_fields(arch, recipe))
-        defaults.update(fp8_backward_fields(arch, scenario.world_size))
+        defaults.update(fp8_backward_fields(arch))
     cfg = config_from_env(s.hidden, s.intermediate, defaults, options)
     if fp8 != (cfg.fp8 != "none"):
         raise MoKConfigError(f"fp8={cfg.fp8!r} is invalid for precision {scenario.precision!r}:"
