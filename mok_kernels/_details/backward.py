@@ -259,12 +259,13 @@ def counters_per_rank(cfg: MoKConfig, P: int, E: int) -> int:
     """int32 counters of one logical rank (rounded up to 32): the ticket, one per row block,
     one per group (E + 1 with the shared expert slot); with ``bwd_fused_pull`` or
     ``bwd_pull_ahead`` also one pulled flag per row block and the pull ticket; with
-    ``bwd_pull_ahead`` (or ``bwd_fused_pull`` with ``bwd_fp8_da``) then one pulled count per
+    ``bwd_pull_ahead`` (or ``bwd_fused_pull`` with ``bwd_fp8_da`` / ``bwd_direct_da``) then one
+    pulled count per
     group; with ``bwd_fp8_wgrad`` one Q count per group."""
     n = 1 + P // cfg.bwd_bm + E + 1
     if cfg.bwd_fused_pull or cfg.bwd_pull_ahead:
         n += P // cfg.bwd_bm + 1
-    if cfg.bwd_pull_ahead or (cfg.bwd_fused_pull and cfg.bwd_fp8_da):
+    if cfg.bwd_pull_ahead or (cfg.bwd_fused_pull and (cfg.bwd_fp8_da or cfg.bwd_direct_da)):
         n += E + 1
     if cfg.bwd_fp8_wgrad:  # Q items done per group
         n += E + 1
@@ -472,7 +473,8 @@ def backward_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots:
                 FP8DX=cfg.bwd_fp8_dx, GQW=dgu_row_elements(intermediate),
                 RQC=min(128, 2 * intermediate), POW2=cfg.fp8_pow2_scales,
                 FP8W=cfg.bwd_fp8_wgrad, BK8=fp8_backward_block_k(cfg),
-                BKW8=fp8_wgrad_rows(cfg), PULLG=cfg.bwd_fused_pull and cfg.bwd_fp8_da,
+                BKW8=fp8_wgrad_rows(cfg), DIRA=cfg.bwd_direct_rows or cfg.bwd_direct_da,
+                PULLG=cfg.bwd_fused_pull and (cfg.bwd_fp8_da or cfg.bwd_direct_da),
                 PBR=min(wgrad_rows(cfg), cfg.bwd_bm), PCH=min(128, _row_chunk(hidden)),
                 QBM=cfg.bwd_fp8_block_colmax)
 
@@ -495,8 +497,10 @@ def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tens
                     dy_base=bb.dy_LTH, tab16=bb.tab16_R, xg_ptr=sc.xg_LPH, dyg_ptr=sc.dyg_LPH)
     else:  # the pull kernel runs before the launch: constexpr None here
         pull = dict.fromkeys(("x_base", "x_tab", "dy_base", "tab16", "xg_ptr", "dyg_ptr"))
-        if cfg.bwd_fp8_da:  # the FP8 dA items gather dY's FP8 rows at the home ranks
-            pull["tab16"] = bb.tab16_R
+        if cfg.bwd_fp8_da or cfg.bwd_direct_da:  # the dA items gather dY's (FP8) rows at
+            pull["tab16"] = bb.tab16_R  # the home ranks
+        if cfg.bwd_direct_da:
+            pull["dy_base"] = bb.dy_LTH
     descs = _descriptors(ws, weights) + _activation_descriptors(cfg, pre_LPF, sc.hs_LPI,
                                                                 sc.xg_LPH, sc.dyg_LPH)
     names = ("w1_desc", "w2_desc", "ws1_desc", "ws2_desc", "pre_a_desc", "hs_c_desc",

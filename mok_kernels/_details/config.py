@@ -114,6 +114,13 @@ class MoKConfig:
         contiguous buffers (read through TMA): no pull pass, and 2 * rows * H * 2 bytes less
         scratch. Off by default: far slower on one H200 (the gathers inside the K loops;
         benchmarks/mok_backward_time.py, notes/mok-kernel.md).
+    bwd_direct_da: only the dA items read dY's rows at their home ranks by row gathers (as
+        ``bwd_direct_rows`` does for every item); the C and D items still read pulled rows.
+        With ``bwd_fused_pull`` the pull items then feed only the C and D items, which wait
+        for their group's rows, so the pull overlaps the dA and dX items, as with
+        ``bwd_fp8_da`` (whose dA items read dY's FP8 rows at home anyway). Not with
+        ``bwd_direct_rows``, ``bwd_fp8_da`` or ``bwd_pull_ahead``. Off by default: not yet
+        run on a GPU.
     bwd_pull_dedup: the backward's separate pull fetches a token's x and dY rows from its
         home rank once per rank, for its first schedule row there, and a second pass copies
         them to the token's other rows from that local row: NVLink bytes of the
@@ -233,6 +240,7 @@ class MoKConfig:
     bwd_fused_pull: bool = False
     bwd_pull_programs: int = 0
     bwd_direct_rows: bool = False
+    bwd_direct_da: bool = False
     bwd_pull_dedup: bool = False
     bwd_dx_tiles: int = 1
     bwd_da_tiles: int = 1
@@ -300,6 +308,12 @@ class MoKConfig:
                "true | false")
         _check(not (self.bwd_direct_rows and self.bwd_fused_pull), "bwd_direct_rows",
                self.bwd_direct_rows, "false when bwd_fused_pull is true (no pull to fuse)")
+        _check(isinstance(self.bwd_direct_da, bool), "bwd_direct_da", self.bwd_direct_da,
+               "true | false")
+        _check(not (self.bwd_direct_da and (self.bwd_direct_rows or self.bwd_fp8_da
+                                            or self.bwd_pull_ahead)),
+               "bwd_direct_da", self.bwd_direct_da, "false when bwd_direct_rows, bwd_fp8_da "
+               "or bwd_pull_ahead is set (their dA items already read dY their own way)")
         _check(isinstance(self.bwd_dx_tiles, int) and not isinstance(self.bwd_dx_tiles, bool)
                and 1 <= self.bwd_dx_tiles <= 64, "bwd_dx_tiles", self.bwd_dx_tiles,
                "an integer in 1..64 dividing hidden / block_n")

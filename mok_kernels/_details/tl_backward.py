@@ -788,7 +788,8 @@ def mok_backward_kernel(
         hqT_desc=None, dyqT_desc=None, xqT_desc=None, gqT_desc=None, gxam_ptr=None,
         gdyam_ptr=None, BK8: tl.constexpr = 64, BKW8: tl.constexpr = 64, pre_q_desc=None,
         xqT_ptr=None, dyqT_ptr=None, PULLG: tl.constexpr = False, PBR: tl.constexpr = 16,
-        PCH: tl.constexpr = 128, bmax_ptr=None, QBM: tl.constexpr = False):
+        PCH: tl.constexpr = 128, bmax_ptr=None, QBM: tl.constexpr = False,
+        DIRA: tl.constexpr = False):
     """One persistent program per SM; see the module docstring for the work order. FENCE:
     rows pulled in this launch (PULL or PA): the C and D items fence the async proxy after
     their group's acquire. FP8DA (``bwd_fp8_da``): the A items' FP8 tiles read dY as FP8
@@ -803,11 +804,13 @@ def mok_backward_kernel(
     ``hs_c_desc``, dG/dU through ``pre_q_desc``);
     the C and D items run FP8 tiles on those and on the pulled copies of dY and x
     (``dyqT_desc``, ``xqT_desc``, scaled by the global column maxima ``gdyam_ptr`` /
-    ``gxam_ptr`` [H]). PULLG (``bwd_fused_pull`` with ``bwd_fp8_da``): the dA items read dY
-    at home and do not wait for the pull items; each pull item adds 1 to its group's count
-    and the C and D items wait for their group's row blocks instead; with FP8W the pull items
-    write the FP8 transposed copies of x and dY (``xqT_ptr``, ``dyqT_ptr`` [L, H, P]; PBR rows
-    by PCH columns at a time), as the separate pull kernel does."""
+    ``gxam_ptr`` [H]). DIRA: the dA items gather dY's rows at home (``bwd_direct_rows`` or
+    ``bwd_direct_da``). PULLG (``bwd_fused_pull`` with ``bwd_fp8_da`` or ``bwd_direct_da``):
+    the dA items read dY at home and do not wait for the pull items; each pull item adds 1
+    to its group's count and the C and D items wait for their group's row blocks instead;
+    with FP8W the pull items write the FP8 transposed copies of x and dY (``xqT_ptr``,
+    ``dyqT_ptr`` [L, H, P]; PBR rows by PCH columns at a time), as the separate pull kernel
+    does."""
     HALF: tl.constexpr = BN // 2
     BKA: tl.constexpr = BK8 if FP8DA else BK  # reduction steps of the A, B, C and D items:
     BKX: tl.constexpr = BK8 if FP8DX else BK  # ``bwd_fp8_block_k`` (BK8, BKW8) for the FP8
@@ -892,14 +895,14 @@ def mok_backward_kernel(
                                              dyg_a_desc, p_base, drp_base, tab32, w2_desc,
                                              ws2_desc, pre_a_desc, T, E, NBMAX, withhold, H,
                                              I, S, K, HAS_SHARED, BM, BN, BKA, DAC, F32_DOT,
-                                             INTERLEAVED, dy_base, tab16, DIRECT, DAT, FP8DA,
+                                             INTERLEAVED, dy_base, tab16, DIRA, DAT, FP8DA,
                                              dyq_base, w2q_desc, ws2q_desc, sw2q_ptr,
                                              sws2q_ptr, FP8DX, gq, GQW, RQC, POW2, QBM,
                                              bmax_ptr)
             elif PHASES & 1:
                 b = tk // NA
                 if PULL:  # its rows pulled by an item of this launch (plain stores; TMA here)
-                    if PULLG:  # dY's FP8 rows read at home: nothing to wait for
+                    if PULLG:  # dY's rows read at home: nothing to wait for
                         pass
                     else:
                         ok = wait_geq(ctr + 1 + NBMAX + NG + b, 1, err, budget, _E_BWD_PULLED,
@@ -910,7 +913,7 @@ def mok_backward_kernel(
                     _dgrad_down_item(b, tk % NA, lr, src, grp, P, pre, hs, ctr, dyg_a_desc,
                                      p_base, drp_base, tab32, w2_desc, ws2_desc, pre_a_desc, T,
                                      E, NBMAX, withhold, H, I, S, K, HAS_SHARED, BM, BN, BKA,
-                                     DAC, F32_DOT, INTERLEAVED, dy_base, tab16, DIRECT, DAT,
+                                     DAC, F32_DOT, INTERLEAVED, dy_base, tab16, DIRA, DAT,
                                      FP8DA, dyq_base, w2q_desc, ws2q_desc, sw2q_ptr,
                                      sws2q_ptr, FP8DX, gq, GQW, RQC, POW2, QBM, bmax_ptr)
         elif tk < end_b:

@@ -114,7 +114,9 @@ SCRIPT = COMMON + textwrap.dedent("""
     # every program pulling first or only the first one (bwd_pull_programs); so do the row
     # gathers of bwd_direct_rows (no pull at all), two dX or dA tiles per item
     # (bwd_dx_tiles, bwd_da_tiles), the dX items' dGU rows through TMA (bwd_dx_tma) and the
-    # pull as items in the ticket order (bwd_pull_ahead: dY one or three row blocks ahead)
+    # pull as items in the ticket order (bwd_pull_ahead: dY one or three row blocks ahead),
+    # the dA items gathering dY at home (bwd_direct_da), alone and with the pull items, which
+    # the dA items then do not wait for (the weight-gradient items wait per group)
     for L, T, E, K, shared in [(1, 24, 4, 2, True), (2, 13, 3, 2, False)]:
         torch.manual_seed(7 + L)
         H, I = 64, 32
@@ -123,7 +125,10 @@ SCRIPT = COMMON + textwrap.dedent("""
                      {"bwd_fused_pull": True, "bwd_pull_programs": 1},
                      {"bwd_direct_rows": True}, {"bwd_dx_tiles": 2}, {"bwd_da_tiles": 2},
                      {"bwd_dx_tma": True}, {"bwd_dx_tma": True, "bwd_dx_tiles": 2},
-                     {"bwd_pull_ahead": 1}, {"bwd_pull_ahead": 3, "bwd_dx_tma": True}):
+                     {"bwd_pull_ahead": 1}, {"bwd_pull_ahead": 3, "bwd_dx_tma": True},
+                     {"bwd_direct_da": True}, {"bwd_direct_da": True, "bwd_fused_pull": True},
+                     {"bwd_direct_da": True, "bwd_fused_pull": True,
+                      "bwd_pull_programs": 1}):
             cfg = config(True, **pull)
             ws = mk.get_workspace(cfg, tokens=T, hidden=H, intermediate=I, local_experts=E,
                                   topk=K, shared=shared, device="cpu", loopback_ranks=L)

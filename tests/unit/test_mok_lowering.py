@@ -136,6 +136,23 @@ def test_direct_rows_backward_gathers_rows_by_asynchronous_copies():
     assert lw.ttgir.count("ttg.async_copy_global_to_local") >= 3
 
 
+@pytest.mark.parametrize("pullers", [0, 32])
+def test_direct_da_with_pull_items_gathers_dy_and_fences(pullers):
+    """``bwd_direct_da`` with ``bwd_fused_pull``: the dA items gather dY's rows at home by
+    16-byte asynchronous copies (never staged through registers) while pull items feed the
+    weight-gradient items, whose TMA reads of the pulled rows follow an async-proxy fence;
+    the build fits and spills nothing (with the shared expert)."""
+    cfg = mk.MoKConfig.for_shape(H, I, **{**_defaults().__dict__, "bwd_direct_da": True,
+                                          "bwd_fused_pull": True,
+                                          "bwd_pull_programs": pullers})
+    lw = mk.compile_megakernel(cfg, H, I, shared=True, kernel="backward")
+    assert lw.shared_bytes <= SMEM_LIMIT
+    assert not lw.spills, lw.ptxas_log
+    assert not re.search(r"ttg\.local_alloc %\S+ : \(tensor<", lw.ttgir)
+    assert lw.ttgir.count("ttg.async_copy_global_to_local") >= 1
+    assert lw.ptx.count("fence.proxy.async.global") >= 4
+
+
 @pytest.mark.parametrize("knobs", [{"bwd_dx_tiles": 4}, {"bwd_dx_tiles": 4,
                                                          "bwd_direct_rows": True},
                                    {"bwd_da_tiles": 4, "bwd_wide_da": False}])
