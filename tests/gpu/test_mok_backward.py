@@ -100,7 +100,10 @@ def test_wide_da_items_match_reference(wide):
                                   {"bwd_dx_tma": True, "bwd_dx_tiles": 4},
                                   {"bwd_pull_ahead": 8},
                                   {"bwd_pull_ahead": 2, "bwd_dx_tma": True},
-                                  {"bwd_pull_dedup": True}])
+                                  {"bwd_pull_dedup": True},
+                                  {"bwd_direct_da": True},
+                                  {"bwd_direct_da": True, "bwd_fused_pull": True,
+                                   "bwd_pull_programs": 32}])
 def test_backward_variants_match_the_default_bitwise(ranks, rows):
     """bwd_fused_pull: the pull items inside the backward megakernel (rows written with plain
     stores, read through TMA after a proxy fence; by every program or by 32 of them),
@@ -108,8 +111,9 @@ def test_backward_variants_match_the_default_bitwise(ranks, rows):
     (several dX or dA tiles per item), bwd_dx_tma (dGU rows through TMA) and bwd_pull_ahead
     (the pull as items in the ticket order, rows read through TMA after a fence) and
     bwd_pull_dedup (a token's rows pulled once per rank, the others copied from it in a second
-    pass) give the default backward's gradients (and the reference's), bitwise, on a rerun as
-    well."""
+    pass) and bwd_direct_da (the dA items gather dY at home; with the pull items, which they
+    then do not wait for) give the default backward's gradients (and the reference's),
+    bitwise, on a rerun as well."""
     base = dict(gate_up_interleaved=True, minibatch=256, macrobatch=768, tma=True,
                 num_stages=4)
     shape = (256, 7168, 1024, 8, 8)  # T, H, I, E per rank, K (K <= E even with one rank)
