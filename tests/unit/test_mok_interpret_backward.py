@@ -529,6 +529,26 @@ FUSED_FP8_PULL_SCRIPT = COMMON + textwrap.dedent("""
             assert rel(out[0].w_down, exact.dweights["w2_EIH"]) < 1e-1
             assert rel(out[0].w_gate_up, exact.dweights["w1_EHF"]) < 1e-1
             print("fused fp8 pull ok", L, base)
+
+    # a pull item's signal withheld: the weight-gradient items' bounded wait for their
+    # group's rows ends in the named error, and the workspace runs a clean backward after
+    L, T, E, K, shared = 1, 24, 4, 2, True
+    x, idx, p, _, W, dy, exact = interleaved_case(L, T, E, K, shared, 6)
+    cfg = config(True, bwd_fp8_da=True, bwd_fp8_wgrad=True, bwd_fused_pull=True)
+    ws = mk.get_workspace(cfg, tokens=T, hidden=64, intermediate=32, local_experts=E, topk=K,
+                          shared=shared, device="cpu", loopback_ranks=L)
+    f8 = mk.quantize_backward_weights(cfg, W[1], W[3], W[0], W[2])
+    y, saved = mk.forward_train(cfg, ws, mk.build_schedule(ws, idx), x, p, *W)
+    mk.backward(cfg, ws, saved, dy, *W, fp8_weights=f8, _withhold=mk.WITHHOLD_PULLED)
+    try:
+        mk.check_errors(ws)
+        raise SystemExit("no error with a withheld pull signal")
+    except mk.MoKTimeoutError as e:
+        assert "backward weight gradient <- pull: expert's rows pulled" in str(e), e
+        assert "expert group" in str(e), e
+    g, _ = run_fp8(cfg, L, T, E, K, shared, 64, 32, x, idx, p, W, dy)
+    assert torch.isfinite(g.w_down.float()).all()
+    print("fused fp8 pull withheld ok")
 """)
 
 
@@ -538,8 +558,11 @@ def test_pull_items_with_fp8_da_give_the_separate_pulls_gradients_bitwise():
     with bf16 and with FP8 weight gradients (the pull items then write the FP8 transposed
     copies of x and dY), every program pulling or one: every gradient bitwise the separate
     pull's, one and two loopback ranks (pull items that wrote nothing would leave the
-    scratch unwritten and fail the check)."""
-    _prints(run_interpreted(FUSED_FP8_PULL_SCRIPT), "fused fp8 pull ok", 4)
+    scratch unwritten and fail the check); a withheld pull signal ends the weight-gradient
+    items' bounded wait in the named error, not a hang."""
+    out = run_interpreted(FUSED_FP8_PULL_SCRIPT)
+    _prints(out, "fused fp8 pull ok", 4)
+    assert "fused fp8 pull withheld ok" in out.stdout, out.stdout
 
 
 BLOCK_COLMAX_SCRIPT = COMMON + textwrap.dedent("""
