@@ -46,8 +46,9 @@ def test_defaults_follow_two_waves_and_cap_at_rows():
 
 def test_a_pull_knob_turns_off_the_defaults_that_need_the_separate_pull(monkeypatch):
     """``bwd_direct_rows`` (or fused_pull, pull_ahead) asked for at EP 2 or in an FP8 cell
-    turns off the default ``bwd_pull_dedup`` / ``bwd_fp8_wgrad`` instead of failing; asked
-    for together, the conflict is the one-line error."""
+    turns off the default ``bwd_pull_dedup`` / ``bwd_fp8_wgrad`` instead of failing (the
+    fused pull keeps ``bwd_fp8_wgrad`` where the dA items are FP8: its pull items write the
+    FP8 copies); asked for together, the conflict is the one-line error."""
     from mokbench.mok_backend import scenario_config
     from mokbench.scenario import ModelShape, Scenario
 
@@ -58,6 +59,10 @@ def test_a_pull_knob_turns_off_the_defaults_that_need_the_separate_pull(monkeypa
     cfg = scenario_config(ep2, {"bwd_direct_rows": True})
     assert cfg.bwd_direct_rows and not cfg.bwd_pull_dedup and not cfg.bwd_fp8_wgrad
     assert cfg.bwd_fp8_da  # the dgrad items do not need the separate pull
+    items = scenario_config(ep2, {"bwd_fused_pull": True, "bwd_pull_programs": 32})
+    assert items.bwd_fused_pull and items.bwd_fp8_wgrad and not items.bwd_pull_dedup
+    bf16_dx = scenario_config(ep2, {"bwd_fused_pull": True, "bwd_fp8_da": False})
+    assert not bf16_dx.bwd_fp8_wgrad  # bf16 dA items wait for the pull: no FP8 copies
     with pytest.raises(MoKConfigError, match=r"^bwd_pull_dedup=True is invalid: allowed false "
                                              r"when bwd_direct_rows"):
         scenario_config(ep2, {"bwd_direct_rows": True, "bwd_pull_dedup": True})
