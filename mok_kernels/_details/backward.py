@@ -255,6 +255,13 @@ def _buffers(ws: Workspace) -> BackwardBuffers:
     return bb
 
 
+def pulls_per_group(cfg: MoKConfig) -> bool:
+    """In-kernel pull items the dA items do not wait for (``bwd_fused_pull`` with dA items
+    that read dY at home: ``bwd_fp8_da`` or ``bwd_direct_da``): counted per expert group,
+    and the weight-gradient items wait for their group's rows."""
+    return cfg.bwd_fused_pull and (cfg.bwd_fp8_da or cfg.bwd_direct_da)
+
+
 def counters_per_rank(cfg: MoKConfig, P: int, E: int) -> int:
     """int32 counters of one logical rank (rounded up to 32): the ticket, one per row block,
     one per group (E + 1 with the shared expert slot); with ``bwd_fused_pull`` or
@@ -265,7 +272,7 @@ def counters_per_rank(cfg: MoKConfig, P: int, E: int) -> int:
     n = 1 + P // cfg.bwd_bm + E + 1
     if cfg.bwd_fused_pull or cfg.bwd_pull_ahead:
         n += P // cfg.bwd_bm + 1
-    if cfg.bwd_pull_ahead or (cfg.bwd_fused_pull and (cfg.bwd_fp8_da or cfg.bwd_direct_da)):
+    if cfg.bwd_pull_ahead or pulls_per_group(cfg):
         n += E + 1
     if cfg.bwd_fp8_wgrad:  # Q items done per group
         n += E + 1
@@ -474,7 +481,7 @@ def backward_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots:
                 RQC=min(128, 2 * intermediate), POW2=cfg.fp8_pow2_scales,
                 FP8W=cfg.bwd_fp8_wgrad, BK8=fp8_backward_block_k(cfg),
                 BKW8=fp8_wgrad_rows(cfg), DIRA=cfg.bwd_direct_rows or cfg.bwd_direct_da,
-                PULLG=cfg.bwd_fused_pull and (cfg.bwd_fp8_da or cfg.bwd_direct_da),
+                PULLG=pulls_per_group(cfg), XWD=cfg.bwd_pull_ahead > 0 or pulls_per_group(cfg),
                 PBR=min(wgrad_rows(cfg), cfg.bwd_bm), PCH=min(128, _row_chunk(hidden)),
                 QBM=cfg.bwd_fp8_block_colmax)
 

@@ -709,24 +709,21 @@ def _wgrad_gate_up_item(g, it, jn, lr, gst, total, P, pre_d_desc, xg_d_desc, ctr
                         BM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr,
                         DAC: tl.constexpr, F32_DOT: tl.constexpr, INTERLEAVED: tl.constexpr,
                         PULL: tl.constexpr = False, src=None, x_base=None, x_tab=None,
-                        DIRECT: tl.constexpr = False, xgrp=None, PA: tl.constexpr = 0,
+                        DIRECT: tl.constexpr = False, xgrp=None, XW: tl.constexpr = False,
                         FP8W: tl.constexpr = False, qready=None, NQ: tl.constexpr = 0,
                         xqT_desc=None, gqT_desc=None, srg=None, gxam=None,
-                        POW2: tl.constexpr = False, XW: tl.constexpr = False):
+                        POW2: tl.constexpr = False):
     """D item: dW_gate_up[g][H tile it, 2I tile jn] = sum over g's rows of x^T [dG dU].
     DIRECT: the x rows are gathered from the tokens' home ranks instead of the pulled rows.
-    PA (``bwd_pull_ahead``): also waits until every row block of g has its x rows pulled
-    (``xgrp[g]``, +1 per block), then fences the async proxy (plain stores, TMA reads).
+    XW (``bwd_pull_ahead``, or ``bwd_fused_pull`` with dA items that do not wait for the
+    pull): also waits until every row block of g has its rows pulled (``_pulled_rows``).
     FP8W: e4m3 tiles of the transposed copies (``xqT_desc`` [L*H, P], ``gqT_desc``
     [L*2I, P]), then the column scales (x's from the global column max ``gxam``, dG/dU's
-    of group g in ``srg``); waits for g's Q items instead. XW: waits for g's pulled rows as
-    PA does (``bwd_fused_pull`` with ``bwd_fp8_da``)."""
+    of group g in ``srg``); waits for g's Q items instead."""
     HALF: tl.constexpr = BN // 2
     start, end, ok = _wgrad_wait(g, gst, total, ctr, err, NBMAX, budget, I, BM, DAC, F32_DOT,
                                  PULL, FP8W, qready, NQ)
-    if PA > 0:
-        ok = _pulled_rows(ok, xgrp, g, start, end, err, budget, BM, F32_DOT)
-    elif XW:
+    if XW:
         ok = _pulled_rows(ok, xgrp, g, start, end, err, budget, BM, F32_DOT)
     if ok != 0:
         hcols = it * HALF + tl.arange(0, HALF)
@@ -789,7 +786,7 @@ def mok_backward_kernel(
         gdyam_ptr=None, BK8: tl.constexpr = 64, BKW8: tl.constexpr = 64, pre_q_desc=None,
         xqT_ptr=None, dyqT_ptr=None, PULLG: tl.constexpr = False, PBR: tl.constexpr = 16,
         PCH: tl.constexpr = 128, bmax_ptr=None, QBM: tl.constexpr = False,
-        DIRA: tl.constexpr = False):
+        DIRA: tl.constexpr = False, XWD: tl.constexpr = False):
     """One persistent program per SM; see the module docstring for the work order. FENCE:
     rows pulled in this launch (PULL or PA): the C and D items fence the async proxy after
     their group's acquire. FP8DA (``bwd_fp8_da``): the A items' FP8 tiles read dY as FP8
@@ -804,7 +801,8 @@ def mok_backward_kernel(
     ``hs_c_desc``, dG/dU through ``pre_q_desc``);
     the C and D items run FP8 tiles on those and on the pulled copies of dY and x
     (``dyqT_desc``, ``xqT_desc``, scaled by the global column maxima ``gdyam_ptr`` /
-    ``gxam_ptr`` [H]). DIRA: the dA items gather dY's rows at home (``bwd_direct_rows`` or
+    ``gxam_ptr`` [H]). XWD: the D items wait for their group's pulled rows (PA or PULLG).
+    DIRA: the dA items gather dY's rows at home (``bwd_direct_rows`` or
     ``bwd_direct_da``). PULLG (``bwd_fused_pull`` with ``bwd_fp8_da`` or ``bwd_direct_da``):
     the dA items read dY at home and do not wait for the pull items; each pull item adds 1
     to its group's count and the C and D items wait for their group's row blocks instead;
@@ -969,8 +967,8 @@ def mok_backward_kernel(
                                          total, P, pre_d_desc, xg_d_desc, ctr, err, dw1_ptr,
                                          dws1_ptr, T, E, NBMAX, budget, H, I, S, K, HAS_SHARED,
                                          BM, BN, BKWF, DAC, F32_DOT, INTERLEAVED, FENCE, src,
-                                         x_base, x_tab, DIRECT, xgrp, PA, FP8W, qready,
-                                         NQ, xqT_desc, gqT_desc, srg, gxam_ptr, POW2, PULLG)
+                                         x_base, x_tab, DIRECT, xgrp, XWD, FP8W, qready,
+                                         NQ, xqT_desc, gqT_desc, srg, gxam_ptr, POW2)
         tk = tl.atomic_add(ctr, 1, sem="relaxed", scope="gpu")
 
 
