@@ -317,9 +317,12 @@ def _need_fp8_weights(fp8_weights: BackwardFp8Weights | None, name: str,
 def _fp8_dx_args(ws: Workspace, sc: BackwardScratch,
                  fp8_weights: BackwardFp8Weights | None) -> dict:
     """The FP8 dX items' arguments (``bwd_fp8_dx``): the FP8 dG/dU scratch rows and the e4m3
-    W_gate_up rows through [BN, BK] TMA boxes, with their scales; all None without the knob."""
-    names = ("gq_ptr", "w1q_desc", "ws1q_desc", "sw1q_ptr", "sws1q_ptr")
-    if not ws.config.bwd_fp8_dx:
+    W_gate_up rows through [BN, BK] TMA boxes, with their scales, and with
+    ``bwd_fp8_requant_tma`` and ``bwd_fp8_block_colmax`` a descriptor over r h for the
+    block-completing item's column maxima; all None without the knob."""
+    names = ("gq_ptr", "w1q_desc", "ws1q_desc", "sw1q_ptr", "sws1q_ptr", "hs_a_desc")
+    cfg = ws.config
+    if not cfg.bwd_fp8_dx:
         return dict.fromkeys(names)
     fw = _need_fp8_weights(fp8_weights, "w1q_NF", "bwd_fp8_dx")
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -333,7 +336,11 @@ def _fp8_dx_args(ws: Workspace, sc: BackwardScratch,
     shared = ws.shared
     return dict(gq_ptr=sc.gq_LPG, w1q_desc=TensorDescriptor.from_tensor(fw.w1q_NF, box),
                 ws1q_desc=TensorDescriptor.from_tensor(fw.ws1q_HF, box) if shared else None,
-                sw1q_ptr=fw.sw1_N, sws1q_ptr=fw.sws1_H if shared else None)
+                sw1q_ptr=fw.sw1_N, sws1q_ptr=fw.sws1_H if shared else None,
+                hs_a_desc=(TensorDescriptor.from_tensor(  # r h in the requantisation's boxes
+                    sc.hs_LPI.view(-1, ws.I),
+                    [cfg.bwd_bm, cfg.block_n // (2 if cfg.gate_up_interleaved else 4)])
+                    if cfg.bwd_fp8_requant_tma and cfg.bwd_fp8_block_colmax else None))
 
 
 def _fp8_da_args(ws: Workspace, bb: BackwardBuffers,
@@ -483,7 +490,7 @@ def backward_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots:
                 BKW8=fp8_wgrad_rows(cfg), DIRA=cfg.bwd_direct_rows or cfg.bwd_direct_da,
                 PULLG=pulls_per_group(cfg), XWD=cfg.bwd_pull_ahead > 0 or pulls_per_group(cfg),
                 PBR=min(wgrad_rows(cfg), cfg.bwd_bm), PCH=min(128, _row_chunk(hidden)),
-                QBM=cfg.bwd_fp8_block_colmax)
+                QBM=cfg.bwd_fp8_block_colmax, RQT=cfg.bwd_fp8_requant_tma)
 
 
 def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tensor,

@@ -196,7 +196,13 @@ class MoKConfig:
         maxima of r h and dG/dU (fp32, P / block_m x 3I per rank; the rows are in L2 then),
         and the Q items take each column's max over the group from those instead of a first
         pass over the group's rows: half of the Q items' reads. Max is exact in any order, so
-        the gradients are bitwise those without it. Off by default: not yet run on a GPU.
+        the gradients are bitwise those without it. Off by default: in
+        results/20261201-123141-h200-fp8-backward faster at two scenarios, slower at two.
+    bwd_fp8_requant_tma: with ``bwd_fp8_dx``: the dA item that completes a row block reads
+        its dG/dU rows for their requantisation (a max pass, then a quantising pass) as
+        pipelined TMA copies instead of plain loads one chunk at a time: that item's work
+        sits on the dA items' time (about 1.7 ms of the FP8 backward at Kimi K2.7 Code, by
+        the profiling script's masks). The same bytes; off by default: not yet run on a GPU.
     bwd_fp8_block_k: the reduction step of the backward's FP8 items (with bwd_fp8_da,
         bwd_fp8_dx or bwd_fp8_wgrad): 64 (the bf16 items' step, 128 bytes of bf16 per row)
         or 128 (128 bytes of e4m3 per row, the FP8 forward's block_k: half the K-loop
@@ -252,6 +258,7 @@ class MoKConfig:
     bwd_fp8_wgrad: bool = False
     bwd_fp8_block_k: int = 64
     bwd_fp8_block_colmax: bool = False
+    bwd_fp8_requant_tma: bool = False
     fp8: str = "none"
     fp8_pow2_scales: bool = False
 
@@ -348,6 +355,11 @@ class MoKConfig:
                "bwd_fp8_block_colmax", self.bwd_fp8_block_colmax,
                "false unless bwd_fp8_dx and bwd_fp8_wgrad are set (it keeps the maxima of "
                "the dX items' requantisation for the weight gradients' Q items)")
+        _check(isinstance(self.bwd_fp8_requant_tma, bool), "bwd_fp8_requant_tma",
+               self.bwd_fp8_requant_tma, "true | false")
+        _check(not self.bwd_fp8_requant_tma or self.bwd_fp8_dx, "bwd_fp8_requant_tma",
+               self.bwd_fp8_requant_tma,
+               "false unless bwd_fp8_dx is set (it serves the dX items' requantisation)")
         _check(isinstance(self.bwd_pull_dedup, bool), "bwd_pull_dedup", self.bwd_pull_dedup,
                "true | false")
         _check(not (self.bwd_pull_dedup and (self.bwd_direct_rows or self.bwd_fused_pull

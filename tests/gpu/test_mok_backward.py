@@ -414,6 +414,20 @@ def test_block_column_maxima_give_the_two_pass_gradients_bitwise(ranks, shared):
         assert (a is None and b is None) or torch.equal(a, b)
 
 
+@pytest.mark.parametrize("ranks, shared, colmax", [(1, True, False), (2, False, True)])
+def test_requantisation_through_tma_gives_the_same_gradients_bitwise(ranks, shared, colmax):
+    """``bwd_fp8_requant_tma`` (the block-completing dA item's requantisation reads the dG/dU
+    rows as pipelined TMA copies; with ``bwd_fp8_block_colmax`` it takes the column maxima in
+    the same passes): every gradient bitwise the plain loads', reruns bitwise equal."""
+    f8 = {"bwd_fp8_da": True, "bwd_fp8_dx": True, "bwd_fp8_wgrad": True,
+          "bwd_fp8_block_k": 128, "bwd_block_m": 128}
+    plain = _fp8_backward_runs(ranks, shared, f8, 13)
+    tma = _fp8_backward_runs(ranks, shared, {**f8, "bwd_fp8_requant_tma": True,
+                                             "bwd_fp8_block_colmax": colmax}, 13)
+    for a, b in zip(vars(plain.g).values(), vars(tma.g).values()):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
 EP_SCRIPT = r"""
 import os, torch, torch.distributed as dist
 import mok_kernels as mk

@@ -42,6 +42,8 @@ from mok_kernels import MoKConfig, MoKConfigError, plan
     ({"bwd_direct_da": True, "bwd_fp8_da": True}, "bwd_direct_da"),
     ({"bwd_direct_da": True, "bwd_direct_rows": True}, "bwd_direct_da"),
     ({"bwd_fp8_block_colmax": True, "bwd_fp8_wgrad": True}, "bwd_fp8_block_colmax"),
+    ({"bwd_fp8_requant_tma": 1}, "bwd_fp8_requant_tma"),
+    ({"bwd_fp8_requant_tma": True, "bwd_fp8_da": True}, "bwd_fp8_requant_tma"),
     ({"dispatch_dedup": True}, "dispatch_dedup"),
     ({"dispatch_dedup": 1, "fwd_comm_sms": 8}, "dispatch_dedup"),
     ({"bwd_pull_ahead": -1}, "bwd_pull_ahead"),

@@ -276,14 +276,18 @@ def test_whole_fp8_backward_builds_with_128_deep_steps(fp8_forward):
 
 @pytest.mark.parametrize("knobs", [{"bwd_fused_pull": True, "bwd_pull_programs": 0},
                                    {"bwd_fused_pull": True, "bwd_pull_programs": 32},
-                                   {"bwd_fp8_block_colmax": True}])
+                                   {"bwd_fp8_block_colmax": True},
+                                   {"bwd_fp8_requant_tma": True},
+                                   {"bwd_fp8_requant_tma": True, "bwd_fp8_block_colmax": True}])
 def test_whole_fp8_backward_builds_with_pull_items_or_block_maxima(knobs):
     """The whole FP8 backward with ``bwd_fused_pull`` (the pull items write the FP8
     transposed copies of x and dY; every program pulls first, or 32 of them while the rest
-    start on the dA items), or with ``bwd_fp8_block_colmax``: e4m3 MMAs only, within sm_90's
-    shared memory, small spills (Triton 3.9: 324 bytes with the pull items, 340 with the
-    block maxima, 320 with neither; Triton 3.6: 92, 468, 400), and the async proxy fenced
-    after each pull item and before the weight-gradient items read TMA copies."""
+    start on the dA items), or with ``bwd_fp8_block_colmax``, or with ``bwd_fp8_requant_tma``
+    (with and without the block maxima): e4m3 MMAs only, within sm_90's shared memory, small
+    spills (Triton 3.9: 324 bytes with the pull items, 340 with the block maxima, 352 and 396
+    with the TMA requantisation, 320 with none; Triton 3.6: 92, 468, 400 with none), and the
+    async proxy fenced after each pull item and before the weight-gradient items read TMA
+    copies."""
     from mokbench.mok_backend import default_config_fields, fp8_config_fields
 
     fields = {**default_config_fields(H, I, 16384, 8, 132, 1, 48, 90), **fp8_config_fields(90),
@@ -369,3 +373,27 @@ def test_megakernels_access_global_memory_in_wide_words(kernel, knobs):
     narrow = sorted({op for op in ops if op.endswith((".b8", ".u8", ".s8", ".b16", ".u16",
                                                        ".s16"))})
     assert narrow == (["st.global.b8"] if knobs else []), narrow
+
+
+def test_requantisation_through_tma_is_pipelined():
+    """``bwd_fp8_requant_tma`` at the Kimi shape with the whole FP8 backward: both passes of
+    the block-completing item's requantisation (and, with ``bwd_fp8_block_colmax``, the
+    pass over r h) issue their second 128-column box in the loop's prologue, i.e. the copies
+    are pipelined (``num_stages``), not loaded and waited for one at a time; without the
+    knob no such copies exist (the requantisation reads with plain loads)."""
+    from mokbench.mok_backend import default_config_fields, fp8_config_fields
+
+    def prologue_copies(knobs: dict, desc: str) -> int:
+        fields = {**default_config_fields(H, I, 16384, 8, 132, 1, 48, 90),
+                  **fp8_config_fields(90), "bwd_fp8_da": True, "bwd_fp8_dx": True,
+                  "bwd_fp8_wgrad": True, "bwd_fp8_block_k": 128, **knobs}
+        cfg = mk.MoKConfig.for_shape(H, I, **fields)
+        lw = mk.compile_megakernel(cfg, H, I, shared=True, kernel="backward")
+        return len(re.findall(rf"async_tma_copy_global_to_local %{desc}\[%prow[_0-9]*, "
+                              r"%c128_i32\]", lw.ttgir))
+
+    assert prologue_copies({}, "pre_a_desc") == 0
+    assert prologue_copies({"bwd_fp8_requant_tma": True}, "pre_a_desc") == 2
+    both = {"bwd_fp8_requant_tma": True, "bwd_fp8_block_colmax": True}
+    assert prologue_copies(both, "pre_a_desc") == 2
+    assert prologue_copies(both, "hs_a_desc") == 1
