@@ -28,6 +28,10 @@ def main() -> None:
                     "masks without 1 end at their first wait; profiling only)")
     ap.add_argument("--profile", action="store_true",
                     help="also print each kernel's device time over 3 backwards (torch.profiler)")
+    ap.add_argument("--trace", default="", metavar="PREFIX",
+                    help="also trace the megakernel's items in one backward (after the timed "
+                    "ones): a table per item kind, PREFIX.csv (every item) and PREFIX.png "
+                    "(timeline of rank 0's programs)")
     a = ap.parse_args()
     H, I, E, T, K = a.hidden, a.intermediate, a.experts, a.tokens, a.topk
     dev = torch.device("cuda")
@@ -83,6 +87,17 @@ def main() -> None:
             torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15,
                                         max_name_column_width=60))
+    if a.trace:
+        from mokbench import item_trace
+
+        pre_train()
+        tr = torch.full((1, mk.trace_capacity(ws), 4), -1, dtype=torch.int64, device=dev)
+        mk.backward(cfg, ws, held["ctx"], dy, *w, fp8_weights=w8, _trace=tr)
+        mk.check_errors(ws)
+        df = item_trace.items(tr.cpu().numpy())
+        df.to_csv(f"{a.trace}.csv", index=False)
+        item_trace.plot_timeline(df, f"{a.trace}.png")
+        print(item_trace.summarize(df, int(df.program.max()) + 1).round(3).to_string())
     ctx = train()[1]
     print(f"shape H{H} I{I} E{E} T{T} k{K} shared={a.shared}; config {cfg}")
     print(f"context memory {ctx.nbytes / 2**30:.2f} GiB")

@@ -42,6 +42,7 @@ from mok_kernels._details.backward import (
     Gradients,
     backward,
     quantize_backward_weights,
+    trace_capacity,
 )
 from mok_kernels._details.config import MoKConfig, MoKConfigError, Plan, plan
 from mok_kernels._details.errors import (
@@ -128,6 +129,7 @@ __all__ = [
     "WITHHOLD_PULLED",
     "Workspace",
     "backward",
+    "trace_capacity",
     "build_schedule",
     "check_errors",
     "clear_workspace_cache",

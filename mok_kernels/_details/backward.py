@@ -529,7 +529,7 @@ def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tens
         **dict(zip(names, descs, strict=True)), **pull, **_fp8_da_args(ws, bb, fp8_weights),
         **_fp8_dx_args(ws, sc, fp8_weights), **_fp8_wgrad_args(cfg, sc, pre_LPF),
         T=ws.T, E=ws.E, NG=ws.E + int(ws.shared), P=ws.P, NCTR=bb.counters_LC.shape[1],
-        budget=cfg.spin_budget, withhold=withhold,
+        budget=cfg.spin_budget, withhold=withhold, trace_ptr=None, MAXT=0, TRACE=False,
         **backward_constants(cfg, hidden=ws.H, intermediate=ws.I, slots=ws.S,
                              shared=ws.shared, programs=programs, interpreting=interpreting,
                              phases=phases))
@@ -574,15 +574,30 @@ def _pull_fp8_copies(ws: Workspace, bb: BackwardBuffers, st: ScheduleTensors,
             xg_ptr=sc.xg_LPH, PHASE=phase, num_warps=4)
 
 
+def trace_capacity(ws: Workspace) -> int:
+    """Tickets of the backward megakernel's main order per logical rank, at most (every row
+    block in use, PA's pull items included): the rows of a ``backward(_trace=...)`` buffer."""
+    cfg = ws.config
+    H, I, bn = ws.H, ws.I, cfg.block_n
+    nb, ng, half = ws.P // cfg.bwd_bm, ws.E + int(ws.shared), bn // 2
+    na = I // (cfg.da_cols(I) * cfg.bwd_da_tiles) + 1
+    nbx = H // (bn * cfg.bwd_dx_tiles) + 1
+    per_group = (3 * I // half) + (I // half) * (H // bn) + (H // half) * (2 * I // bn)
+    return (nb + cfg.bwd_pull_ahead) * na + nb * nbx + ng * per_group
+
+
 def backward(config: MoKConfig, ws: Workspace, context: ForwardContext, dy_TH: torch.Tensor,
              w_gate_up: torch.Tensor, w_down: torch.Tensor,
              shared_gate_up: torch.Tensor | None = None,
              shared_down: torch.Tensor | None = None, *,
              fp8_weights: BackwardFp8Weights | None = None, _withhold: int = 0,
-             _phases: int = 15) -> Gradients:
+             _phases: int = 15, _trace: torch.Tensor | None = None) -> Gradients:
     """Gradients of the layer for the training forward that made ``context`` (once per
     context: the saved pre-activations are overwritten by their gradients). ``fp8_weights``:
-    with ``bwd_fp8_da``, ``quantize_backward_weights(config, w_down, shared_down)``."""
+    with ``bwd_fp8_da``, ``quantize_backward_weights(config, w_down, shared_down)``.
+    ``_trace`` (profiling only): an int64 [L, trace_capacity(ws), 4] tensor that receives
+    every megakernel item's (start ns, end ns, program, kind) at its ticket; rows of
+    tickets not used keep what they held."""
     from mok_kernels._details.tl_backward import mok_backward_kernel, pull_rows_kernel
     from mok_kernels._details.tl_mega import weighted_sum_kernel
 
@@ -627,6 +642,11 @@ def backward(config: MoKConfig, ws: Workspace, context: ForwardContext, dy_TH: t
                                 withhold=_withhold, programs=progs, phases=_phases,
                                 interpreting=_interpreting(), x_src=x_src,
                                 fp8_weights=fp8_weights)
+    if _trace is not None:
+        want = (L, trace_capacity(ws), 4)
+        if tuple(_trace.shape) != want or _trace.dtype != torch.int64:
+            raise ValueError(f"_trace: want an int64 tensor of shape {want}")
+        args.update(trace_ptr=_trace, MAXT=want[1], TRACE=True)
     mok_backward_kernel[(L * progs,)](**args, num_warps=config.num_warps,
                                       num_stages=backward_stages(config), **extra)
     ws.barrier()

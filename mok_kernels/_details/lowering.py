@@ -70,15 +70,17 @@ def _ptxas(arch: int):
 
 def kernel_args(config: MoKConfig, hidden: int, intermediate: int, *, topk: int = 8,
                 shared: bool = False, comm_programs: int = 0, programs: int = 132,
-                kernel: str = "forward", phases: int = 15) -> dict[str, object]:
+                kernel: str = "forward", phases: int = 15,
+                trace: bool = False) -> dict[str, object]:
     """The argument dict the launch would pass (``forward_kernel_args`` /
     ``backward_kernel_args``), built over a workspace, schedule and weights on the ``meta``
     device (shapes and dtypes, no memory): one logical rank, one minibatch of tokens, one
-    local expert."""
+    local expert. ``trace``: the backward with its item trace (``backward(_trace=...)``)."""
     from mok_kernels._details.backward import (
         BackwardFp8Weights,
         backward_kernel_args,
         backward_scratch,
+        trace_capacity,
     )
     from mok_kernels._details.ffn_fp8 import Fp8Weight
     from mok_kernels._details.forward import forward_kernel_args
@@ -135,9 +137,14 @@ def kernel_args(config: MoKConfig, hidden: int, intermediate: int, *, topk: int 
             fp8_weights.w1q_NF, fp8_weights.sw1_N = e4m3(ws.E * H, 2 * I), f32(ws.E * H)
             if shared:
                 fp8_weights.ws1q_HF, fp8_weights.sws1_H = e4m3(H, 2 * I), f32(H)
-    return backward_kernel_args(ws, st, meta(1, ws.P, 2 * I), w,
+    args = backward_kernel_args(ws, st, meta(1, ws.P, 2 * I), w,
                                 backward_scratch(ws), withhold=0, programs=programs,
                                 phases=phases, interpreting=False, fp8_weights=fp8_weights)
+    if trace:
+        maxt = trace_capacity(ws)
+        args.update(trace_ptr=torch.empty(1, maxt, 4, dtype=torch.int64, device="meta"),
+                    MAXT=maxt, TRACE=True)
+    return args
 
 
 _ELEMENT = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32",
@@ -176,10 +183,11 @@ def signature(kern, args: dict[str, object]) -> tuple[dict, dict, dict]:
 
 def compile_megakernel(config: MoKConfig, hidden: int, intermediate: int, *, topk: int = 8,
                        shared: bool = False, comm_programs: int = 0, programs: int = 132,
-                       arch: int = 90, kernel: str = "forward", phases: int = 15) -> Lowered:
-    """Compile ``mok_forward_kernel`` (``kernel="backward"``: ``mok_backward_kernel``) as the
-    launch would for this config and shape, for ``sm_<arch>`` (90 Hopper, 100 Blackwell),
-    then run ptxas -v on its PTX."""
+                       arch: int = 90, kernel: str = "forward", phases: int = 15,
+                       trace: bool = False) -> Lowered:
+    """Compile ``mok_forward_kernel`` (``kernel="backward"``: ``mok_backward_kernel``, with
+    ``trace`` its item trace) as the launch would for this config and shape, for
+    ``sm_<arch>`` (90 Hopper, 100 Blackwell), then run ptxas -v on its PTX."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -191,7 +199,7 @@ def compile_megakernel(config: MoKConfig, hidden: int, intermediate: int, *, top
     config.check_shape(hidden, intermediate)
     args = kernel_args(config, hidden, intermediate, topk=topk, shared=shared,
                        comm_programs=comm_programs, programs=programs, kernel=kernel,
-                       phases=phases)
+                       phases=phases, trace=trace)
     kern = mok_forward_kernel if kernel == "forward" else mok_backward_kernel
     stages = config.num_stages if kernel == "forward" else backward_stages(config)
     sig, constexprs, attrs = signature(kern, args)

@@ -94,6 +94,17 @@ def _async_proxy_fence(v, SKIP: tl.constexpr):
 
 
 @triton.jit
+def _globaltimer(v, SKIP: tl.constexpr):
+    """The GPU's global nanosecond timer (``%globaltimer``, one clock for every SM), threaded
+    through the int32 ``v`` so the read stays where it is written; 0 under the interpreter
+    (SKIP: no PTX there)."""
+    if SKIP:
+        return v.to(tl.int64) * 0
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [v], dtype=tl.int64,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
 def _pull_rows(rows, lr, src, x_base, x_tab, dy_base, tab16, xg_ptr, dyg_ptr, T, P,
                H: tl.constexpr, S: tl.constexpr, CH: tl.constexpr, WHICH: tl.constexpr = 0):
     """Reverse-combine pull of the schedule rows ``rows`` of logical rank lr (all below the
@@ -830,7 +841,7 @@ def mok_backward_kernel(
         xqT_ptr=None, dyqT_ptr=None, PULLG: tl.constexpr = False, PBR: tl.constexpr = 16,
         PCH: tl.constexpr = 128, bmax_ptr=None, QBM: tl.constexpr = False,
         DIRA: tl.constexpr = False, XWD: tl.constexpr = False, RQT: tl.constexpr = False,
-        hs_a_desc=None):
+        hs_a_desc=None, trace_ptr=None, MAXT=0, TRACE: tl.constexpr = False):
     """One persistent program per SM; see the module docstring for the work order. FENCE:
     rows pulled in this launch (PULL or PA): the C and D items fence the async proxy after
     their group's acquire. FP8DA (``bwd_fp8_da``): the A items' FP8 tiles read dY as FP8
@@ -853,7 +864,12 @@ def mok_backward_kernel(
     with FP8W the pull items write the FP8 transposed copies of x and dY (``xqT_ptr``,
     ``dyqT_ptr`` [L, H, P]; PBR rows by PCH columns at a time), as the separate pull kernel
     does. RQT (``bwd_fp8_requant_tma``): the block-completing A item's requantisation of the
-    dG/dU rows reads them as pipelined TMA copies (with QBM r h's too, ``hs_a_desc``)."""
+    dG/dU rows reads them as pipelined TMA copies (with QBM r h's too, ``hs_a_desc``).
+    TRACE (profiling only): every item of the main ticket order writes (start, end) in
+    global-timer nanoseconds, its program within the logical rank and its kind (0 A, 1 B,
+    2 Q, 3 C, 4 D; pull items of PA count with the section they sit in) to ``trace_ptr``
+    [L, MAXT, 4] int64 at its ticket; the start is taken after the ticket is claimed, so a
+    wait inside an item counts as the item's time."""
     HALF: tl.constexpr = BN // 2
     BKA: tl.constexpr = BK8 if FP8DA else BK  # reduction steps of the A, B, C and D items:
     BKX: tl.constexpr = BK8 if FP8DX else BK  # ``bwd_fp8_block_k`` (BK8, BKW8) for the FP8
@@ -921,6 +937,8 @@ def mok_backward_kernel(
                 pt = tl.atomic_add(pulled + NBMAX, 1, sem="relaxed", scope="gpu")
     tk = tl.atomic_add(ctr, 1, sem="relaxed", scope="gpu")
     while (tk < n_items) & (ok != 0):
+        if TRACE:
+            t0 = _globaltimer(tk, F32_DOT)
         if tk < end_a:
             if PA > 0:
                 slot = tk // (NA + 1)
@@ -1015,6 +1033,16 @@ def mok_backward_kernel(
                                          BM, BN, BKWF, DAC, F32_DOT, INTERLEAVED, FENCE, src,
                                          x_base, x_tab, DIRECT, xgrp, XWD, FP8W, qready,
                                          NQ, xqT_desc, gqT_desc, srg, gxam_ptr, POW2)
+        if TRACE:
+            t1 = _globaltimer(tk, F32_DOT)
+            kind = tl.where(tk < end_a, 0, tl.where(tk < end_b, 1, tl.where(
+                tk < end_q, 2, tl.where(tk < end_c, 3, 4))))
+            if tk < MAXT:
+                rec = trace_ptr + (lr.to(tl.int64) * MAXT + tk) * 4
+                tl.store(rec, t0)
+                tl.store(rec + 1, t1)
+                tl.store(rec + 2, (pid - lr * PROGS).to(tl.int64))
+                tl.store(rec + 3, kind.to(tl.int64))
         tk = tl.atomic_add(ctr, 1, sem="relaxed", scope="gpu")
 
 

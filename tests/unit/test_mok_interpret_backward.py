@@ -614,3 +614,48 @@ def test_requantisation_through_tma_gives_the_same_gradients_bitwise():
     weight gradients' scales), interleaved and split gate/up columns, one and two loopback
     ranks."""
     _prints(run_interpreted(REQUANT_TMA_SCRIPT), "requant tma ok", 3)
+
+
+TRACE_SCRIPT = COMMON + textwrap.dedent("""
+    L, T, E, K, shared, H, I = 2, 13, 3, 2, True, 64, 32
+    x, idx, p, _, W, dy, _ = interleaved_case(L, T, E, K, shared, 5)
+    for fp8 in (False, True):
+        cfg = config(True, bwd_fp8_da=fp8, bwd_fp8_dx=fp8, bwd_fp8_wgrad=fp8)
+        ws = mk.get_workspace(cfg, tokens=T, hidden=H, intermediate=I, local_experts=E,
+                              topk=K, shared=shared, device="cpu", loopback_ranks=L)
+        f8 = mk.quantize_backward_weights(cfg, W[1], W[3], W[0], W[2])
+        sched = mk.build_schedule(ws, idx)
+        y, saved = mk.forward_train(cfg, ws, sched, x, p, *W)
+        tr = torch.full((L, mk.trace_capacity(ws), 4), -1, dtype=torch.int64)
+        mk.backward(cfg, ws, saved, dy, *W, fp8_weights=f8, _trace=tr)
+        mk.check_errors(ws)
+        # items per kind from the module docstring: A per (block, I tile), B per (block,
+        # H tile), Q per (group, half-tile of 3I), C per (group, I half-tile, H tile), D per
+        # (group, H half-tile, 2I tile); BN = 32, HALF = 16, dA tiles of DAC columns
+        nb = sched.tensors.total_L // cfg.bwd_bm
+        ng, half, bn = E + 1, 16, 32
+        for l in range(L):
+            want = [int(nb[l]) * (I // cfg.da_cols(I)), int(nb[l]) * (H // bn),
+                    ng * (3 * I // half) if fp8 else 0, ng * (I // half) * (H // bn),
+                    ng * (H // half) * (2 * I // bn)]
+            kinds = tr[l, :, 3]
+            used = (kinds >= 0).nonzero().flatten()
+            assert used.tolist() == list(range(sum(want))), (l, used)
+            assert torch.bincount(kinds[used], minlength=5).tolist() == want, (l, want)
+            progs = tr[l, used, 2]
+            assert progs.min() >= 0 and progs.max() < 4 * ws.P, progs
+        print("trace ok", fp8)
+    try:
+        mk.backward(cfg, ws, saved, dy, *W, fp8_weights=f8, _trace=tr[:, :-1])
+        raise SystemExit("a short trace buffer was accepted")
+    except ValueError as e:
+        assert "_trace" in str(e), e
+""")
+
+
+def test_item_trace_records_every_ticket_once_with_its_kind():
+    """``backward(..., _trace=...)`` (profiling only): every ticket of the main order is
+    written once, in order, with the kind the module docstring gives it and a program of
+    the logical rank, for the bf16 and the whole FP8 backward (with Q items), two loopback
+    ranks; a buffer of the wrong shape is refused by name."""
+    _prints(run_interpreted(TRACE_SCRIPT), "trace ok", 2)

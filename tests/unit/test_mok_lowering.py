@@ -397,3 +397,20 @@ def test_requantisation_through_tma_is_pipelined():
     both = {"bwd_fp8_requant_tma": True, "bwd_fp8_block_colmax": True}
     assert prologue_copies(both, "pre_a_desc") == 2
     assert prologue_copies(both, "hs_a_desc") == 1
+
+
+def test_item_trace_builds_and_reads_the_global_timer():
+    """The backward with its item trace (profiling only) at the Kimi shape, whole FP8
+    backward: it builds for sm_90 within shared memory and reads ``%globaltimer`` around the
+    items; the build without it has no such read (the trace costs nothing when off)."""
+    from mokbench.mok_backend import default_config_fields, fp8_config_fields
+
+    fields = {**default_config_fields(H, I, 16384, 8, 132, 1, 48, 90), **fp8_config_fields(90),
+              "bwd_fp8_da": True, "bwd_fp8_dx": True, "bwd_fp8_wgrad": True,
+              "bwd_fp8_block_k": 128}
+    cfg = mk.MoKConfig.for_shape(H, I, **fields)
+    on = mk.compile_megakernel(cfg, H, I, shared=True, kernel="backward", trace=True)
+    off = mk.compile_megakernel(cfg, H, I, shared=True, kernel="backward")
+    assert on.shared_bytes <= SMEM_LIMIT
+    assert on.ptx.count("%globaltimer") >= 2
+    assert "%globaltimer" not in off.ptx
