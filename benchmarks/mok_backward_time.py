@@ -29,9 +29,9 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true",
                     help="also print each kernel's device time over 3 backwards (torch.profiler)")
     ap.add_argument("--trace", default="", metavar="PREFIX",
-                    help="also trace the megakernel's items in one backward (after the timed "
-                    "ones): a table per item kind, PREFIX.csv (every item) and PREFIX.png "
-                    "(timeline of rank 0's programs)")
+                    help="also trace the megakernels' items in one training forward and its "
+                    "backward (after the timed ones): a table per item kind, "
+                    "PREFIX-{forward,backward}.csv (every item) and .png (timeline)")
     a = ap.parse_args()
     H, I, E, T, K = a.hidden, a.intermediate, a.experts, a.tokens, a.topk
     dev = torch.device("cuda")
@@ -90,14 +90,20 @@ def main() -> None:
     if a.trace:
         from mokbench import item_trace
 
-        pre_train()
-        tr = torch.full((1, mk.trace_capacity(ws), 4), -1, dtype=torch.int64, device=dev)
-        mk.backward(cfg, ws, held["ctx"], dy, *w, fp8_weights=w8, _trace=tr)
+        ftr = torch.full((1, mk.forward_trace_capacity(ws), 4), -1, dtype=torch.int64,
+                         device=dev)
+        held["ctx"] = mk.forward_train(cfg, ws, mk.build_schedule(ws, idx), x, p, *w,
+                                       _trace=ftr)[1]
+        btr = torch.full((1, mk.trace_capacity(ws), 4), -1, dtype=torch.int64, device=dev)
+        mk.backward(cfg, ws, held["ctx"], dy, *w, fp8_weights=w8, _trace=btr)
         mk.check_errors(ws)
-        df = item_trace.items(tr.cpu().numpy())
-        df.to_csv(f"{a.trace}.csv", index=False)
-        item_trace.plot_timeline(df, f"{a.trace}.png")
-        print(item_trace.summarize(df, int(df.program.max()) + 1).round(3).to_string())
+        for name, tr, kinds in (("forward", ftr, item_trace.FORWARD_KINDS),
+                                ("backward", btr, item_trace.KINDS)):
+            df = item_trace.items(tr.cpu().numpy(), kinds)
+            df.to_csv(f"{a.trace}-{name}.csv", index=False)
+            item_trace.plot_timeline(df, f"{a.trace}-{name}.png")
+            print(f"{name} items (training forward: compute programs only)")
+            print(item_trace.summarize(df, int(df.program.max()) + 1).round(3).to_string())
     ctx = train()[1]
     print(f"shape H{H} I{I} E{E} T{T} k{K} shared={a.shared}; config {cfg}")
     print(f"context memory {ctx.nbytes / 2**30:.2f} GiB")

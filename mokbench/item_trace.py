@@ -1,5 +1,6 @@
 """Where a persistent megakernel's time goes: the per-item trace of
-``mok_kernels.backward(..., _trace=...)`` as a table and a timeline chart.
+``mok_kernels.backward(..., _trace=...)`` (or of the forward's compute items,
+``mok_kernels.forward_train(..., _trace=...)``) as a table and a timeline chart.
 
 A trace row is one work item: (start ns, end ns, program, kind), in the GPU's global timer
 (one clock for every SM); rows whose kind is negative were not written (tickets not used).
@@ -14,11 +15,13 @@ import numpy as np
 import pandas as pd
 
 KINDS = ("A dgrad down", "B dgrad gate+up", "Q quantise", "C wgrad down", "D wgrad gate+up")
+FORWARD_KINDS = ("gate+up", "down")
 
 
-def items(trace_LT4: np.ndarray) -> pd.DataFrame:
+def items(trace_LT4: np.ndarray, kinds: tuple[str, ...] = KINDS) -> pd.DataFrame:
     """The written rows of an [L, tickets, 4] trace as one row per item: rank, ticket,
-    program, kind (name), start_ms and end_ms from the rank's first start."""
+    program, kind (its name in ``kinds``: the backward's by default, ``FORWARD_KINDS`` for
+    the forward), start_ms and end_ms from the rank's first start."""
     t = np.asarray(trace_LT4)
     if t.ndim != 3 or t.shape[-1] != 4:
         raise ValueError(f"trace: want shape [L, tickets, 4], got {list(t.shape)}")
@@ -28,12 +31,12 @@ def items(trace_LT4: np.ndarray) -> pd.DataFrame:
         rows = t[rank, ticket]
         if not len(rows):
             continue
-        if (rows[:, 3] >= len(KINDS)).any():
-            raise ValueError(f"trace: rank {rank} has kinds outside 0..{len(KINDS) - 1}")
+        if (rows[:, 3] >= len(kinds)).any():
+            raise ValueError(f"trace: rank {rank} has kinds outside 0..{len(kinds) - 1}")
         t0 = rows[:, 0].min()
         frames.append(pd.DataFrame({
             "rank": rank, "ticket": ticket, "program": rows[:, 2],
-            "kind": [KINDS[k] for k in rows[:, 3]],
+            "kind": pd.Categorical([kinds[k] for k in rows[:, 3]], categories=kinds),
             "start_ms": (rows[:, 0] - t0) / 1e6, "end_ms": (rows[:, 1] - t0) / 1e6}))
     if not frames:
         raise ValueError("trace: no item was written")
@@ -53,12 +56,13 @@ def summarize(df: pd.DataFrame, programs: int) -> pd.DataFrame:
     ranks = df["rank"].nunique()
     span = float((df.groupby("rank").end_ms.max() - df.groupby("rank").start_ms.min()).mean())
     out = []
-    for kind, g in df.assign(dur=dur).groupby("kind", sort=False):
+    for kind, g in df.assign(dur=dur).groupby("kind", observed=True):
         out.append({"kind": kind, "items": len(g),
                     "ms_per_program": g.dur.sum() / ranks / programs,
                     "mean_item_us": 1e3 * g.dur.mean(),
                     "first_start_ms": g.start_ms.min(), "last_end_ms": g.end_ms.max()})
-    table = pd.DataFrame(out).set_index("kind").reindex([k for k in KINDS if k in set(df.kind)])
+    table = pd.DataFrame(out).set_index("kind")
+    table.index = table.index.astype(str)
     busy = dur.sum() / ranks / programs
     table.loc["total"] = [len(df), busy, 1e3 * dur.mean(), 0.0, span]
     table["busy_share"] = table.ms_per_program / span
@@ -76,7 +80,7 @@ def plot_timeline(df: pd.DataFrame, path: Path, rank: int = 0) -> Path:
     d = df[df["rank"] == rank]
     fig, ax = plt.subplots(figsize=(12, max(3.0, 0.04 * (d.program.max() + 1))))
     colors = plt.get_cmap("tab10")
-    for i, kind in enumerate(KINDS):
+    for i, kind in enumerate(df.kind.cat.categories):
         k = d[d.kind == kind]
         if len(k):  # one line segment per item: a whole backward has ~1e5 of them
             ax.hlines(k.program, k.start_ms, k.end_ms, colors=[colors(i)], label=kind,

@@ -179,7 +179,7 @@ def forward_kernel_args(ws: Workspace, st: ScheduleTensors, w1: torch.Tensor,
         **_weight_args(w1, w2, ws1, ws2),
         **dict(zip(("w1_desc", "w2_desc", "ws1_desc", "ws2_desc", "h_desc"), descs)),
         T=ws.T, E=ws.E, P=ws.P, Q=ws.Q, NCTR=ws.counters_LC.shape[1], MMAX=ws.mmax,
-        budget=cfg.spin_budget, withhold=withhold,
+        budget=cfg.spin_budget, withhold=withhold, trace_ptr=None, MAXT=0, TRACE=False,
         **kernel_constants(cfg, hidden=ws.H, intermediate=ws.I, slots=ws.S, shared=ws.shared,
                            programs=programs, comm=comm, interpreting=interpreting,
                            save_pre=pre_LPF is not None))
@@ -214,18 +214,29 @@ def _weight_args(w1, w2, ws1, ws2) -> dict[str, object]:
                 sws1_ptr=None, sws2_ptr=None)
 
 
+def forward_trace_capacity(ws: Workspace) -> int:
+    """Tickets of the forward megakernel's compute items per logical rank, at most (every
+    minibatch full): the rows of a ``forward(_trace=...)`` buffer."""
+    cfg = ws.config
+    per_mb = (cfg.minibatch // cfg.block_m) * (ws.I // (cfg.block_n // 2) // cfg.gate_up_tiles
+                                               + ws.H // cfg.block_n // cfg.down_tiles)
+    return -(-ws.P // cfg.minibatch) * per_mb
+
+
 def launch_megakernel(ws: Workspace, st: ScheduleTensors, w1: torch.Tensor, w2: torch.Tensor,
                       ws1: torch.Tensor | None, ws2: torch.Tensor | None, *, y_NH: torch.Tensor,
                       p_NK: torch.Tensor, withhold: int = 0,
                       programs: tuple[int, int] | None = None,
                       x_LTH: torch.Tensor | None = None,
-                      pre_LPF: torch.Tensor | None = None) -> None:
+                      pre_LPF: torch.Tensor | None = None,
+                      trace: torch.Tensor | None = None) -> None:
     """One persistent launch for all L logical ranks (grid = SMs, split among them).
     ``x_LTH``: where the token rows are read (default: the workspace's token buffer).
     ``pre_LPF``: the training forward's buffer for the gate/up pre-activations of every
     schedule row, kept for the backward (default: nothing is kept).
     ``y_NH`` / ``p_NK`` (N = L*T): the output and the fp32 router weights, which the kernel
-    reads and writes only with ``fused_sum``."""
+    reads and writes only with ``fused_sum``. ``trace``: the compute items' trace
+    (profiling only; int64 [L, forward_trace_capacity(ws), 4])."""
     from mok_kernels._details.tl_mega import mok_forward_kernel
 
     cfg = ws.config
@@ -235,6 +246,11 @@ def launch_megakernel(ws: Workspace, st: ScheduleTensors, w1: torch.Tensor, w2: 
                                x_LTH=ws.x_LTH if x_LTH is None else x_LTH, pre_LPF=pre_LPF,
                                withhold=withhold, programs=progs, comm=comm,
                                interpreting=_interpreting())
+    if trace is not None:
+        want = (ws.L, forward_trace_capacity(ws), 4)
+        if tuple(trace.shape) != want or trace.dtype != torch.int64:
+            raise ValueError(f"_trace: want an int64 tensor of shape {want}")
+        args.update(trace_ptr=trace, MAXT=want[1], TRACE=True)
     mok_forward_kernel[(ws.L * progs,)](**args, num_warps=cfg.num_warps,
                                         num_stages=cfg.num_stages, **extra)
 
@@ -321,7 +337,7 @@ def _check_call(config: MoKConfig, ws: Workspace, schedule: Schedule, x_TH: torc
 
 def _run(config: MoKConfig, ws: Workspace, schedule: Schedule, x_TH: torch.Tensor,
          p_NK: torch.Tensor, weights: tuple, withhold: int,
-         pre_LPF: torch.Tensor | None) -> torch.Tensor:
+         pre_LPF: torch.Tensor | None, trace: torch.Tensor | None = None) -> torch.Tensor:
     """Barrier, one megakernel launch, barrier, weighted sum: y [L*T, H] bf16."""
     _check_weights(ws, *weights)
     x_src = _token_source(ws, x_TH)
@@ -333,7 +349,7 @@ def _run(config: MoKConfig, ws: Workspace, schedule: Schedule, x_TH: torch.Tenso
         ws.sums_LTJ.zero_()
     ws.barrier()
     launch_megakernel(ws, schedule.tensors, *weights, y_NH=y_NH, p_NK=p_NK, withhold=withhold,
-                      x_LTH=x_src, pre_LPF=pre_LPF)
+                      x_LTH=x_src, pre_LPF=pre_LPF, trace=trace)
     ws.barrier()
     if not config.fused_sum:
         weighted_sum(ws, p_NK, y_NH)
@@ -343,13 +359,16 @@ def _run(config: MoKConfig, ws: Workspace, schedule: Schedule, x_TH: torch.Tenso
 def forward(config: MoKConfig, ws: Workspace, schedule: Schedule, x_TH: torch.Tensor,
             topk_weights_TK: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
             shared_gate_up: torch.Tensor | None = None,
-            shared_down: torch.Tensor | None = None, *, _withhold: int = 0) -> torch.Tensor:
+            shared_down: torch.Tensor | None = None, *, _withhold: int = 0,
+            _trace: torch.Tensor | None = None) -> torch.Tensor:
     """The MoE layer forward for this rank (or all loopback ranks): y [L*T, H] bf16. Keeps
-    nothing for a backward (inference); see :func:`forward_train`."""
+    nothing for a backward (inference); see :func:`forward_train`. ``_trace`` (profiling
+    only): an int64 [L, forward_trace_capacity(ws), 4] tensor that receives every compute
+    item's (start ns, end ns, program, kind 0 gate+up / 1 down) at its ticket."""
     _check_call(config, ws, schedule, x_TH, topk_weights_TK)
     p_NK = topk_weights_TK.to(torch.float32).contiguous()
     return _run(config, ws, schedule, x_TH, p_NK,
-                (w_gate_up, w_down, shared_gate_up, shared_down), _withhold, None)
+                (w_gate_up, w_down, shared_gate_up, shared_down), _withhold, None, _trace)
 
 
 @dataclass
@@ -381,13 +400,15 @@ class ForwardContext:
 def forward_train(config: MoKConfig, ws: Workspace, schedule: Schedule, x_TH: torch.Tensor,
                   topk_weights_TK: torch.Tensor, w_gate_up: torch.Tensor,
                   w_down: torch.Tensor, shared_gate_up: torch.Tensor | None = None,
-                  shared_down: torch.Tensor | None = None
+                  shared_down: torch.Tensor | None = None, *,
+                  _trace: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, ForwardContext]:
     """The training forward: y as :func:`forward`, and the context its backward needs: the
-    gate+up tiles also store their pre-activations (one more bf16 store per tile)."""
+    gate+up tiles also store their pre-activations (one more bf16 store per tile).
+    ``_trace``: as :func:`forward`'s."""
     _check_call(config, ws, schedule, x_TH, topk_weights_TK)
     p_NK = topk_weights_TK.to(torch.float32).contiguous()
     pre = torch.empty(ws.L, ws.P, 2 * ws.I, dtype=torch.bfloat16, device=ws.device)
     y = _run(config, ws, schedule, x_TH, p_NK, (w_gate_up, w_down, shared_gate_up,
-                                                  shared_down), 0, pre)
+                                                  shared_down), 0, pre, _trace)
     return y, ForwardContext(schedule, x_TH, p_NK, pre)

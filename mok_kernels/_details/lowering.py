@@ -75,7 +75,8 @@ def kernel_args(config: MoKConfig, hidden: int, intermediate: int, *, topk: int 
     """The argument dict the launch would pass (``forward_kernel_args`` /
     ``backward_kernel_args``), built over a workspace, schedule and weights on the ``meta``
     device (shapes and dtypes, no memory): one logical rank, one minibatch of tokens, one
-    local expert. ``trace``: the backward with its item trace (``backward(_trace=...)``)."""
+    local expert. ``trace``: with the item trace (``backward(_trace=...)``,
+    ``forward(_trace=...)``)."""
     from mok_kernels._details.backward import (
         BackwardFp8Weights,
         backward_kernel_args,
@@ -83,7 +84,7 @@ def kernel_args(config: MoKConfig, hidden: int, intermediate: int, *, topk: int 
         trace_capacity,
     )
     from mok_kernels._details.ffn_fp8 import Fp8Weight
-    from mok_kernels._details.forward import forward_kernel_args
+    from mok_kernels._details.forward import forward_kernel_args, forward_trace_capacity
     from mok_kernels._details.schedule import build_schedule_tensors
     from mok_kernels._details.tl_gemm_fp8 import fp8_scale_sizes
     from mok_kernels._details.workspace import get_workspace
@@ -116,9 +117,14 @@ def kernel_args(config: MoKConfig, hidden: int, intermediate: int, *, topk: int 
         w = (fp8(w[0], sw1), fp8(w[1], sw2), fp8(w[2], sw1), fp8(w[3], sw2))
     if kernel == "forward":
         p_NK = torch.empty(ws.T, ws.K, dtype=torch.float32, device="meta")
-        return forward_kernel_args(ws, st, *w, y_NH=meta(ws.T, H), p_NK=p_NK, x_LTH=ws.x_LTH,
+        args = forward_kernel_args(ws, st, *w, y_NH=meta(ws.T, H), p_NK=p_NK, x_LTH=ws.x_LTH,
                                    pre_LPF=None, withhold=0, programs=programs,
                                    comm=comm_programs, interpreting=False)
+        if trace:
+            maxt = forward_trace_capacity(ws)
+            args.update(trace_ptr=torch.empty(1, maxt, 4, dtype=torch.int64, device="meta"),
+                        MAXT=maxt, TRACE=True)
+        return args
     fp8_weights = None
     if cfg.bwd_fp8_da or cfg.bwd_fp8_dx:  # the FP8 dgrad items' e4m3 weight rows + scales
 
@@ -185,8 +191,8 @@ def compile_megakernel(config: MoKConfig, hidden: int, intermediate: int, *, top
                        shared: bool = False, comm_programs: int = 0, programs: int = 132,
                        arch: int = 90, kernel: str = "forward", phases: int = 15,
                        trace: bool = False) -> Lowered:
-    """Compile ``mok_forward_kernel`` (``kernel="backward"``: ``mok_backward_kernel``, with
-    ``trace`` its item trace) as the launch would for this config and shape, for
+    """Compile ``mok_forward_kernel`` (``kernel="backward"``: ``mok_backward_kernel``; with
+    ``trace`` their item trace) as the launch would for this config and shape, for
     ``sm_<arch>`` (90 Hopper, 100 Blackwell), then run ptxas -v on its PTX."""
     import triton
     from triton.backends.compiler import GPUTarget

@@ -71,7 +71,7 @@ from mok_kernels._details.tl_gemm import mma
 from mok_kernels._details.tl_gemm_fp8 import _dot8, fp8_row_views, fp8_tile
 from mok_kernels._details.tl_mega import _slot_rows, _weight_desc
 from mok_kernels._details.tl_quant import e4m3_scales, finite_amax, to_e4m3, to_f32
-from mok_kernels._details.tl_sync import no_error, wait_geq
+from mok_kernels._details.tl_sync import globaltimer, no_error, wait_geq
 
 # The error codes of errors.py, as constexprs for the kernel.
 _E_DGRAD_ROWBLOCK: tl.constexpr = tl.constexpr(errors.ERR_WAIT_DGRAD_ROWBLOCK)
@@ -91,17 +91,6 @@ def _async_proxy_fence(v, SKIP: tl.constexpr):
         return v
     return tl.inline_asm_elementwise("fence.proxy.async.global;\n mov.u32 $0, $1;", "=r,r",
                                      [v], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _globaltimer(v, SKIP: tl.constexpr):
-    """The GPU's global nanosecond timer (``%globaltimer``, one clock for every SM), threaded
-    through the int32 ``v`` so the read stays where it is written; 0 under the interpreter
-    (SKIP: no PTX there)."""
-    if SKIP:
-        return v.to(tl.int64) * 0
-    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [v], dtype=tl.int64,
-                                     is_pure=False, pack=1)
 
 
 @triton.jit
@@ -938,7 +927,7 @@ def mok_backward_kernel(
     tk = tl.atomic_add(ctr, 1, sem="relaxed", scope="gpu")
     while (tk < n_items) & (ok != 0):
         if TRACE:
-            t0 = _globaltimer(tk, F32_DOT)
+            t0 = globaltimer(tk, F32_DOT)
         if tk < end_a:
             if PA > 0:
                 slot = tk // (NA + 1)
@@ -1034,7 +1023,7 @@ def mok_backward_kernel(
                                          x_base, x_tab, DIRECT, xgrp, XWD, FP8W, qready,
                                          NQ, xqT_desc, gqT_desc, srg, gxam_ptr, POW2)
         if TRACE:
-            t1 = _globaltimer(tk, F32_DOT)
+            t1 = globaltimer(tk, F32_DOT)
             kind = tl.where(tk < end_a, 0, tl.where(tk < end_b, 1, tl.where(
                 tk < end_q, 2, tl.where(tk < end_c, 3, 4))))
             if tk < MAXT:

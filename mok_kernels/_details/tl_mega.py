@@ -39,7 +39,7 @@ from mok_kernels._details.tl_gemm_fp8 import (
     gate_up_fp8_tiles,
     requant_whole_rows,
 )
-from mok_kernels._details.tl_sync import no_error, record_error, signal, wait_geq
+from mok_kernels._details.tl_sync import globaltimer, no_error, record_error, signal, wait_geq
 
 # The error codes of errors.py, as constexprs for the kernel.
 _E_RING_FREE: tl.constexpr = tl.constexpr(errors.ERR_WAIT_RING_FREE)
@@ -398,8 +398,11 @@ def _compute_loop(lr, src, grp, total, ring, hbuf, pre, outb, ctr, err, x_base, 
                   GJ: tl.constexpr, QUANT: tl.constexpr, POW2: tl.constexpr,
                   SW1: tl.constexpr, SW2: tl.constexpr, F32_DOT: tl.constexpr,
                   TMA: tl.constexpr, INTERLEAVED: tl.constexpr, PREFETCH: tl.constexpr,
-                  FUSED_SUM: tl.constexpr, SAVE_PRE: tl.constexpr):
+                  FUSED_SUM: tl.constexpr, SAVE_PRE: tl.constexpr, trace=None, MAXT=0,
+                  lp=0, TRACE: tl.constexpr = False):
     """Claim tickets until the work of this logical rank is done (or an error is set).
+    TRACE (profiling only): each item writes (start, end) in global-timer nanoseconds,
+    program ``lp`` and its kind (0 gate+up, 1 down) at its ticket in ``trace`` [MAXT, 4].
 
     PREFETCH: claim the next ticket when an item starts, so the atomic's round trip to L2
     overlaps the item instead of sitting between two items. Still deadlock-free: the smallest
@@ -413,6 +416,8 @@ def _compute_loop(lr, src, grp, total, ring, hbuf, pre, outb, ctr, err, x_base, 
     ok = no_error(err)
     tk = tl.atomic_add(ctr, 1, sem="relaxed", scope="gpu")
     while (tk < n_items) & (ok != 0):
+        if TRACE:
+            t0 = globaltimer(tk, F32_DOT)
         if PREFETCH:
             tk_next = tl.atomic_add(ctr, 1, sem="relaxed", scope="gpu")
         m = tk // PER_MB
@@ -434,6 +439,14 @@ def _compute_loop(lr, src, grp, total, ring, hbuf, pre, outb, ctr, err, x_base, 
                                 ws2_desc, y_ptr, p_ptr, sums, T, E, Q, MMAX, budget, H, I, S, K,
                                 COMM, HAS_SHARED, BM, BN, BK, DT, QUANT, SW2, F32_DOT, TMA,
                                 FUSED_SUM)
+        if TRACE:
+            t1 = globaltimer(tk, F32_DOT)
+            if tk < MAXT:
+                rec = trace + tk.to(tl.int64) * 4
+                tl.store(rec, t0)
+                tl.store(rec + 1, t1)
+                tl.store(rec + 2, lp.to(tl.int64))
+                tl.store(rec + 3, (i >= NBM * N1).to(tl.int64))
         if PREFETCH:
             tk = tk_next
         else:
@@ -460,12 +473,14 @@ def mok_forward_kernel(
         SW2: tl.constexpr, F32_DOT: tl.constexpr, TMA: tl.constexpr,
         INTERLEAVED: tl.constexpr, PREFETCH: tl.constexpr, K: tl.constexpr,
         FUSED_SUM: tl.constexpr, SAVE_PRE: tl.constexpr, DEDUP: tl.constexpr = False,
-        first_ptr=None, tcache_ptr=None, tflag_ptr=None, rank0=0, NTOK=0):
+        first_ptr=None, tcache_ptr=None, tflag_ptr=None, rank0=0, NTOK=0, trace_ptr=None,
+        MAXT=0, TRACE: tl.constexpr = False):
     """One persistent program per SM. x_tab/comb_tab hold, for every EP rank r, the element
     offset of rank r's token / combine buffer from x_base / comb_base (peer memory). DEDUP
     (``dispatch_dedup``): ``first_ptr`` [L, P] each row's token's first row here,
     ``tcache_ptr`` [L, NTOK, XW] the token cache, ``tflag_ptr`` [L, NTOK] its flags (zeroed
-    before the launch), ``rank0`` the EP rank of logical rank 0."""
+    before the launch), ``rank0`` the EP rank of logical rank 0. TRACE (profiling only): the
+    compute programs' items at ``trace_ptr`` [L, MAXT, 4] (``_compute_loop``)."""
     pid = tl.program_id(0)
     lr = pid // PROGS
     lp = pid % PROGS
@@ -496,14 +511,18 @@ def mok_forward_kernel(
                           sw2_ptr, sws1_ptr, sws2_ptr, w1_desc, w2_desc, ws1_desc, ws2_desc,
                           h_desc, y_ptr, p_ptr, sum_ptr, T, E, Q, MMAX, budget, withhold, H, I,
                           S, K, COMM, HAS_SHARED, MB, BM, BN, BK, DT, GJ, QUANT, POW2, SW1,
-                          SW2, F32_DOT, TMA, INTERLEAVED, PREFETCH, FUSED_SUM, SAVE_PRE)
+                          SW2, F32_DOT, TMA, INTERLEAVED, PREFETCH, FUSED_SUM, SAVE_PRE,
+                          trace_ptr + lr.to(tl.int64) * MAXT * 4 if TRACE else trace_ptr, MAXT,
+                          lp, TRACE)
     else:
         _compute_loop(lr, src, grp, total, ring, hbuf, pre, outb, ctr, err, x_base, x_tab,
                       comb_base, comb_tab, w1_ptr, w2_ptr, ws1_ptr, ws2_ptr, sw1_ptr, sw2_ptr,
                       sws1_ptr, sws2_ptr, w1_desc, w2_desc, ws1_desc, ws2_desc, h_desc, y_ptr,
                       p_ptr, sum_ptr, T, E, Q, MMAX, budget, withhold, H, I, S, K, COMM,
                       HAS_SHARED, MB, BM, BN, BK, DT, GJ, QUANT, POW2, SW1, SW2, F32_DOT, TMA,
-                      INTERLEAVED, PREFETCH, FUSED_SUM, SAVE_PRE)
+                      INTERLEAVED, PREFETCH, FUSED_SUM, SAVE_PRE,
+                      trace_ptr + lr.to(tl.int64) * MAXT * 4 if TRACE else trace_ptr, MAXT, lp,
+                      TRACE)
 
 
 @triton.jit

@@ -68,3 +68,14 @@ def signal(ctr_ptr, inc=1):
 def no_error(err_ptr):
     """1 while the rank's error word is clear."""
     return (tl.load(err_ptr, volatile=True) == 0).to(tl.int32)
+
+
+@triton.jit
+def globaltimer(v, SKIP: tl.constexpr):
+    """The GPU's global nanosecond timer (``%globaltimer``, one clock for every SM), threaded
+    through the int32 ``v`` so the read stays where it is written; 0 under the interpreter
+    (SKIP: no PTX there)."""
+    if SKIP:
+        return v.to(tl.int64) * 0
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [v], dtype=tl.int64,
+                                     is_pure=False, pack=1)

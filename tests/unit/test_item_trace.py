@@ -42,3 +42,12 @@ def test_timeline_chart_is_written(tmp_path):
 def test_bad_traces_are_named(bad, match):
     with pytest.raises(ValueError, match=match):
         item_trace.items(bad)
+
+
+def test_forward_kinds_name_the_forward_items():
+    t = _trace()
+    t[0, :3, 3] = (0, 0, 1)
+    df = item_trace.items(t, item_trace.FORWARD_KINDS)
+    table = item_trace.summarize(df, programs=2)
+    assert list(table.index) == ["gate+up", "down", "total"]
+    assert table.loc["down", "items"] == 1

@@ -644,18 +644,42 @@ TRACE_SCRIPT = COMMON + textwrap.dedent("""
             assert torch.bincount(kinds[used], minlength=5).tolist() == want, (l, want)
             progs = tr[l, used, 2]
             assert progs.min() >= 0 and progs.max() < 4 * ws.P, progs
-        print("trace ok", fp8)
+        print("backward trace ok", fp8)
     try:
         mk.backward(cfg, ws, saved, dy, *W, fp8_weights=f8, _trace=tr[:, :-1])
         raise SystemExit("a short trace buffer was accepted")
     except ValueError as e:
         assert "_trace" in str(e), e
+    # the forward's compute items: per minibatch (MB rows) and row block, I / (BN/2) gate+up
+    # items, then H / BN down items (one tile each at this config)
+    cfg = config(True)
+    ws = mk.get_workspace(cfg, tokens=T, hidden=H, intermediate=I, local_experts=E, topk=K,
+                          shared=shared, device="cpu", loopback_ranks=L)
+    sched = mk.build_schedule(ws, idx)
+    y0 = mk.forward(cfg, ws, sched, x, p, *W)
+    tr = torch.full((L, mk.forward_trace_capacity(ws), 4), -1, dtype=torch.int64)
+    y, _ = mk.forward_train(cfg, ws, mk.build_schedule(ws, idx), x, p, *W, _trace=tr)
+    mk.check_errors(ws)
+    assert torch.equal(y, y0)
+    nmb = (sched.tensors.total_L + cfg.minibatch - 1) // cfg.minibatch
+    per_mb = cfg.minibatch // cfg.block_m
+    for l in range(L):
+        want = [int(nmb[l]) * per_mb * (I // 16), int(nmb[l]) * per_mb * (H // 32)]
+        kinds = tr[l, :, 3]
+        used = (kinds >= 0).nonzero().flatten()
+        assert used.tolist() == list(range(sum(want))), (l, used)
+        assert torch.bincount(kinds[used], minlength=2).tolist() == want, (l, want)
+    print("forward trace ok")
 """)
 
 
-def test_item_trace_records_every_ticket_once_with_its_kind():
-    """``backward(..., _trace=...)`` (profiling only): every ticket of the main order is
-    written once, in order, with the kind the module docstring gives it and a program of
-    the logical rank, for the bf16 and the whole FP8 backward (with Q items), two loopback
-    ranks; a buffer of the wrong shape is refused by name."""
-    _prints(run_interpreted(TRACE_SCRIPT), "trace ok", 2)
+def test_item_traces_record_every_ticket_once_with_its_kind():
+    """``backward(..., _trace=...)`` and ``forward_train(..., _trace=...)`` (profiling only):
+    every ticket of the main order is written once, in order, with the kind the module
+    docstrings give it and a program of the logical rank, for the bf16 and the whole FP8
+    backward (with Q items) and the forward's compute items, two loopback ranks; the traced
+    forward's output is bitwise the untraced one's; a buffer of the wrong shape is refused
+    by name."""
+    out = run_interpreted(TRACE_SCRIPT)
+    _prints(out, "backward trace ok", 2)
+    assert "forward trace ok" in out.stdout, out.stdout

@@ -414,3 +414,17 @@ def test_item_trace_builds_and_reads_the_global_timer():
     assert on.shared_bytes <= SMEM_LIMIT
     assert on.ptx.count("%globaltimer") >= 2
     assert "%globaltimer" not in off.ptx
+
+
+def test_forward_item_trace_builds_and_reads_the_global_timer():
+    """The forward megakernel with its compute items' trace at the Kimi defaults (sm_90):
+    it builds, reads ``%globaltimer`` around the items, and without the trace has no such
+    read."""
+    from mokbench.mok_backend import default_config_fields
+
+    cfg = mk.MoKConfig.for_shape(H, I, **default_config_fields(H, I, 16384, 8, 132, 1, 48, 90))
+    on = mk.compile_megakernel(cfg, H, I, shared=True, trace=True)
+    off = mk.compile_megakernel(cfg, H, I, shared=True)
+    assert on.shared_bytes <= SMEM_LIMIT
+    assert on.ptx.count("%globaltimer") >= 2
+    assert "%globaltimer" not in off.ptx
