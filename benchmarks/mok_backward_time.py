@@ -102,7 +102,7 @@ def main() -> None:
             df = item_trace.items(tr.cpu().numpy(), kinds)
             df.to_csv(f"{a.trace}-{name}.csv", index=False)
             item_trace.plot_timeline(df, f"{a.trace}-{name}.png")
-            print(f"{name} items (training forward: compute programs only)")
+            print(f"{name} items" + (" (compute programs only)" if name == "forward" else ""))
             print(item_trace.summarize(df, int(df.program.max()) + 1).round(3).to_string())
     ctx = train()[1]
     print(f"shape H{H} I{I} E{E} T{T} k{K} shared={a.shared}; config {cfg}")

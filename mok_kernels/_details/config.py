@@ -203,6 +203,18 @@ class MoKConfig:
         pipelined TMA copies instead of plain loads one chunk at a time: that item's work
         sits on the dA items' time (about 1.7 ms of the FP8 backward at Kimi K2.7 Code, by
         the profiling script's masks). The same bytes; off by default: not yet run on a GPU.
+    bwd_prefetch_ticket: the backward megakernel claims an item's next ticket when the item
+        starts, so the atomic's round trip to L2 overlaps the item (the forward's
+        ``prefetch_ticket``). The backward's items are short (20-30 us for the B, C and D
+        items at Kimi K2.7 Code in FP8, by the item trace), so the gaps between them add up
+        (the programs were busy 94% of the kernel's span there). Same gradients; off by
+        default: not yet run on a GPU.
+    bwd_q_interleave: with ``bwd_fp8_wgrad``: the weight gradients' quantisation (Q) items
+        are interleaved with the dX (B) items, one after every few B items, instead of a
+        section of their own between B and the weight gradients: the item trace showed that
+        section (2.7 ms of memory-bound work at Kimi K2.7 Code, every program in it) between
+        two compute-bound ones. Q items still wait only for their group's dA items. Same
+        gradients; off by default: not yet run on a GPU.
     bwd_fp8_block_k: the reduction step of the backward's FP8 items (with bwd_fp8_da,
         bwd_fp8_dx or bwd_fp8_wgrad): 64 (the bf16 items' step, 128 bytes of bf16 per row)
         or 128 (128 bytes of e4m3 per row, the FP8 forward's block_k: half the K-loop
@@ -259,6 +271,8 @@ class MoKConfig:
     bwd_fp8_block_k: int = 64
     bwd_fp8_block_colmax: bool = False
     bwd_fp8_requant_tma: bool = False
+    bwd_prefetch_ticket: bool = False
+    bwd_q_interleave: bool = False
     fp8: str = "none"
     fp8_pow2_scales: bool = False
 
@@ -355,6 +369,13 @@ class MoKConfig:
                "bwd_fp8_block_colmax", self.bwd_fp8_block_colmax,
                "false unless bwd_fp8_dx and bwd_fp8_wgrad are set (it keeps the maxima of "
                "the dX items' requantisation for the weight gradients' Q items)")
+        _check(isinstance(self.bwd_prefetch_ticket, bool), "bwd_prefetch_ticket",
+               self.bwd_prefetch_ticket, "true | false")
+        _check(isinstance(self.bwd_q_interleave, bool), "bwd_q_interleave",
+               self.bwd_q_interleave, "true | false")
+        _check(not self.bwd_q_interleave or self.bwd_fp8_wgrad, "bwd_q_interleave",
+               self.bwd_q_interleave,
+               "false unless bwd_fp8_wgrad is set (only the FP8 weight gradients have Q items)")
         _check(isinstance(self.bwd_fp8_requant_tma, bool), "bwd_fp8_requant_tma",
                self.bwd_fp8_requant_tma, "true | false")
         _check(not self.bwd_fp8_requant_tma or self.bwd_fp8_dx, "bwd_fp8_requant_tma",

@@ -830,7 +830,8 @@ def mok_backward_kernel(
         xqT_ptr=None, dyqT_ptr=None, PULLG: tl.constexpr = False, PBR: tl.constexpr = 16,
         PCH: tl.constexpr = 128, bmax_ptr=None, QBM: tl.constexpr = False,
         DIRA: tl.constexpr = False, XWD: tl.constexpr = False, RQT: tl.constexpr = False,
-        hs_a_desc=None, trace_ptr=None, MAXT=0, TRACE: tl.constexpr = False):
+        hs_a_desc=None, trace_ptr=None, MAXT=0, TRACE: tl.constexpr = False,
+        PFT: tl.constexpr = False, QI: tl.constexpr = False):
     """One persistent program per SM; see the module docstring for the work order. FENCE:
     rows pulled in this launch (PULL or PA): the C and D items fence the async proxy after
     their group's acquire. FP8DA (``bwd_fp8_da``): the A items' FP8 tiles read dY as FP8
@@ -854,6 +855,13 @@ def mok_backward_kernel(
     ``dyqT_ptr`` [L, H, P]; PBR rows by PCH columns at a time), as the separate pull kernel
     does. RQT (``bwd_fp8_requant_tma``): the block-completing A item's requantisation of the
     dG/dU rows reads them as pipelined TMA copies (with QBM r h's too, ``hs_a_desc``).
+    PFT (``bwd_prefetch_ticket``): the next ticket is claimed when an item starts, so the
+    atomic's round trip overlaps the item (deadlock free as the forward's PREFETCH: the
+    smallest unfinished ticket is never one only claimed, since its holder is then running
+    a smaller unfinished one). QI (``bwd_q_interleave``, FP8W without PA): the B and Q
+    sections are one, the Q items spread evenly among the B items (in ascending group
+    order, the order the A items finish in), so the memory-bound Q items run beside
+    the B items' GEMMs instead of in a section of their own; Q still waits only on A.
     TRACE (profiling only): every item of the main ticket order writes (start, end) in
     global-timer nanoseconds, its program within the logical rank and its kind (0 A, 1 B,
     2 Q, 3 C, 4 D; pull items of PA count with the section they sit in) to ``trace_ptr``
@@ -899,6 +907,8 @@ def mok_backward_kernel(
     end_q = end_b + NG * NQ
     end_c = end_q + NG * NC
     n_items = end_c + NG * ND
+    n_q = NG * NQ  # QI: the B and Q sections merged, n_bq items
+    n_bq = tl.maximum(end_q - end_a, 1)
     ok = no_error(err)
     if PULL:  # pull items first (the first PULLERS programs), from their own ticket counter
         # they wait on nothing, so the programs that skip them to wait on row blocks
@@ -928,10 +938,22 @@ def mok_backward_kernel(
     while (tk < n_items) & (ok != 0):
         if TRACE:
             t0 = globaltimer(tk, F32_DOT)
-        if tk < end_a:
+        if PFT:  # the next ticket's round trip to L2 overlaps this item
+            tk_next = tl.atomic_add(ctr, 1, sem="relaxed", scope="gpu")
+        vt = tk  # the item this ticket stands for (QI: B and Q items interleaved)
+        if QI:  # position i of the merged section holds a Q item where the count of Q
+            # items before it, floor(i * n_q / n_bq), steps up: the Q items spread evenly
+            if (tk >= end_a) & (tk < end_q):
+                i = (tk - end_a).to(tl.int64)
+                q_before = (i * n_q // n_bq).to(tl.int32)
+                if ((i + 1) * n_q // n_bq).to(tl.int32) > q_before:
+                    vt = end_b + q_before  # Q item q_before
+                else:
+                    vt = tk - q_before  # B item i - q_before
+        if vt < end_a:
             if PA > 0:
-                slot = tk // (NA + 1)
-                j = tk % (NA + 1)
+                slot = vt // (NA + 1)
+                j = vt % (NA + 1)
                 if j == 0:  # pull item: block slot's dY rows (needed by its A items)
                     if slot < nb:
                         _pull_block(slot, lr, src, x_base, x_tab, dy_base, tab16, xg_ptr,
@@ -952,7 +974,7 @@ def mok_backward_kernel(
                                              sws2q_ptr, FP8DX, gq, GQW, RQC, POW2, QBM,
                                              bmax_ptr, RQT, hs_a_desc)
             elif PHASES & 1:
-                b = tk // NA
+                b = vt // NA
                 if PULL:  # its rows pulled by an item of this launch (plain stores; TMA here)
                     if PULLG:  # dY's rows read at home: nothing to wait for
                         pass
@@ -962,15 +984,15 @@ def mok_backward_kernel(
                         if ok != 0:
                             _async_proxy_fence(ok, F32_DOT)
                 if ok != 0:
-                    _dgrad_down_item(b, tk % NA, lr, src, grp, P, pre, hs, ctr, dyg_a_desc,
+                    _dgrad_down_item(b, vt % NA, lr, src, grp, P, pre, hs, ctr, dyg_a_desc,
                                      p_base, drp_base, tab32, w2_desc, ws2_desc, pre_a_desc, T,
                                      E, NBMAX, withhold, H, I, S, K, HAS_SHARED, BM, BN, BKA,
                                      DAC, F32_DOT, INTERLEAVED, dy_base, tab16, DIRA, DAT,
                                      FP8DA, dyq_base, w2q_desc, ws2q_desc, sw2q_ptr,
                                      sws2q_ptr, FP8DX, gq, GQW, RQC, POW2, QBM, bmax_ptr,
                                      RQT, hs_a_desc)
-        elif tk < end_b:
-            i = tk - end_a
+        elif vt < end_b:
+            i = vt - end_a
             if PA > 0:
                 b = i // (NB + 1)
                 j = i % (NB + 1)
@@ -992,17 +1014,18 @@ def mok_backward_kernel(
                                          pre_b_desc, P, DXTMA,
                                          FP8DX, gq, GQW, w1q_desc, ws1q_desc, sw1q_ptr,
                                          sws1q_ptr)
-        elif tk < end_q:
+        elif vt < end_q:
             if FP8W:  # Q items (none otherwise), largest group first
                 if PHASES & 12:
-                    i = tk - end_b
-                    ok = _wgrad_quant_item(NG - 1 - i // NQ, i % NQ, lr, gst, total, src, P,
+                    i = vt - end_b
+                    gq_i = i // NQ if QI else NG - 1 - i // NQ  # QI: ascending groups
+                    ok = _wgrad_quant_item(gq_i, i % NQ, lr, gst, total, src, P,
                                            hs_c_desc, pre_q_desc, hqT, gqT, srh, srg, ctr,
                                            err, qready, NBMAX, budget, withhold, NG, I, BM,
                                            BN, BKW, DAC, F32_DOT, POW2, QBM, bmax_ptr)
-        elif tk < end_c:
+        elif vt < end_c:
             if PHASES & 4:
-                i = tk - end_q
+                i = vt - end_q
                 g = NG - 1 - i // NC
                 c = i % NC
                 ok = _wgrad_down_item(g, c // (H // BN), c % (H // BN), lr, gst, total, P,
@@ -1013,7 +1036,7 @@ def mok_backward_kernel(
                                       POW2, PULLG, xgrp)
         else:
             if PHASES & 8:
-                i = tk - end_c
+                i = vt - end_c
                 g = NG - 1 - i // ND
                 d = i % ND
                 ok = _wgrad_gate_up_item(g, d // (2 * I // BN), d % (2 * I // BN), lr, gst,
@@ -1024,15 +1047,18 @@ def mok_backward_kernel(
                                          NQ, xqT_desc, gqT_desc, srg, gxam_ptr, POW2)
         if TRACE:
             t1 = globaltimer(tk, F32_DOT)
-            kind = tl.where(tk < end_a, 0, tl.where(tk < end_b, 1, tl.where(
-                tk < end_q, 2, tl.where(tk < end_c, 3, 4))))
+            kind = tl.where(vt < end_a, 0, tl.where(vt < end_b, 1, tl.where(
+                vt < end_q, 2, tl.where(vt < end_c, 3, 4))))
             if tk < MAXT:
                 rec = trace_ptr + (lr.to(tl.int64) * MAXT + tk) * 4
                 tl.store(rec, t0)
                 tl.store(rec + 1, t1)
                 tl.store(rec + 2, (pid - lr * PROGS).to(tl.int64))
                 tl.store(rec + 3, kind.to(tl.int64))
-        tk = tl.atomic_add(ctr, 1, sem="relaxed", scope="gpu")
+        if PFT:
+            tk = tk_next
+        else:
+            tk = tl.atomic_add(ctr, 1, sem="relaxed", scope="gpu")
 
 
 @triton.jit

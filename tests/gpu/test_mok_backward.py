@@ -414,6 +414,21 @@ def test_block_column_maxima_give_the_two_pass_gradients_bitwise(ranks, shared):
         assert (a is None and b is None) or torch.equal(a, b)
 
 
+@pytest.mark.parametrize("ranks, shared, knobs", [
+    (1, True, {"bwd_prefetch_ticket": True}), (2, False, {"bwd_q_interleave": True}),
+    (1, True, {"bwd_prefetch_ticket": True, "bwd_q_interleave": True})])
+def test_ticket_order_knobs_give_the_same_gradients_bitwise(ranks, shared, knobs):
+    """``bwd_prefetch_ticket`` (the next ticket claimed when an item starts) and
+    ``bwd_q_interleave`` (the Q items among the dX items) on the whole FP8 backward: every
+    gradient bitwise the default order's, reruns bitwise equal."""
+    f8 = {"bwd_fp8_da": True, "bwd_fp8_dx": True, "bwd_fp8_wgrad": True,
+          "bwd_fp8_block_k": 128, "bwd_block_m": 128}
+    plain = _fp8_backward_runs(ranks, shared, f8, 17)
+    other = _fp8_backward_runs(ranks, shared, {**f8, **knobs}, 17)
+    for a, b in zip(vars(plain.g).values(), vars(other.g).values()):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
 @pytest.mark.parametrize("ranks, shared, colmax", [(1, True, False), (2, False, True)])
 def test_requantisation_through_tma_gives_the_same_gradients_bitwise(ranks, shared, colmax):
     """``bwd_fp8_requant_tma`` (the block-completing dA item's requantisation reads the dG/dU

@@ -683,3 +683,50 @@ def test_item_traces_record_every_ticket_once_with_its_kind():
     out = run_interpreted(TRACE_SCRIPT)
     _prints(out, "backward trace ok", 2)
     assert "forward trace ok" in out.stdout, out.stdout
+
+
+ORDER_SCRIPT = COMMON + textwrap.dedent("""
+    L, T, E, K, shared, H, I = 2, 13, 3, 2, True, 64, 32
+    x, idx, p, _, W, dy, exact = interleaved_case(L, T, E, K, shared, 23)
+    f8 = dict(bwd_fp8_da=True, bwd_fp8_dx=True, bwd_fp8_wgrad=True)
+    out, kinds = [], []
+    for knobs in ({}, {"bwd_prefetch_ticket": True}, {"bwd_q_interleave": True},
+                  {"bwd_prefetch_ticket": True, "bwd_q_interleave": True}):
+        cfg = config(True, **f8, **knobs)
+        ws = mk.get_workspace(cfg, tokens=T, hidden=H, intermediate=I, local_experts=E,
+                              topk=K, shared=shared, device="cpu", loopback_ranks=L)
+        w8 = mk.quantize_backward_weights(cfg, W[1], W[3], W[0], W[2])
+        y, saved = mk.forward_train(cfg, ws, mk.build_schedule(ws, idx), x, p, *W)
+        tr = torch.full((L, mk.trace_capacity(ws), 4), -1, dtype=torch.int64)
+        out.append(mk.backward(cfg, ws, saved, dy, *W, fp8_weights=w8, _trace=tr))
+        mk.check_errors(ws)
+        k0 = tr[0, :, 3]
+        kinds.append(k0[k0 >= 0].tolist())
+    for i in (1, 2, 3):
+        assert_bitwise(out[0], out[i], i)
+    assert rel(out[0].dx_TH, exact.dx_TH) < 1e-1
+    # the ticket order: sections A, B, Q, C, D, or (interleaved) Q items among the B items,
+    # one after every few B items, the same items of each kind
+    plain, inter = kinds[0], kinds[2]
+    assert plain == sorted(plain), plain
+    assert sorted(inter) == plain, inter
+    first_q, last_b = inter.index(2), len(inter) - 1 - inter[::-1].index(1)
+    assert first_q < last_b, inter
+    # spread evenly: the section after A holds only B and Q items, and (with more Q than
+    # B items at this shape) no two B items in a row
+    b_and_q = inter[inter.count(0):inter.count(0) + inter.count(1) + inter.count(2)]
+    assert set(b_and_q) == {1, 2}, inter
+    assert inter.count(2) > inter.count(1), inter
+    assert all(a != 1 or b != 1 for a, b in zip(b_and_q, b_and_q[1:])), inter
+    assert kinds[3] == inter
+    print("item order ok")
+""")
+
+
+def test_ticket_prefetch_and_interleaved_quantisation_give_the_same_gradients_bitwise():
+    """``bwd_prefetch_ticket`` (the next ticket claimed when an item starts) and
+    ``bwd_q_interleave`` (the FP8 weight gradients' Q items among the dX items instead of a
+    section of their own), alone and together: every gradient bitwise the default's, two
+    loopback ranks; the item trace shows the plain section order and, interleaved, Q items
+    between B items (the same items of each kind)."""
+    _prints(run_interpreted(ORDER_SCRIPT), "item order ok", 1)

@@ -278,14 +278,17 @@ def test_whole_fp8_backward_builds_with_128_deep_steps(fp8_forward):
                                    {"bwd_fused_pull": True, "bwd_pull_programs": 32},
                                    {"bwd_fp8_block_colmax": True},
                                    {"bwd_fp8_requant_tma": True},
-                                   {"bwd_fp8_requant_tma": True, "bwd_fp8_block_colmax": True}])
+                                   {"bwd_fp8_requant_tma": True, "bwd_fp8_block_colmax": True},
+                                   {"bwd_prefetch_ticket": True, "bwd_q_interleave": True}])
 def test_whole_fp8_backward_builds_with_pull_items_or_block_maxima(knobs):
     """The whole FP8 backward with ``bwd_fused_pull`` (the pull items write the FP8
     transposed copies of x and dY; every program pulls first, or 32 of them while the rest
     start on the dA items), or with ``bwd_fp8_block_colmax``, or with ``bwd_fp8_requant_tma``
-    (with and without the block maxima): e4m3 MMAs only, within sm_90's shared memory, small
-    spills (Triton 3.9: 324 bytes with the pull items, 340 with the block maxima, 352 and 396
-    with the TMA requantisation, 320 with none; Triton 3.6: 92, 468, 400 with none), and the
+    (with and without the block maxima), or with ``bwd_prefetch_ticket`` and
+    ``bwd_q_interleave``: e4m3 MMAs only, within sm_90's shared memory, small spills (Triton
+    3.9: 324 bytes with the pull items, 340 with the block maxima, 352 and 396 with the TMA
+    requantisation, 336 with the ticket order knobs, 320 with none; Triton 3.6: 92, 468,
+    400 with none), and the
     async proxy fenced after each pull item and before the weight-gradient items read TMA
     copies."""
     from mokbench.mok_backend import default_config_fields, fp8_config_fields
