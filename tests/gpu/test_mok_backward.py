@@ -384,6 +384,18 @@ def test_fp8_weight_gradients_match_the_quantised_reference(ranks, shared, knobs
             assert err < TOL, (name, err)
 
 
+def _fp8_variant_is_bitwise(ranks: int, shared: bool, knobs: dict, seed: int) -> None:
+    """The whole FP8 backward (128-deep steps, 128-row blocks) with ``knobs`` gives every
+    gradient bitwise the one without them (each run's reruns checked bitwise by
+    ``_fp8_backward_runs``)."""
+    f8 = {"bwd_fp8_da": True, "bwd_fp8_dx": True, "bwd_fp8_wgrad": True,
+          "bwd_fp8_block_k": 128, "bwd_block_m": 128}
+    plain = _fp8_backward_runs(ranks, shared, f8, seed)
+    other = _fp8_backward_runs(ranks, shared, {**f8, **knobs}, seed)
+    for a, b in zip(vars(plain.g).values(), vars(other.g).values()):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
 @pytest.mark.parametrize("pullers", [0, 32])
 @pytest.mark.parametrize("ranks, shared", [(1, True), (2, False)])
 def test_fp8_pull_items_give_the_separate_pulls_gradients_bitwise(ranks, shared, pullers):
@@ -392,13 +404,8 @@ def test_fp8_pull_items_give_the_separate_pulls_gradients_bitwise(ranks, shared,
     gradient items wait for their group's rows), every program pulling or 32 of them: every
     gradient bitwise the separate pull's, on the GPU's real concurrency (programs racing for
     tickets, the waits met out of order), and reruns bitwise equal."""
-    f8 = {"bwd_fp8_da": True, "bwd_fp8_dx": True, "bwd_fp8_wgrad": True,
-          "bwd_fp8_block_k": 128, "bwd_block_m": 128}
-    plain = _fp8_backward_runs(ranks, shared, f8, 7)
-    fused = _fp8_backward_runs(ranks, shared, {**f8, "bwd_fused_pull": True,
-                                               "bwd_pull_programs": pullers}, 7)
-    for a, b in zip(vars(plain.g).values(), vars(fused.g).values()):
-        assert (a is None and b is None) or torch.equal(a, b)
+    _fp8_variant_is_bitwise(ranks, shared, {"bwd_fused_pull": True,
+                                            "bwd_pull_programs": pullers}, 7)
 
 
 @pytest.mark.parametrize("ranks, shared", [(1, True), (2, False)])
@@ -406,12 +413,7 @@ def test_block_column_maxima_give_the_two_pass_gradients_bitwise(ranks, shared):
     """``bwd_fp8_block_colmax`` (the Q items take each column's max from the row blocks'
     maxima of r h and dG/dU that the block-completing dA items stored): every gradient
     bitwise the two-pass Q items', reruns bitwise equal."""
-    f8 = {"bwd_fp8_da": True, "bwd_fp8_dx": True, "bwd_fp8_wgrad": True,
-          "bwd_fp8_block_k": 128, "bwd_block_m": 128}
-    plain = _fp8_backward_runs(ranks, shared, f8, 11)
-    colmax = _fp8_backward_runs(ranks, shared, {**f8, "bwd_fp8_block_colmax": True}, 11)
-    for a, b in zip(vars(plain.g).values(), vars(colmax.g).values()):
-        assert (a is None and b is None) or torch.equal(a, b)
+    _fp8_variant_is_bitwise(ranks, shared, {"bwd_fp8_block_colmax": True}, 11)
 
 
 @pytest.mark.parametrize("ranks, shared, knobs", [
@@ -421,12 +423,7 @@ def test_ticket_order_knobs_give_the_same_gradients_bitwise(ranks, shared, knobs
     """``bwd_prefetch_ticket`` (the next ticket claimed when an item starts) and
     ``bwd_q_interleave`` (the Q items among the dX items) on the whole FP8 backward: every
     gradient bitwise the default order's, reruns bitwise equal."""
-    f8 = {"bwd_fp8_da": True, "bwd_fp8_dx": True, "bwd_fp8_wgrad": True,
-          "bwd_fp8_block_k": 128, "bwd_block_m": 128}
-    plain = _fp8_backward_runs(ranks, shared, f8, 17)
-    other = _fp8_backward_runs(ranks, shared, {**f8, **knobs}, 17)
-    for a, b in zip(vars(plain.g).values(), vars(other.g).values()):
-        assert (a is None and b is None) or torch.equal(a, b)
+    _fp8_variant_is_bitwise(ranks, shared, knobs, 17)
 
 
 @pytest.mark.parametrize("ranks, shared, colmax", [(1, True, False), (2, False, True)])
@@ -434,13 +431,8 @@ def test_requantisation_through_tma_gives_the_same_gradients_bitwise(ranks, shar
     """``bwd_fp8_requant_tma`` (the block-completing dA item's requantisation reads the dG/dU
     rows as pipelined TMA copies; with ``bwd_fp8_block_colmax`` it takes the column maxima in
     the same passes): every gradient bitwise the plain loads', reruns bitwise equal."""
-    f8 = {"bwd_fp8_da": True, "bwd_fp8_dx": True, "bwd_fp8_wgrad": True,
-          "bwd_fp8_block_k": 128, "bwd_block_m": 128}
-    plain = _fp8_backward_runs(ranks, shared, f8, 13)
-    tma = _fp8_backward_runs(ranks, shared, {**f8, "bwd_fp8_requant_tma": True,
-                                             "bwd_fp8_block_colmax": colmax}, 13)
-    for a, b in zip(vars(plain.g).values(), vars(tma.g).values()):
-        assert (a is None and b is None) or torch.equal(a, b)
+    _fp8_variant_is_bitwise(ranks, shared, {"bwd_fp8_requant_tma": True,
+                                            "bwd_fp8_block_colmax": colmax}, 13)
 
 
 EP_SCRIPT = r"""
