@@ -94,11 +94,11 @@ def main() -> None:
                          device=dev)
         held["ctx"] = mk.forward_train(cfg, ws, mk.build_schedule(ws, idx), x, p, *w,
                                        _trace=ftr)[1]
-        btr = torch.full((1, mk.trace_capacity(ws), 4), -1, dtype=torch.int64, device=dev)
+        btr = torch.full((1, mk.backward_trace_capacity(ws), 4), -1, dtype=torch.int64, device=dev)
         mk.backward(cfg, ws, held["ctx"], dy, *w, fp8_weights=w8, _trace=btr)
         mk.check_errors(ws)
         for name, tr, kinds in (("forward", ftr, item_trace.FORWARD_KINDS),
-                                ("backward", btr, item_trace.KINDS)):
+                                ("backward", btr, item_trace.BACKWARD_KINDS)):
             df = item_trace.items(tr.cpu().numpy(), kinds)
             df.to_csv(f"{a.trace}-{name}.csv", index=False)
             item_trace.plot_timeline(df, f"{a.trace}-{name}.png")

@@ -41,8 +41,8 @@ from mok_kernels._details.backward import (
     BackwardFp8Weights,
     Gradients,
     backward,
+    backward_trace_capacity,
     quantize_backward_weights,
-    trace_capacity,
 )
 from mok_kernels._details.config import MoKConfig, MoKConfigError, Plan, plan
 from mok_kernels._details.errors import (
@@ -130,7 +130,7 @@ __all__ = [
     "WITHHOLD_PULLED",
     "Workspace",
     "backward",
-    "trace_capacity",
+    "backward_trace_capacity",
     "build_schedule",
     "check_errors",
     "clear_workspace_cache",

@@ -14,11 +14,12 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-KINDS = ("A dgrad down", "B dgrad gate+up", "Q quantise", "C wgrad down", "D wgrad gate+up")
+BACKWARD_KINDS = ("A dgrad down", "B dgrad gate+up", "Q quantise", "C wgrad down",
+                  "D wgrad gate+up")
 FORWARD_KINDS = ("gate+up", "down")
 
 
-def items(trace_LT4: np.ndarray, kinds: tuple[str, ...] = KINDS) -> pd.DataFrame:
+def items(trace_LT4: np.ndarray, kinds: tuple[str, ...] = BACKWARD_KINDS) -> pd.DataFrame:
     """The written rows of an [L, tickets, 4] trace as one row per item: rank, ticket,
     program, kind (its name in ``kinds``: the backward's by default, ``FORWARD_KINDS`` for
     the forward), start_ms and end_ms from the rank's first start."""

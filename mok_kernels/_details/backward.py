@@ -33,6 +33,7 @@ from mok_kernels._details.forward import (
     _programs,
     _row_chunk,
     _token_source,
+    trace_args,
 )
 from mok_kernels._details.schedule import ScheduleTensors
 from mok_kernels._details.workspace import Workspace, carve
@@ -575,7 +576,7 @@ def _pull_fp8_copies(ws: Workspace, bb: BackwardBuffers, st: ScheduleTensors,
             xg_ptr=sc.xg_LPH, PHASE=phase, num_warps=4)
 
 
-def trace_capacity(ws: Workspace) -> int:
+def backward_trace_capacity(ws: Workspace) -> int:
     """Tickets of the backward megakernel's main order per logical rank, at most (every row
     block in use, PA's pull items included): the rows of a ``backward(_trace=...)`` buffer."""
     cfg = ws.config
@@ -596,7 +597,7 @@ def backward(config: MoKConfig, ws: Workspace, context: ForwardContext, dy_TH: t
     """Gradients of the layer for the training forward that made ``context`` (once per
     context: the saved pre-activations are overwritten by their gradients). ``fp8_weights``:
     with ``bwd_fp8_da``, ``quantize_backward_weights(config, w_down, shared_down)``.
-    ``_trace`` (profiling only): an int64 [L, trace_capacity(ws), 4] tensor that receives
+    ``_trace`` (profiling only): an int64 [L, backward_trace_capacity(ws), 4] tensor that receives
     every megakernel item's (start ns, end ns, program, kind) at its ticket; rows of
     tickets not used keep what they held."""
     from mok_kernels._details.tl_backward import mok_backward_kernel, pull_rows_kernel
@@ -643,11 +644,7 @@ def backward(config: MoKConfig, ws: Workspace, context: ForwardContext, dy_TH: t
                                 withhold=_withhold, programs=progs, phases=_phases,
                                 interpreting=_interpreting(), x_src=x_src,
                                 fp8_weights=fp8_weights)
-    if _trace is not None:
-        want = (L, trace_capacity(ws), 4)
-        if tuple(_trace.shape) != want or _trace.dtype != torch.int64:
-            raise ValueError(f"_trace: want an int64 tensor of shape {want}")
-        args.update(trace_ptr=_trace, MAXT=want[1], TRACE=True)
+    args.update(trace_args(_trace, L, backward_trace_capacity(ws)))
     mok_backward_kernel[(L * progs,)](**args, num_warps=config.num_warps,
                                       num_stages=backward_stages(config), **extra)
     ws.barrier()

@@ -214,6 +214,18 @@ def _weight_args(w1, w2, ws1, ws2) -> dict[str, object]:
                 sws1_ptr=None, sws2_ptr=None)
 
 
+def trace_args(trace: torch.Tensor | None, logical_ranks: int, rows: int) -> dict:
+    """Either megakernel's trace arguments (profiling only): none without a trace (the
+    kernel then has no timer read), else ``trace`` checked to be int64
+    [logical_ranks, rows, 4]."""
+    if trace is None:
+        return {}
+    want = (logical_ranks, rows, 4)
+    if tuple(trace.shape) != want or trace.dtype != torch.int64:
+        raise ValueError(f"_trace: want an int64 tensor of shape {want}")
+    return dict(trace_ptr=trace, MAXT=rows, TRACE=True)
+
+
 def forward_trace_capacity(ws: Workspace) -> int:
     """Tickets of the forward megakernel's compute items per logical rank, at most (every
     minibatch full): the rows of a ``forward(_trace=...)`` buffer."""
@@ -246,11 +258,7 @@ def launch_megakernel(ws: Workspace, st: ScheduleTensors, w1: torch.Tensor, w2: 
                                x_LTH=ws.x_LTH if x_LTH is None else x_LTH, pre_LPF=pre_LPF,
                                withhold=withhold, programs=progs, comm=comm,
                                interpreting=_interpreting())
-    if trace is not None:
-        want = (ws.L, forward_trace_capacity(ws), 4)
-        if tuple(trace.shape) != want or trace.dtype != torch.int64:
-            raise ValueError(f"_trace: want an int64 tensor of shape {want}")
-        args.update(trace_ptr=trace, MAXT=want[1], TRACE=True)
+    args.update(trace_args(trace, ws.L, forward_trace_capacity(ws)))
     mok_forward_kernel[(ws.L * progs,)](**args, num_warps=cfg.num_warps,
                                         num_stages=cfg.num_stages, **extra)
 

@@ -81,7 +81,7 @@ def kernel_args(config: MoKConfig, hidden: int, intermediate: int, *, topk: int 
         BackwardFp8Weights,
         backward_kernel_args,
         backward_scratch,
-        trace_capacity,
+        backward_trace_capacity,
     )
     from mok_kernels._details.ffn_fp8 import Fp8Weight
     from mok_kernels._details.forward import forward_kernel_args, forward_trace_capacity
@@ -121,9 +121,7 @@ def kernel_args(config: MoKConfig, hidden: int, intermediate: int, *, topk: int 
                                    pre_LPF=None, withhold=0, programs=programs,
                                    comm=comm_programs, interpreting=False)
         if trace:
-            maxt = forward_trace_capacity(ws)
-            args.update(trace_ptr=torch.empty(1, maxt, 4, dtype=torch.int64, device="meta"),
-                        MAXT=maxt, TRACE=True)
+            args.update(_meta_trace(forward_trace_capacity(ws)))
         return args
     fp8_weights = None
     if cfg.bwd_fp8_da or cfg.bwd_fp8_dx:  # the FP8 dgrad items' e4m3 weight rows + scales
@@ -147,10 +145,15 @@ def kernel_args(config: MoKConfig, hidden: int, intermediate: int, *, topk: int 
                                 backward_scratch(ws), withhold=0, programs=programs,
                                 phases=phases, interpreting=False, fp8_weights=fp8_weights)
     if trace:
-        maxt = trace_capacity(ws)
-        args.update(trace_ptr=torch.empty(1, maxt, 4, dtype=torch.int64, device="meta"),
-                    MAXT=maxt, TRACE=True)
+        args.update(_meta_trace(backward_trace_capacity(ws)))
     return args
+
+
+def _meta_trace(rows: int) -> dict[str, object]:
+    """The trace arguments over a ``meta`` buffer of one logical rank's ``rows``."""
+    from mok_kernels._details.forward import trace_args
+
+    return trace_args(torch.empty(1, rows, 4, dtype=torch.int64, device="meta"), 1, rows)
 
 
 _ELEMENT = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32",

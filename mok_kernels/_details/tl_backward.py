@@ -22,7 +22,8 @@ pulled: the A, C and D items gather the dY and x rows they need from the tokens'
 (peer memory) with plain loads, as the forward's GEMM programs do.
 
 Work items, claimed from one ticket counter per logical rank in the global order A, B, Q
-(FP8W only), C, D (``PHASES``, a bit mask, skips kinds for profiling; 15 runs all):
+(FP8W only), C, D (``PHASES``, a bit mask, skips kinds for profiling; 15 runs all; ``QI``
+merges B and Q into one section, the Q items spread evenly among the B items):
     A  dgrad down, one per (row block b, DAT I tiles of DAC = BN/2 or BN columns):
        dA = dY @ W_down^T (``FP8DA``: FP8 tiles on the dY rows quantised at their home
        ranks, gathered from there, and W_down's e4m3 rows, row-wise scales); epilogue: SwiGLU
@@ -1015,7 +1016,7 @@ def mok_backward_kernel(
                                          FP8DX, gq, GQW, w1q_desc, ws1q_desc, sw1q_ptr,
                                          sws1q_ptr)
         elif vt < end_q:
-            if FP8W:  # Q items (none otherwise), largest group first
+            if FP8W:  # Q items (none otherwise), largest group first (QI: ascending)
                 if PHASES & 12:
                     i = vt - end_b
                     gq_i = i // NQ if QI else NG - 1 - i // NQ  # QI: ascending groups

@@ -626,7 +626,7 @@ TRACE_SCRIPT = COMMON + textwrap.dedent("""
         f8 = mk.quantize_backward_weights(cfg, W[1], W[3], W[0], W[2])
         sched = mk.build_schedule(ws, idx)
         y, saved = mk.forward_train(cfg, ws, sched, x, p, *W)
-        tr = torch.full((L, mk.trace_capacity(ws), 4), -1, dtype=torch.int64)
+        tr = torch.full((L, mk.backward_trace_capacity(ws), 4), -1, dtype=torch.int64)
         mk.backward(cfg, ws, saved, dy, *W, fp8_weights=f8, _trace=tr)
         mk.check_errors(ws)
         # items per kind from the module docstring: A per (block, I tile), B per (block,
@@ -697,7 +697,7 @@ ORDER_SCRIPT = COMMON + textwrap.dedent("""
                               topk=K, shared=shared, device="cpu", loopback_ranks=L)
         w8 = mk.quantize_backward_weights(cfg, W[1], W[3], W[0], W[2])
         y, saved = mk.forward_train(cfg, ws, mk.build_schedule(ws, idx), x, p, *W)
-        tr = torch.full((L, mk.trace_capacity(ws), 4), -1, dtype=torch.int64)
+        tr = torch.full((L, mk.backward_trace_capacity(ws), 4), -1, dtype=torch.int64)
         out.append(mk.backward(cfg, ws, saved, dy, *W, fp8_weights=w8, _trace=tr))
         mk.check_errors(ws)
         k0 = tr[0, :, 3]
