@@ -107,7 +107,8 @@ class MoKConfig:
         FP8 rows at home and do not wait for the pull: the weight-gradient items wait for
         every row block of their group instead (a count per group), so the pull overlaps
         the dA and dX items (with ``bwd_fp8_wgrad`` the pull items write the FP8 transposed
-        copies of x and dY). Not yet run on a GPU.
+        copies of x and dY). Slower than the separate pull in three of four FP8 scenarios
+        with 32 pulling programs (results/20261201-123141-h200-fp8-backward).
     bwd_direct_rows: the backward reads the dY and x rows of its GEMMs straight from the
         tokens' home ranks (peer memory) by row gathers inside the work items, as the forward's
         GEMM programs do without communication programs, instead of pulling them first into
@@ -119,8 +120,9 @@ class MoKConfig:
         With ``bwd_fused_pull`` the pull items then feed only the C and D items, which wait
         for their group's rows, so the pull overlaps the dA and dX items, as with
         ``bwd_fp8_da`` (whose dA items read dY's FP8 rows at home anyway). Not with
-        ``bwd_direct_rows``, ``bwd_fp8_da`` or ``bwd_pull_ahead``. Off by default: not yet
-        run on a GPU.
+        ``bwd_direct_rows``, ``bwd_fp8_da`` or ``bwd_pull_ahead``. Off by default: no faster
+        in the profiling script at Kimi K2.7 Code, alone or with the fused pull
+        (notes/mok-kernel.md).
     bwd_pull_dedup: the backward's separate pull fetches a token's x and dY rows from its
         home rank once per rank, for its first schedule row there, and a second pass copies
         them to the token's other rows from that local row: NVLink bytes of the
@@ -201,8 +203,9 @@ class MoKConfig:
     bwd_fp8_requant_tma: with ``bwd_fp8_dx``: the dA item that completes a row block reads
         its dG/dU rows for their requantisation (a max pass, then a quantising pass) as
         pipelined TMA copies instead of plain loads one chunk at a time: that item's work
-        sits on the dA items' time (about 1.7 ms of the FP8 backward at Kimi K2.7 Code, by
-        the profiling script's masks). The same bytes; off by default: not yet run on a GPU.
+        sits on the dA items' time. The same bytes; off by default: the profiling script at
+        Kimi K2.7 Code timed no gain (notes/mok-kernel.md), so those loads were not what the
+        dA items wait on.
     bwd_prefetch_ticket: the backward megakernel claims an item's next ticket when the item
         starts, so the atomic's round trip to L2 overlaps the item (the forward's
         ``prefetch_ticket``). The backward's items are short (20-30 us for the B, C and D
@@ -210,7 +213,7 @@ class MoKConfig:
         (the programs were busy 94% of the kernel's span there). Same gradients; off by
         default: not yet run on a GPU.
     bwd_q_interleave: with ``bwd_fp8_wgrad``: the weight gradients' quantisation (Q) items
-        are interleaved with the dX (B) items, one after every few B items, instead of a
+        are spread evenly among the dX (B) items (ascending groups) instead of a
         section of their own between B and the weight gradients: the item trace showed that
         section (2.7 ms of memory-bound work at Kimi K2.7 Code, every program in it) between
         two compute-bound ones. Q items still wait only for their group's dA items. Same
