@@ -78,6 +78,16 @@ class MoKConfig:
         two half-width tiles and two dots. The caller keeps the weights in that layout.
     prefetch_ticket: a compute program claims its next work item when the current one
         starts (one L2 atomic round trip per item off the critical path).
+    skew_down: the compute programs' ticket order puts the down items of minibatch m after
+        the gate+up items of minibatch m + 1 ([G0][G1][D0][G2][D1]...[D last]) instead of
+        right after their own ([G0][D0][G1][D1]...), so a program that claims a down item
+        finds its row block's gate+up items done or running for a while, instead of
+        waiting on items claimed just before it. Where a minibatch holds fewer gate+up items
+        than there are compute programs (e.g. Qwen3.5 at one H200: 66 items of four tiles
+        for 132 programs), half the down items otherwise wait most of a gate+up item's time
+        (the item trace of ``benchmarks/mok_backward_time.py --trace``). Deadlock free with
+        at least two ring slots: a gate+up item of minibatch m waits only on the down items
+        of minibatch m - slots (its ring slot), which come before it.
     compile_schedule: build the schedule through ``torch.compile`` (the same ops, fused into
         a few kernels instead of about fifty small launches; compiled once per shape).
     fused_sum: the router-weighted sum over k runs inside the megakernel: each down item
@@ -255,6 +265,7 @@ class MoKConfig:
     tma: bool = False
     gate_up_interleaved: bool = False
     prefetch_ticket: bool = False
+    skew_down: bool = False
     compile_schedule: bool = False
     fused_sum: bool = False
     bwd_wide_da: bool = False
@@ -313,6 +324,11 @@ class MoKConfig:
                self.gate_up_interleaved, "true | false")
         _check(isinstance(self.prefetch_ticket, bool), "prefetch_ticket", self.prefetch_ticket,
                "true | false")
+        _check(isinstance(self.skew_down, bool)
+               and not (self.skew_down and self.macrobatch < 2 * self.minibatch), "skew_down",
+               self.skew_down, "true | false; true needs macrobatch >= 2 x minibatch (two "
+               "ring slots: the gate+up items of the next minibatch come before the down "
+               "items that free a slot)")
         _check(isinstance(self.compile_schedule, bool), "compile_schedule",
                self.compile_schedule, "true | false")
         _check(isinstance(self.fused_sum, bool), "fused_sum", self.fused_sum, "true | false")

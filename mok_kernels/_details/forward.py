@@ -147,7 +147,8 @@ def kernel_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots: i
         SW1=sw1, SW2=sw2,
         F32_DOT=interpreting, TMA=cfg.tma,
         INTERLEAVED=cfg.gate_up_interleaved, PREFETCH=cfg.prefetch_ticket,
-        K=slots - int(shared), FUSED_SUM=cfg.fused_sum, SAVE_PRE=save_pre)
+        K=slots - int(shared), FUSED_SUM=cfg.fused_sum, SAVE_PRE=save_pre,
+        SKEW=cfg.skew_down)
 
 
 def forward_kernel_args(ws: Workspace, st: ScheduleTensors, w1: torch.Tensor,
@@ -228,11 +229,12 @@ def trace_args(trace: torch.Tensor | None, logical_ranks: int, rows: int) -> dic
 
 def forward_trace_capacity(ws: Workspace) -> int:
     """Tickets of the forward megakernel's compute items per logical rank, at most (every
-    minibatch full): the rows of a ``forward(_trace=...)`` buffer."""
+    minibatch full; ``skew_down``: one more minibatch's gate+up tickets): the rows of a
+    ``forward(_trace=...)`` buffer."""
     cfg = ws.config
-    per_mb = (cfg.minibatch // cfg.block_m) * (ws.I // (cfg.block_n // 2) // cfg.gate_up_tiles
-                                               + ws.H // cfg.block_n // cfg.down_tiles)
-    return -(-ws.P // cfg.minibatch) * per_mb
+    gate_up = (cfg.minibatch // cfg.block_m) * (ws.I // (cfg.block_n // 2) // cfg.gate_up_tiles)
+    per_mb = gate_up + (cfg.minibatch // cfg.block_m) * (ws.H // cfg.block_n // cfg.down_tiles)
+    return -(-ws.P // cfg.minibatch) * per_mb + (gate_up if cfg.skew_down else 0)
 
 
 def launch_megakernel(ws: Workspace, st: ScheduleTensors, w1: torch.Tensor, w2: torch.Tensor,

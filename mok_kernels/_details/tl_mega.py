@@ -19,7 +19,11 @@ Counters of one logical rank (int32, zeroed before the launch):
 
 Work order (deadlock freedom): compute programs claim tickets in the global order
 [gate+up tiles of minibatch 0][down tiles of 0][gate+up of 1][down of 1]...; a ticket waits only
-on dispatch (which waits only on combines of older minibatches) or on smaller tickets.
+on dispatch (which waits only on combines of older minibatches) or on smaller tickets. SKEW
+(``skew_down``): [gate+up of 0][gate+up of 1][down of 0][gate+up of 2][down of 1]...[down of
+the last]; a gate+up item of minibatch m waits (through its ring slot, directly or through
+dispatch and combine) on the down items of minibatch m - slots <= m - 2, still smaller
+tickets.
 Communication program c runs steps s = 0, 1, ...: dispatch minibatch s (after the combine of
 minibatch s - slots released its ring slot), then combine minibatch s - (slots - 1).
 With no communication programs (COMM = 0) the gate+up tiles gather their rows straight from
@@ -399,7 +403,7 @@ def _compute_loop(lr, src, grp, total, ring, hbuf, pre, outb, ctr, err, x_base, 
                   SW1: tl.constexpr, SW2: tl.constexpr, F32_DOT: tl.constexpr,
                   TMA: tl.constexpr, INTERLEAVED: tl.constexpr, PREFETCH: tl.constexpr,
                   FUSED_SUM: tl.constexpr, SAVE_PRE: tl.constexpr, trace=None, MAXT=0,
-                  lp=0, TRACE: tl.constexpr = False):
+                  lp=0, TRACE: tl.constexpr = False, SKEW: tl.constexpr = False):
     """Claim tickets until the work of this logical rank is done (or an error is set).
     TRACE (profiling only): each item writes (start, end) in global-timer nanoseconds,
     program ``lp`` and its kind (0 gate+up, 1 down) at its ticket in ``trace`` [MAXT, 4].
@@ -412,7 +416,9 @@ def _compute_loop(lr, src, grp, total, ring, hbuf, pre, outb, ctr, err, x_base, 
     N2: tl.constexpr = H // BN // DT  # down items (DT tiles each) per row block
     NBM: tl.constexpr = MB // BM
     PER_MB: tl.constexpr = NBM * (N1 + N2)
-    n_items = (total + MB - 1) // MB * PER_MB
+    NG1: tl.constexpr = NBM * N1  # gate+up items per minibatch
+    # SKEW: one more (empty) gate+up section, of the minibatch after the last
+    n_items = (total + MB - 1) // MB * PER_MB + (NG1 if SKEW else 0)
     ok = no_error(err)
     tk = tl.atomic_add(ctr, 1, sem="relaxed", scope="gpu")
     while (tk < n_items) & (ok != 0):
@@ -420,9 +426,19 @@ def _compute_loop(lr, src, grp, total, ring, hbuf, pre, outb, ctr, err, x_base, 
             t0 = globaltimer(tk, F32_DOT)
         if PREFETCH:
             tk_next = tl.atomic_add(ctr, 1, sem="relaxed", scope="gpu")
-        m = tk // PER_MB
-        i = tk % PER_MB
-        if i < NBM * N1:
+        if SKEW:  # [G 0] then per m: [G m + 1][D m] (G past the last: skipped below)
+            u = tl.maximum(tk - NG1, 0)
+            m = u // PER_MB
+            i = u % PER_MB
+            if tk < NG1:
+                m = 0
+                i = tk
+            elif i < NG1:
+                m = m + 1
+        else:
+            m = tk // PER_MB
+            i = tk % PER_MB
+        if i < NG1:
             b = m * NBM + i // N1
             if b * BM < total:
                 ok = _gate_up_item(m, b, i % N1, lr, src, grp, total, ring, hbuf, pre, ctr,
@@ -474,7 +490,7 @@ def mok_forward_kernel(
         INTERLEAVED: tl.constexpr, PREFETCH: tl.constexpr, K: tl.constexpr,
         FUSED_SUM: tl.constexpr, SAVE_PRE: tl.constexpr, DEDUP: tl.constexpr = False,
         first_ptr=None, tcache_ptr=None, tflag_ptr=None, rank0=0, NTOK=0, trace_ptr=None,
-        MAXT=0, TRACE: tl.constexpr = False):
+        MAXT=0, TRACE: tl.constexpr = False, SKEW: tl.constexpr = False):
     """One persistent program per SM. x_tab/comb_tab hold, for every EP rank r, the element
     offset of rank r's token / combine buffer from x_base / comb_base (peer memory). DEDUP
     (``dispatch_dedup``): ``first_ptr`` [L, P] each row's token's first row here,
@@ -513,7 +529,7 @@ def mok_forward_kernel(
                           S, K, COMM, HAS_SHARED, MB, BM, BN, BK, DT, GJ, QUANT, POW2, SW1,
                           SW2, F32_DOT, TMA, INTERLEAVED, PREFETCH, FUSED_SUM, SAVE_PRE,
                           trace_ptr + lr.to(tl.int64) * MAXT * 4 if TRACE else trace_ptr, MAXT,
-                          lp, TRACE)
+                          lp, TRACE, SKEW)
     else:
         _compute_loop(lr, src, grp, total, ring, hbuf, pre, outb, ctr, err, x_base, x_tab,
                       comb_base, comb_tab, w1_ptr, w2_ptr, ws1_ptr, ws2_ptr, sw1_ptr, sw2_ptr,
@@ -522,7 +538,7 @@ def mok_forward_kernel(
                       HAS_SHARED, MB, BM, BN, BK, DT, GJ, QUANT, POW2, SW1, SW2, F32_DOT, TMA,
                       INTERLEAVED, PREFETCH, FUSED_SUM, SAVE_PRE,
                       trace_ptr + lr.to(tl.int64) * MAXT * 4 if TRACE else trace_ptr, MAXT, lp,
-                      TRACE)
+                      TRACE, SKEW)
 
 
 @triton.jit

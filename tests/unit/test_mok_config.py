@@ -45,6 +45,8 @@ from mok_kernels import MoKConfig, MoKConfigError, plan
     ({"bwd_fp8_requant_tma": 1}, "bwd_fp8_requant_tma"),
     ({"bwd_fp8_requant_tma": True, "bwd_fp8_da": True}, "bwd_fp8_requant_tma"),
     ({"bwd_prefetch_ticket": 1}, "bwd_prefetch_ticket"),
+    ({"skew_down": 1}, "skew_down"),
+    ({"skew_down": True, "minibatch": 256, "macrobatch": 256}, "skew_down"),
     ({"bwd_q_interleave": "yes"}, "bwd_q_interleave"),
     ({"bwd_q_interleave": True, "bwd_fp8_dx": True}, "bwd_q_interleave"),
     ({"dispatch_dedup": True}, "dispatch_dedup"),

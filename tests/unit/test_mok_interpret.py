@@ -68,3 +68,67 @@ def test_forward_in_interpreter_matches_reference():
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("ok") == 24
+
+
+SKEW_SCRIPT = textwrap.dedent("""
+    import torch
+    import mok_kernels as mk
+
+    H, I = 64, 32
+    for L, T, E, K, shared, slots, fs in [(1, 40, 4, 2, True, 2, False),
+                                         (2, 29, 3, 2, False, 3, False),
+                                         (1, 40, 4, 2, True, 2, True)]:
+        torch.manual_seed(L + slots)
+        kw = dict(minibatch=32, macrobatch=32 * slots, block_m=16, block_n=32, block_k=16,
+                  num_warps=4, num_stages=1, spin_budget=1000, tma=True,
+                  gate_up_interleaved=True, fused_sum=fs)
+        x = torch.randn(L * T, H).bfloat16()
+        idx = torch.stack([torch.randperm(L * E)[:K] for _ in range(L * T)])
+        p = torch.softmax(torch.randn(L * T, K), 1)
+        w1 = mk.interleave_gate_up((torch.randn(L * E, H, 2 * I) * H ** -0.5).bfloat16())
+        w2 = (torch.randn(L * E, I, H) * I ** -0.5).bfloat16()
+        ws1 = mk.interleave_gate_up((torch.randn(H, 2 * I) * H ** -0.5).bfloat16()) if shared else None
+        ws2 = (torch.randn(I, H) * I ** -0.5).bfloat16() if shared else None
+        out = {}
+        for skew in (False, True):
+            cfg = mk.MoKConfig(skew_down=skew, **kw)
+            ws = mk.get_workspace(cfg, tokens=T, hidden=H, intermediate=I, local_experts=E,
+                                  topk=K, shared=shared, device="cpu", loopback_ranks=L)
+            sched = mk.build_schedule(ws, idx)
+            tr = torch.full((L, mk.forward_trace_capacity(ws), 4), -1, dtype=torch.int64)
+            y, _ = mk.forward_train(cfg, ws, sched, x, p, w1, w2, ws1, ws2, _trace=tr)
+            mk.check_errors(ws)
+            out[skew] = (y, tr)
+        assert torch.equal(out[True][0], out[False][0]), (L, slots, fs)
+        # the kinds in ticket order: G0 G1 D0 G2 D1 ... ; per minibatch n1 G and n2 D items
+        n1, n2 = 2 * (I // 16), 2 * (H // 32)
+        nmb = (sched.tensors.total_L + 31) // 32
+        for l in range(L):
+            n = int(nmb[l])
+            want = [0] * n1
+            for m in range(n):
+                want += [0] * n1 + [1] * n2
+            kinds = out[True][1][l, :, 3]
+            assert kinds[:len(want)].tolist() == want, (l, kinds[:len(want)].tolist())
+            assert (kinds[len(want):] < 0).all(), l
+            plain = out[False][1][l, :, 3]
+            assert (plain >= 0).sum() == n * (n1 + n2) and n >= 3, (l, n)
+        print("skew ok", L, slots, fs)
+    try:
+        mk.MoKConfig(minibatch=32, macrobatch=32, block_m=16, skew_down=True)
+    except mk.MoKConfigError as e:
+        assert "skew_down" in str(e) and "macrobatch" in str(e), e
+        print("refused")
+""")
+
+
+def test_skewed_down_items_in_interpreter_give_the_same_output_bitwise():
+    """``skew_down``: the tickets run [G0][G1][D0][G2][D1]...[D last] (the trace's kinds in
+    ticket order), the output bitwise the plain order's, with two and three ring slots and
+    with the fused sum; one ring slot is refused by name."""
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(repo))
+    out = subprocess.run([sys.executable, "-c", SKEW_SCRIPT], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("skew ok") == 3 and "refused" in out.stdout, out.stdout

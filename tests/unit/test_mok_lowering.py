@@ -54,6 +54,21 @@ def test_hopper_build_with_the_sum_inside():
     assert not lw.spills and not lw.mma_serialized, lw.ptxas_log
 
 
+@pytest.mark.parametrize("fp8", ["none", "rowwise_all"])
+def test_hopper_build_with_skewed_down_items(fp8):
+    """skew_down at the backend's defaults for 48 x 16384 (bf16: four tiles per item; FP8:
+    rowwise_all, one tile per item, 128-row blocks): the ticket decoding keeps the build free
+    of spills and serialised MMAs."""
+    from mokbench.mok_backend import fp8_config_fields
+
+    fields = {**default_config_fields(H, I, 16384, 8, 132, 1, 48),
+              **(fp8_config_fields(90, fp8) if fp8 != "none" else {}), "skew_down": True}
+    cfg = mk.MoKConfig.for_shape(H, I, **fields)
+    lw = mk.compile_megakernel(cfg, H, I)
+    assert lw.shared_bytes <= SMEM_LIMIT
+    assert not lw.spills and not lw.mma_serialized, lw.ptxas_log
+
+
 def test_blackwell_build_of_the_defaults():
     cfg = _defaults(2, arch=100)
     assert (cfg.gate_up_tiles, cfg.down_tiles) == (1, 1)  # the tile rule is Hopper's
