@@ -87,7 +87,8 @@ SKEW_SCRIPT = textwrap.dedent("""
         p = torch.softmax(torch.randn(L * T, K), 1)
         w1 = mk.interleave_gate_up((torch.randn(L * E, H, 2 * I) * H ** -0.5).bfloat16())
         w2 = (torch.randn(L * E, I, H) * I ** -0.5).bfloat16()
-        ws1 = mk.interleave_gate_up((torch.randn(H, 2 * I) * H ** -0.5).bfloat16()) if shared else None
+        ws1 = (mk.interleave_gate_up((torch.randn(H, 2 * I) * H ** -0.5).bfloat16())
+               if shared else None)
         ws2 = (torch.randn(I, H) * I ** -0.5).bfloat16() if shared else None
         out = {}
         for skew in (False, True):
