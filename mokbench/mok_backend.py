@@ -115,7 +115,12 @@ def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int
     4.612 / 26.376 / 14.293 / 14.051 without, at Qwen3.5, Kimi K2.7 Code, DeepSeek-V4-Pro
     uniform and rank_local; the forward's ``dispatch_dedup`` stays off (slower in every cell
     of those runs). Its schedule work (a token's first row, a min over its slots) is in the
-    forward; the forward with ``bwd_pull_dedup`` alone has not been timed apart.
+    forward; the forward with ``bwd_pull_dedup`` alone has not been timed apart. The
+    forward's down items come after the next minibatch's gate+up items (``skew_down``) on
+    Hopper: at Qwen3.5 64 x 16384 with the shared expert on one H200, where a minibatch holds
+    66 gate+up items for 132 programs, the profiling script timed the bf16 training forward
+    at 8.247 ms against 10.839 (inference 7.778 against 10.706; notes/mok-kernel.md);
+    unmeasured on Blackwell.
 
     Why: each measured faster on H200 than its alternatives, and the tile rule keeps to where
     it was measured (notes/mok-kernel.md, "Why the mok backend's defaults are what they
@@ -132,7 +137,7 @@ def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int
             "tma": True, "gate_up_interleaved": True, "num_stages": 4,
             "compile_schedule": True, "gate_up_tiles": tiles, "down_tiles": tiles,
             "bwd_dx_tma": arch < 100, "bwd_wide_da": arch < 100,
-            "bwd_pull_dedup": world_size > 1}
+            "bwd_pull_dedup": world_size > 1, "skew_down": arch < 100}
 
 
 def graph_option(options: dict | None = None) -> bool:
@@ -172,7 +177,8 @@ def config_from_env(hidden: int, intermediate: int, defaults: dict,
     """MoKConfig from shape defaults, then $MOKBENCH_MOK_CONFIG, then the backend label's
     options (``mok@minibatch=2048``); a minibatch without a macrobatch gets 3 ring slots, and
     a knob that replaces the backward's separate pull (``_NO_SEPARATE_PULL``) turns off the
-    defaults that need it unless they are asked for too (then the conflict is the error)."""
+    defaults that need it unless they are asked for too (then the conflict is the error), and
+    one ring slot (macrobatch = minibatch) turns off the default ``skew_down`` the same way."""
     from mok_kernels import MoKConfig
 
     fields = dict(defaults)
@@ -188,6 +194,8 @@ def config_from_env(hidden: int, intermediate: int, defaults: dict,
     if "minibatch" in over and "macrobatch" not in over:
         fields["macrobatch"] = 3 * over["minibatch"]
     fields.update(over)
+    if "skew_down" not in over and fields["macrobatch"] < 2 * fields["minibatch"]:
+        fields["skew_down"] = False  # one ring slot asked for: the default order needs two
     return MoKConfig.for_shape(hidden, intermediate, **fields)
 
 

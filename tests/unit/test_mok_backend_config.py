@@ -42,6 +42,20 @@ def test_defaults_follow_two_waves_and_cap_at_rows():
     # the backward's pull fetches a token's rows once per rank on several ranks only
     assert big["bwd_pull_dedup"] is False
     assert default_config_fields(7168, 2048, 8192, 8, 132, world_size=2)["bwd_pull_dedup"]
+    # the down items after the next minibatch's gate+up items on Hopper only
+    assert big["skew_down"] is True and bw["skew_down"] is False
+
+
+def test_one_ring_slot_turns_off_the_default_skew_unless_asked_for():
+    """``skew_down`` needs two ring slots: a variant asking for one (macrobatch = minibatch)
+    turns the default off; asking for both is the one-line error naming the knob."""
+    d = default_config_fields(2048, 512, 8192, 8, 132, local_experts=8)
+    cfg = config_from_env(2048, 512, d, {"minibatch": 1024, "macrobatch": 1024})
+    assert cfg.skew_down is False and cfg.ring_slots == 1
+    assert config_from_env(2048, 512, d, {"minibatch": 1024}).skew_down is True
+    with pytest.raises(MoKConfigError, match="skew_down"):
+        config_from_env(2048, 512, d, {"minibatch": 1024, "macrobatch": 1024,
+                                       "skew_down": True})
 
 
 def test_a_pull_knob_turns_off_the_defaults_that_need_the_separate_pull(monkeypatch):
