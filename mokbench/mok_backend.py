@@ -117,10 +117,11 @@ def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int
     of those runs). Its schedule work (a token's first row, a min over its slots) is in the
     forward; the forward with ``bwd_pull_dedup`` alone has not been timed apart. The
     forward's down items come after the next minibatch's gate+up items (``skew_down``) on
-    Hopper: at Qwen3.5 64 x 16384 with the shared expert on one H200, where a minibatch holds
-    66 gate+up items for 132 programs, the profiling script timed the bf16 training forward
-    at 8.247 ms against 10.839 (inference 7.778 against 10.706; notes/mok-kernel.md);
-    unmeasured on Blackwell.
+    one Hopper rank: at Qwen3.5 64 x 16384 with the shared expert on one H200, where a
+    minibatch holds 66 gate+up items for 132 programs, the profiling script timed the bf16
+    training forward at 8.247 ms against 10.839 (inference 7.778 against 10.706;
+    notes/mok-kernel.md); unmeasured with communication programs (EP > 1), where gate+up
+    items claimed earlier may wait on dispatch instead, and on Blackwell.
 
     Why: each measured faster on H200 than its alternatives, and the tile rule keeps to where
     it was measured (notes/mok-kernel.md, "Why the mok backend's defaults are what they
@@ -137,7 +138,7 @@ def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int
             "tma": True, "gate_up_interleaved": True, "num_stages": 4,
             "compile_schedule": True, "gate_up_tiles": tiles, "down_tiles": tiles,
             "bwd_dx_tma": arch < 100, "bwd_wide_da": arch < 100,
-            "bwd_pull_dedup": world_size > 1, "skew_down": arch < 100}
+            "bwd_pull_dedup": world_size > 1, "skew_down": arch < 100 and world_size == 1}
 
 
 def graph_option(options: dict | None = None) -> bool:

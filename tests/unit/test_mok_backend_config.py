@@ -42,8 +42,9 @@ def test_defaults_follow_two_waves_and_cap_at_rows():
     # the backward's pull fetches a token's rows once per rank on several ranks only
     assert big["bwd_pull_dedup"] is False
     assert default_config_fields(7168, 2048, 8192, 8, 132, world_size=2)["bwd_pull_dedup"]
-    # the down items after the next minibatch's gate+up items on Hopper only
+    # the down items after the next minibatch's gate+up items on one Hopper rank only
     assert big["skew_down"] is True and bw["skew_down"] is False
+    assert default_config_fields(7168, 2048, 8192, 8, 132, world_size=2)["skew_down"] is False
 
 
 def test_one_ring_slot_turns_off_the_default_skew_unless_asked_for():
