@@ -303,7 +303,7 @@ class MoKBackend(BackendBase):
         c = self.config
         self.variant = (f"comm_sms={c.fwd_comm_sms},minibatch={c.minibatch},"
                         f"macrobatch={c.macrobatch},graph={int(self.graphed is not None)},"
-                        f"tma={int(c.tma)},down_tiles={c.down_tiles},"
+                        f"tma={int(c.tma)},down_tiles={mok_kernels.down_tiles(c, s.hidden)},"
                         f"gate_up_tiles={mok_kernels.gate_up_tiles(c, s.intermediate)},"
                         f"num_stages={c.num_stages},"
                         f"interleaved={int(c.gate_up_interleaved)},"

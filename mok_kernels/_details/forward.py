@@ -128,6 +128,12 @@ def gate_up_tiles(cfg: MoKConfig, intermediate: int) -> int:
     return cfg.gate_up_tiles if tiles % cfg.gate_up_tiles == 0 else 1
 
 
+def down_tiles(cfg: MoKConfig, hidden: int) -> int:
+    """Down column tiles per work item: ``down_tiles`` where it divides the row block's
+    H / block_n tiles (else 1)."""
+    return cfg.down_tiles if (hidden // cfg.block_n) % cfg.down_tiles == 0 else 1
+
+
 def kernel_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots: int,
                      shared: bool, programs: int, comm: int, interpreting: bool = False,
                      save_pre: bool = False) -> dict:
@@ -141,7 +147,7 @@ def kernel_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots: i
         H=H, I=I, XW=fp8_row_elements(H, cfg.quant), S=slots, PROGS=programs, COMM=comm,
         HAS_SHARED=shared,
         MB=cfg.minibatch, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
-        DT=cfg.down_tiles if (H // cfg.block_n) % cfg.down_tiles == 0 else 1,
+        DT=down_tiles(cfg, H),
         GJ=gate_up_tiles(cfg, I),
         CR=max(1, 4096 // ch), CH=ch, QUANT=cfg.quant, POW2=cfg.fp8_pow2_scales,
         SW1=sw1, SW2=sw2,
@@ -229,11 +235,13 @@ def trace_args(trace: torch.Tensor | None, logical_ranks: int, rows: int) -> dic
 
 def forward_trace_capacity(ws: Workspace) -> int:
     """Tickets of the forward megakernel's compute items per logical rank, at most (every
-    minibatch full; ``skew_down``: one more minibatch's gate+up tickets): the rows of a
-    ``forward(_trace=...)`` buffer."""
+    minibatch full; ``skew_down``: one more minibatch's gate+up tickets; tiles per item as
+    the kernel runs them, after their fallback to 1): the rows of a ``forward(_trace=...)``
+    buffer."""
     cfg = ws.config
-    gate_up = (cfg.minibatch // cfg.block_m) * (ws.I // (cfg.block_n // 2) // cfg.gate_up_tiles)
-    per_mb = gate_up + (cfg.minibatch // cfg.block_m) * (ws.H // cfg.block_n // cfg.down_tiles)
+    blocks = cfg.minibatch // cfg.block_m
+    gate_up = blocks * (ws.I // (cfg.block_n // 2) // gate_up_tiles(cfg, ws.I))
+    per_mb = gate_up + blocks * (ws.H // cfg.block_n // down_tiles(cfg, ws.H))
     return -(-ws.P // cfg.minibatch) * per_mb + (gate_up if cfg.skew_down else 0)
 
 

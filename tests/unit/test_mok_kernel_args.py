@@ -67,3 +67,20 @@ def test_an_argument_without_a_triton_type_is_an_error():
     args = dict(kernel_args(_cfg(), H, I), T=1.5)
     with pytest.raises(TypeError, match="T: no Triton type for float"):
         signature(mok_forward_kernel, args)
+
+
+@pytest.mark.parametrize("skew", [False, True])
+def test_forward_trace_capacity_counts_the_tiles_the_kernel_runs(skew):
+    """``forward_trace_capacity``: per minibatch, its row blocks' gate+up and down items with
+    the tiles per item the kernel runs (4 down tiles do not divide H / block_n = 6 here, so
+    one per item; 4 gate+up tiles divide 2I / block_n = 4), ``skew_down``: one more
+    minibatch's gate+up items."""
+    h, i = 1536, 512  # 6 down tiles, 4 gate+up tiles of block_n 256
+    cfg = mk.MoKConfig.for_shape(h, i, minibatch=256, macrobatch=768, down_tiles=4,
+                                 gate_up_tiles=4, skew_down=skew)
+    assert (mk.down_tiles(cfg, h), mk.gate_up_tiles(cfg, i)) == (1, 4)
+    ws = mk.get_workspace(cfg, tokens=100, hidden=h, intermediate=i, local_experts=4, topk=2,
+                          shared=False, device="cpu")
+    minibatches = -(-ws.P // 256)
+    per_mb = 2 * (1 + 6)  # two row blocks of 128: one gate+up item and six down items each
+    assert mk.forward_trace_capacity(ws) == minibatches * per_mb + (2 if skew else 0)
