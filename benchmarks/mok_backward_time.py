@@ -4,6 +4,7 @@ training forward and backward at one shape (``mokbench.timing``: CUDA events, me
 tuning; the numbers that go into tables come from ``mokbench sweep``.
 
     python benchmarks/mok_backward_time.py --experts 48 --tokens 16384 [--shared]
+        [--passes inference,forward_train]   # forward only: no backward compile or timing
 """
 
 from __future__ import annotations
@@ -28,11 +29,19 @@ def main() -> None:
                     "masks without 1 end at their first wait; profiling only)")
     ap.add_argument("--profile", action="store_true",
                     help="also print each kernel's device time over 3 backwards (torch.profiler)")
+    ap.add_argument("--passes", default="inference,forward_train,backward",
+                    help="comma-separated passes to time (a forward-only look skips the "
+                    "backward's compile and timing)")
     ap.add_argument("--trace", default="", metavar="PREFIX",
                     help="also trace the megakernels' items in one training forward and its "
                     "backward (after the timed ones): a table per item kind, "
                     "PREFIX-{forward,backward}.csv (every item) and .png (timeline)")
     a = ap.parse_args()
+    passes = [p for p in a.passes.split(",") if p]
+    bad = sorted(set(passes) - {"inference", "forward_train", "backward"})
+    if bad or not passes:
+        ap.error(f"--passes: got {a.passes!r}; allowed a comma-separated subset of "
+                 "inference, forward_train, backward")
     H, I, E, T, K = a.hidden, a.intermediate, a.experts, a.tokens, a.topk
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -71,10 +80,11 @@ def main() -> None:
         return cuda_ms(body, prepare, warmup=a.warmup, iters=a.iters)
 
     fwd_flops = 6.0 * (T * K + (T if a.shared else 0)) * H * I
-    res = {"inference": timed(infer), "forward_train": timed(train),
-           "backward": timed(back, pre_train)}
+    bodies = {"inference": (infer, None), "forward_train": (train, None),
+              "backward": (back, pre_train)}
+    res = {name: timed(*bodies[name]) for name in passes}
     mk.check_errors(ws)
-    for ph in filter(None, a.phases.split(",")):
+    for ph in filter(None, a.phases.split(",") if "backward" in passes else []):
         res[f"backward[{ph}]"] = timed(
             lambda m=int(ph): back(m), pre_train)
     if a.profile:
