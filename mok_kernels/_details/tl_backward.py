@@ -72,7 +72,7 @@ from mok_kernels._details.tl_gemm import mma
 from mok_kernels._details.tl_gemm_fp8 import _dot8, fp8_row_views, fp8_tile
 from mok_kernels._details.tl_mega import _slot_rows, _weight_desc
 from mok_kernels._details.tl_quant import e4m3_scales, finite_amax, to_e4m3, to_f32
-from mok_kernels._details.tl_sync import globaltimer, no_error, wait_geq
+from mok_kernels._details.tl_sync import globaltimer, no_error, record_item, wait_geq
 
 # The error codes of errors.py, as constexprs for the kernel.
 _E_DGRAD_ROWBLOCK: tl.constexpr = tl.constexpr(errors.ERR_WAIT_DGRAD_ROWBLOCK)
@@ -1047,15 +1047,10 @@ def mok_backward_kernel(
                                          x_base, x_tab, DIRECT, xgrp, XWD, FP8W, qready,
                                          NQ, xqT_desc, gqT_desc, srg, gxam_ptr, POW2)
         if TRACE:
-            t1 = globaltimer(tk, F32_DOT)
             kind = tl.where(vt < end_a, 0, tl.where(vt < end_b, 1, tl.where(
                 vt < end_q, 2, tl.where(vt < end_c, 3, 4))))
-            if tk < MAXT:
-                rec = trace_ptr + (lr.to(tl.int64) * MAXT + tk) * 4
-                tl.store(rec, t0)
-                tl.store(rec + 1, t1)
-                tl.store(rec + 2, (pid - lr * PROGS).to(tl.int64))
-                tl.store(rec + 3, kind.to(tl.int64))
+            record_item(trace_ptr + lr.to(tl.int64) * MAXT * 4, tk, MAXT, t0,
+                        globaltimer(tk, F32_DOT), pid - lr * PROGS, kind)
         if PFT:
             tk = tk_next
         else:

@@ -43,7 +43,14 @@ from mok_kernels._details.tl_gemm_fp8 import (
     gate_up_fp8_tiles,
     requant_whole_rows,
 )
-from mok_kernels._details.tl_sync import globaltimer, no_error, record_error, signal, wait_geq
+from mok_kernels._details.tl_sync import (
+    globaltimer,
+    no_error,
+    record_error,
+    record_item,
+    signal,
+    wait_geq,
+)
 
 # The error codes of errors.py, as constexprs for the kernel.
 _E_RING_FREE: tl.constexpr = tl.constexpr(errors.ERR_WAIT_RING_FREE)
@@ -447,7 +454,7 @@ def _compute_loop(lr, src, grp, total, ring, hbuf, pre, outb, ctr, err, x_base, 
                                    COMM, HAS_SHARED, MB, BM, BN, BK, GJ, QUANT, POW2, SW1,
                                    F32_DOT, TMA, INTERLEAVED, SAVE_PRE)
         else:
-            i2 = i - NBM * N1
+            i2 = i - NG1
             b = m * NBM + i2 // N2
             if b * BM < total:
                 ok = _down_item(m, b, i2 % N2, lr, src, grp, hbuf, outb, ctr, err, comb_base,
@@ -456,13 +463,7 @@ def _compute_loop(lr, src, grp, total, ring, hbuf, pre, outb, ctr, err, x_base, 
                                 COMM, HAS_SHARED, BM, BN, BK, DT, QUANT, SW2, F32_DOT, TMA,
                                 FUSED_SUM)
         if TRACE:
-            t1 = globaltimer(tk, F32_DOT)
-            if tk < MAXT:
-                rec = trace + tk.to(tl.int64) * 4
-                tl.store(rec, t0)
-                tl.store(rec + 1, t1)
-                tl.store(rec + 2, lp.to(tl.int64))
-                tl.store(rec + 3, (i >= NBM * N1).to(tl.int64))
+            record_item(trace, tk, MAXT, t0, globaltimer(tk, F32_DOT), lp, i >= NG1)
         if PREFETCH:
             tk = tk_next
         else:

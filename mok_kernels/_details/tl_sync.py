@@ -79,3 +79,16 @@ def globaltimer(v, SKIP: tl.constexpr):
         return v.to(tl.int64) * 0
     return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [v], dtype=tl.int64,
                                      is_pure=False, pack=1)
+
+
+@triton.jit
+def record_item(trace, tk, MAXT, t0, t1, program, kind):
+    """One item of a megakernel's trace (profiling only): (start ns, end ns, program, kind)
+    as int64 at row ``tk`` of ``trace`` [MAXT, 4] (this logical rank's rows); tickets past
+    MAXT are not written."""
+    if tk < MAXT:
+        rec = trace + tk.to(tl.int64) * 4
+        tl.store(rec, t0)
+        tl.store(rec + 1, t1)
+        tl.store(rec + 2, program.to(tl.int64))
+        tl.store(rec + 3, kind.to(tl.int64))
