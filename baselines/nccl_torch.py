@@ -91,18 +91,42 @@ class NcclTorchBackend(BackendBase):
         return canonical_grads(self.params)
 
 
+# torch.compile's modes (``torch.compile(mode=...)``).
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def compile_mode(options: dict, is_cuda: bool) -> str:
+    """The compiled baseline's mode: the variant's ``mode`` option
+    (``nccl_torch_compile@mode=default``), else $MOKBENCH_COMPILE_MODE, else
+    max-autotune-no-cudagraphs on GPUs (the token counts change every step, so CUDA graphs
+    would re-record) and default on CPU. Its autotuning can take longer than a sweep's cell
+    limit at large expert counts (over 300 s per cell on one H200 at 48 experts x 16384 tokens,
+    results/20261201-165800-h200-bf16-train), hence the option for a sweep file."""
+    mode = options.get("mode") or os.environ.get("MOKBENCH_COMPILE_MODE") or (
+        "max-autotune-no-cudagraphs" if is_cuda else "default")
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"mode={mode!r} is invalid: allowed {' | '.join(COMPILE_MODES)}")
+    return mode
+
+
 class NcclTorchCompileBackend(NcclTorchBackend):
     """The same layer under torch.compile, as its users run it (graph breaks at the host-side
-    split sizes). Mode from $MOKBENCH_COMPILE_MODE (default max-autotune-no-cudagraphs: the
-    token counts change every step, so CUDA graphs would re-record). The mode is the row's
-    variant (``mode=...``), so runs made in different modes are told apart."""
+    split sizes), in the mode of ``compile_mode``. The mode is the row's variant
+    (``mode=...``), so runs made in different modes are told apart."""
 
     name = "nccl_torch_compile"
     capabilities = Capabilities(notes="torch.compile of nccl_torch; compiled before timing")
 
+    def validate_options(self, scenario, options: dict) -> None:
+        """One option, ``mode`` (one of ``COMPILE_MODES``); a one-line error otherwise."""
+        for key in options:
+            if key != "mode":
+                raise ValueError(f"option {key!r} is unknown: allowed mode "
+                                 f"({' | '.join(COMPILE_MODES)})")
+        compile_mode(options, False)
+
     def setup(self, scenario, ctx, weights) -> None:
         super().setup(scenario, ctx, weights)
-        mode = os.environ.get("MOKBENCH_COMPILE_MODE",
-                              "max-autotune-no-cudagraphs" if ctx.is_cuda else "default")
+        mode = compile_mode(ctx.extra.get("options", {}), ctx.is_cuda)
         self._fn = torch.compile(moe_alltoall_forward, mode=mode, dynamic=True)
         self.variant = f"mode={mode}"

@@ -65,3 +65,33 @@ def test_compile_mode_is_the_compiled_backends_variant(monkeypatch, env, mode):
     b.setup(scn, RunContext(device=torch.device("cpu")),
             make_weights(scn, 0, torch.device("cpu")))
     assert b.variant == f"mode={mode}"  # CPU default: "default"
+
+
+def test_compile_mode_option_names_the_variant_over_the_environment(monkeypatch):
+    import torch
+
+    from mokbench.inputs import make_weights
+
+    monkeypatch.setenv("MOKBENCH_COMPILE_MODE", "max-autotune")
+    scn = Scenario(preset("tiny"), 32, 1)
+    b = get_backend("nccl_torch_compile@mode=default")
+    ctx = RunContext(device=torch.device("cpu"))
+    ctx.extra["options"] = {"mode": "default"}
+    b.setup(scn, ctx, make_weights(scn, 0, torch.device("cpu")))
+    assert b.variant == "mode=default"
+
+
+@pytest.mark.parametrize("label, words", [
+    ("nccl_torch_compile@mode=fast", ["mode='fast' is invalid", "max-autotune-no-cudagraphs"]),
+    ("nccl_torch_compile@modes=default", ["option 'modes' is unknown", "allowed mode"]),
+])
+def test_compile_options_are_checked_before_launch(label, words):
+    from mokbench.sweep import validate_backend_options
+
+    with pytest.raises(ScenarioError) as err:
+        validate_backend_options(label, Scenario(preset("tiny"), 32, 1))
+    msg = str(err.value)
+    assert "\n" not in msg and label in msg
+    assert all(w in msg for w in words), msg
+    validate_backend_options("nccl_torch_compile@mode=reduce-overhead",
+                             Scenario(preset("tiny"), 32, 1))
