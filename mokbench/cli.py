@@ -111,7 +111,9 @@ def sweep(
 
 def _run_sweep_stoppable(sweep_file: Path | None, **kwargs) -> Path | None:
     """``runner.run_sweep`` with Ctrl-C and SIGTERM handled: the running cell is stopped,
-    finished rows stay, the message says how to resume; exit 130 (Ctrl-C) or 143 (SIGTERM)."""
+    finished rows stay, and (on node 0) the run's tables, report.md and charts are made of
+    them, so a sweep stopped by a time limit still leaves its report; the message names the
+    folder to resume; exit 130 (Ctrl-C) or 143 (SIGTERM). A second stop skips the report."""
     from mokbench.cellpool import SweepStopped, stop_on_sigterm
     from mokbench.runner import run_sweep
 
@@ -119,10 +121,20 @@ def _run_sweep_stoppable(sweep_file: Path | None, **kwargs) -> Path | None:
         with stop_on_sigterm():
             return run_sweep(sweep_file, **kwargs)
     except KeyboardInterrupt as stop:
+        code = 143 if isinstance(stop, SweepStopped) else 130
+        run_dir = getattr(stop, "run_dir", None)
         console.print(f"[yellow]interrupted[/yellow]{f' by {stop}' if str(stop) else ''}: the "
                       "running cell was stopped, finished rows are kept; complete the run "
-                      "with [bold]mokbench sweep --resume RUN_DIR[/bold]")
-        raise typer.Exit(143 if isinstance(stop, SweepStopped) else 130) from None
+                      f"with [bold]mokbench sweep --resume {run_dir or 'RUN_DIR'}[/bold]",
+                      soft_wrap=True)
+        if (run_dir is not None and kwargs.get("node_rank", 0) == 0
+                and (run_dir / "rows.jsonl").exists()):
+            try:
+                with stop_on_sigterm():
+                    _print_report(run_dir, finish=True)
+            except KeyboardInterrupt:
+                console.print("[yellow]report skipped[/yellow]")
+        raise typer.Exit(code) from None
 
 
 @app.command()

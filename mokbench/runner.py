@@ -181,6 +181,17 @@ def run_sweep(sweep_file: Path | None, *, data: dict | None = None, backends=Non
     runner = CellRunner(run_dir, run_id, opts, sw.env)
     console.print(f"run [bold]{run_id}[/bold]: {len(todo)} cells to run"
                   + (f" ({len(done)} already finished)" if done else ""))
+    try:
+        _run_cells(runner, todo, opts, console)
+    except KeyboardInterrupt as stop:  # the caller reports the finished rows of this folder
+        stop.run_dir = run_dir
+        raise
+    return run_dir
+
+
+def _run_cells(runner: CellRunner, todo: list, opts: LaunchOptions, console: Console) -> None:
+    """Run the cells ``todo`` ((index, cell) pairs) one by one or ``opts.parallel`` at once,
+    printing each row as it lands, under a progress bar."""
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console, transient=False) as progress:
         task = progress.add_task("sweep", total=len(todo))
@@ -207,7 +218,6 @@ def run_sweep(sweep_file: Path | None, *, data: dict | None = None, backends=Non
                 finished(cell, runner.run(cell, index))
         else:
             run_parallel(runner, todo, opts, started, finished)
-    return run_dir
 
 
 def print_dry_run(sw: Sweep, opts: LaunchOptions, console: Console) -> None:

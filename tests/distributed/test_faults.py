@@ -106,11 +106,14 @@ def test_ctrl_c_then_resume(tmp_path, sig, code):
     proc.send_signal(sig)
     text = proc.communicate(timeout=60)[0]
     assert proc.returncode == code, text
-    assert "--resume" in text
     run_dir = only_run_dir(out)
+    assert f"--resume {run_dir}" in " ".join(text.split()), text
     assert not _processes_naming(str(run_dir / "cells")), "the stopped cell left processes"
     first = read_rows(run_dir / "rows.jsonl")
     assert [r["backend"] for r in first] == ["nccl_torch"] * 3
+    stopped_md = (run_dir / "report.md").read_text()  # the finished rows' report, at the stop
+    assert "| nccl_torch |" in " ".join(stopped_md.split()) and "## Not run" in stopped_md
+    assert "fault_hang" in stopped_md.split("## Not run", 1)[1]
 
     r = mokbench("sweep", "--resume", str(run_dir), "--device", "cpu", "--timeout-s", "20",
                  "--backends", "nccl_torch,fault_hang", env={"MOKBENCH_GIT_SHA": "b" * 40})
