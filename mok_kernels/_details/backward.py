@@ -492,7 +492,8 @@ def backward_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots:
                 PULLG=pulls_per_group(cfg), XWD=cfg.bwd_pull_ahead > 0 or pulls_per_group(cfg),
                 PBR=min(wgrad_rows(cfg), cfg.bwd_bm), PCH=min(128, _row_chunk(hidden)),
                 QBM=cfg.bwd_fp8_block_colmax, RQT=cfg.bwd_fp8_requant_tma,
-                PFT=cfg.bwd_prefetch_ticket, QI=cfg.bwd_q_interleave)
+                PFT=cfg.bwd_prefetch_ticket, QI=cfg.bwd_q_interleave,
+                DXBAND=cfg.bwd_dx_band, CHM=cfg.bwd_dw_down_h_major)
 
 
 def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tensor,

@@ -228,6 +228,20 @@ class MoKConfig:
         section (2.7 ms of memory-bound work at Kimi K2.7 Code, every program in it) between
         two compute-bound ones. Q items still wait only for their group's dA items. Same
         gradients; off by default: not yet run on a GPU.
+    bwd_dx_band: the order of the backward's dX (B) items: 0 or 1 row block by row block
+        (a row block's H tiles one after another); G > 1 in bands of G row blocks, inside a
+        band the H tiles outer and the row blocks inner (the last band may hold fewer). The
+        items that run at once then read fewer W_gate_up column tiles: row-block-major at
+        Kimi K2 48 x 16384, the 132 items in flight span about 5 row blocks and all 28 of an
+        expert's W_gate_up tiles (58 MB, beyond the H200's 50 MB L2); in bands of 16 about 8
+        tiles (16 MB) and 16 row blocks of dG/dU (16 MB). The same items, so the same
+        gradients; a B item waits only on its row block's A items, all of which come earlier.
+        Not with bwd_pull_ahead (its x pull items sit between the row blocks' B items). 0 by
+        default: not yet run on a GPU.
+    bwd_dw_down_h_major: the backward's dW_down (C) items of a group in H-tile-major order
+        (the I tiles inner) instead of I-tile-major: the items in flight then read fewer dY
+        column tiles and all of the group's r h (at Kimi K2 48 x 16384 about 23 MB against
+        42 MB). Same gradients; off by default: not yet run on a GPU.
     bwd_fp8_block_k: the reduction step of the backward's FP8 items (with bwd_fp8_da,
         bwd_fp8_dx or bwd_fp8_wgrad): 64 (the bf16 items' step, 128 bytes of bf16 per row)
         or 128 (128 bytes of e4m3 per row, the FP8 forward's block_k: half the K-loop
@@ -287,6 +301,8 @@ class MoKConfig:
     bwd_fp8_requant_tma: bool = False
     bwd_prefetch_ticket: bool = False
     bwd_q_interleave: bool = False
+    bwd_dx_band: int = 0
+    bwd_dw_down_h_major: bool = False
     fp8: str = "none"
     fp8_pow2_scales: bool = False
 
@@ -395,6 +411,14 @@ class MoKConfig:
         _check(not self.bwd_q_interleave or self.bwd_fp8_wgrad, "bwd_q_interleave",
                self.bwd_q_interleave,
                "false unless bwd_fp8_wgrad is set (only the FP8 weight gradients have Q items)")
+        _check(isinstance(self.bwd_dx_band, int) and not isinstance(self.bwd_dx_band, bool)
+               and 0 <= self.bwd_dx_band <= 1024, "bwd_dx_band", self.bwd_dx_band,
+               "an integer in 0..1024 (0 or 1 = row block by row block)")
+        _check(self.bwd_dx_band <= 1 or not self.bwd_pull_ahead, "bwd_dx_band",
+               self.bwd_dx_band, "0 or 1 when bwd_pull_ahead is set (its pull items sit "
+               "between the row blocks' dX items)")
+        _check(isinstance(self.bwd_dw_down_h_major, bool), "bwd_dw_down_h_major",
+               self.bwd_dw_down_h_major, "true | false")
         _check(isinstance(self.bwd_fp8_requant_tma, bool), "bwd_fp8_requant_tma",
                self.bwd_fp8_requant_tma, "true | false")
         _check(not self.bwd_fp8_requant_tma or self.bwd_fp8_dx, "bwd_fp8_requant_tma",

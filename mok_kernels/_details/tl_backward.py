@@ -802,6 +802,17 @@ def _wgrad_gate_up_item(g, it, jn, lr, gst, total, P, pre_d_desc, xg_d_desc, ctr
 
 
 @triton.jit
+def _banded(i, nb, NB: tl.constexpr, G: tl.constexpr):
+    """(row block, tile) of item i of a section over nb row blocks of NB tiles each, in
+    bands of G row blocks (the last band holds what is left): inside a band the tiles run
+    outer and the band's row blocks inner (``bwd_dx_band``)."""
+    band = i // (G * NB)
+    rows = tl.minimum(G, nb - band * G)
+    w = i - band * (G * NB)
+    return band * G + w % rows, w // rows
+
+
+@triton.jit
 def mok_backward_kernel(
         p_base, drp_base, tab32,  # router weights, router-gradient partials; [R] fp32 offsets
         comb_base, comb_tab,  # dX slots [T, S, H] per rank (peer memory)
@@ -832,7 +843,8 @@ def mok_backward_kernel(
         PCH: tl.constexpr = 128, bmax_ptr=None, QBM: tl.constexpr = False,
         DIRA: tl.constexpr = False, XWD: tl.constexpr = False, RQT: tl.constexpr = False,
         hs_a_desc=None, trace_ptr=None, MAXT=0, TRACE: tl.constexpr = False,
-        PFT: tl.constexpr = False, QI: tl.constexpr = False):
+        PFT: tl.constexpr = False, QI: tl.constexpr = False, DXBAND: tl.constexpr = 0,
+        CHM: tl.constexpr = False):
     """One persistent program per SM; see the module docstring for the work order. FENCE:
     rows pulled in this launch (PULL or PA): the C and D items fence the async proxy after
     their group's acquire. FP8DA (``bwd_fp8_da``): the A items' FP8 tiles read dY as FP8
@@ -863,6 +875,9 @@ def mok_backward_kernel(
     sections are one, the Q items spread evenly among the B items (in ascending group
     order, the order the A items finish in), so the memory-bound Q items run beside
     the B items' GEMMs instead of in a section of their own; Q still waits only on A.
+    DXBAND (``bwd_dx_band``) > 1: the B items in bands of DXBAND row blocks, H tiles outer
+    (``_banded``); CHM (``bwd_dw_down_h_major``): a group's C items H tile outer, I tile
+    inner. Both only reorder items of one section, whose waits all point at earlier ones.
     TRACE (profiling only): every item of the main ticket order writes (start, end) in
     global-timer nanoseconds, its program within the logical rank and its kind (0 A, 1 B,
     2 Q, 3 C, 4 D; pull items of PA count with the section they sit in) to ``trace_ptr``
@@ -1009,7 +1024,11 @@ def mok_backward_kernel(
                                              FP8DX, gq, GQW, w1q_desc, ws1q_desc, sw1q_ptr,
                                              sws1q_ptr)
             elif PHASES & 2:
-                ok = _dgrad_gate_up_item(i // NB, i % NB, lr, src, grp, pre, ctr, err,
+                bx = i // NB
+                jx = i % NB
+                if DXBAND > 1:
+                    bx, jx = _banded(i, nb, NB, DXBAND)
+                ok = _dgrad_gate_up_item(bx, jx, lr, src, grp, pre, ctr, err,
                                          comb_base, comb_tab, w1_desc, ws1_desc, T, E, budget,
                                          H, I, S, HAS_SHARED, BM, BN, BKX, DAC, F32_DOT, DXT,
                                          pre_b_desc, P, DXTMA,
@@ -1029,7 +1048,12 @@ def mok_backward_kernel(
                 i = vt - end_q
                 g = NG - 1 - i // NC
                 c = i % NC
-                ok = _wgrad_down_item(g, c // (H // BN), c % (H // BN), lr, gst, total, P,
+                ic = c // (H // BN)  # I tile, then H tile
+                jc = c % (H // BN)
+                if CHM:  # H tile outer, I tile inner
+                    ic = c % (I // HALF)
+                    jc = c // (I // HALF)
+                ok = _wgrad_down_item(g, ic, jc, lr, gst, total, P,
                                       hs_c_desc, dyg_c_desc, ctr, err, dw2_ptr, dws2_ptr, T,
                                       E, NBMAX, budget, H, I, S, K, HAS_SHARED, BM, BN, BKWF,
                                       DAC, F32_DOT, FENCE, src, dy_base, tab16, DIRECT,

@@ -112,6 +112,22 @@ def test_each_backward_item_kind_builds_without_spills(phases, wide):
         assert lw.mma_instructions == ["wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16"]
 
 
+def test_dx_bands_and_h_major_dw_down_build_as_the_default_order():
+    """``bwd_dx_band`` and ``bwd_dw_down_h_major`` change only index arithmetic: the whole
+    backward with both (bf16 defaults, shared expert) fits, keeps the full-width MMAs and
+    spills within the default order's bound (``test_hopper_build_of_the_backward``: a few
+    bytes more than the default's own build with Triton 3.9)."""
+    base = _defaults()
+    cfg = mk.MoKConfig.for_shape(H, I, **{**base.__dict__, "bwd_dx_band": 16,
+                                          "bwd_dw_down_h_major": True})
+    lw = mk.compile_megakernel(cfg, H, I, shared=True, kernel="backward")
+    plain = mk.compile_megakernel(base, H, I, shared=True, kernel="backward")
+    assert lw.shared_bytes <= SMEM_LIMIT
+    assert lw.mma_instructions == plain.mma_instructions
+    assert not lw.mma_serialized, lw.ptxas_log
+    assert _spill_bytes(lw.ptxas_log) <= max(64, _spill_bytes(plain.ptxas_log)), lw.ptxas_log
+
+
 @pytest.mark.parametrize("pullers", [0, 24])
 def test_fused_pull_backward_builds_with_async_proxy_fences(pullers):
     """``bwd_fused_pull``: the pull items inside the backward kernel (by every program, or by
