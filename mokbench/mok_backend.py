@@ -121,7 +121,11 @@ def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int
     minibatch holds 66 gate+up items for 132 programs, the profiling script timed the bf16
     training forward at 8.247 ms against 10.839 (inference 7.778 against 10.706;
     notes/mok-kernel.md); unmeasured with communication programs (EP > 1), where gate+up
-    items claimed earlier may wait on dispatch instead, and on Blackwell.
+    items claimed earlier may wait on dispatch instead, and on Blackwell. The backward's dX
+    items run in bands of 16 row blocks, H tiles outer (``bwd_dx_band``), on one Hopper rank:
+    at Kimi K2 48 x 16384 on one H200 the profiling script timed the bf16 backward at 40.043
+    ms (bands of 8: 40.301, of 32: 40.513) against 41.523 and 41.398 ms row block by row
+    block (notes/mok-kernel.md); unmeasured in FP8, at EP > 1 and on Blackwell.
 
     Why: each measured faster on H200 than its alternatives, and the tile rule keeps to where
     it was measured (notes/mok-kernel.md, "Why the mok backend's defaults are what they
@@ -138,7 +142,8 @@ def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int
             "tma": True, "gate_up_interleaved": True, "num_stages": 4,
             "compile_schedule": True, "gate_up_tiles": tiles, "down_tiles": tiles,
             "bwd_dx_tma": arch < 100, "bwd_wide_da": arch < 100,
-            "bwd_pull_dedup": world_size > 1, "skew_down": arch < 100 and world_size == 1}
+            "bwd_pull_dedup": world_size > 1, "skew_down": arch < 100 and world_size == 1,
+            "bwd_dx_band": 16 if arch < 100 and world_size == 1 else 0}
 
 
 def graph_option(options: dict | None = None) -> bool:
@@ -178,8 +183,9 @@ def config_from_env(hidden: int, intermediate: int, defaults: dict,
     """MoKConfig from shape defaults, then $MOKBENCH_MOK_CONFIG, then the backend label's
     options (``mok@minibatch=2048``); a minibatch without a macrobatch gets 3 ring slots, and
     a knob that replaces the backward's separate pull (``_NO_SEPARATE_PULL``) turns off the
-    defaults that need it unless they are asked for too (then the conflict is the error), and
-    one ring slot (macrobatch = minibatch) turns off the default ``skew_down`` the same way."""
+    defaults that need it unless they are asked for too (then the conflict is the error),
+    one ring slot (macrobatch = minibatch) turns off the default ``skew_down`` the same way,
+    and ``bwd_pull_ahead`` the default ``bwd_dx_band``."""
     from mok_kernels import MoKConfig
 
     fields = dict(defaults)
@@ -197,6 +203,8 @@ def config_from_env(hidden: int, intermediate: int, defaults: dict,
     fields.update(over)
     if "skew_down" not in over and fields["macrobatch"] < 2 * fields["minibatch"]:
         fields["skew_down"] = False  # one ring slot asked for: the default order needs two
+    if "bwd_dx_band" not in over and fields.get("bwd_pull_ahead"):
+        fields["bwd_dx_band"] = 0  # the pull-ahead order keeps its row blocks' dX items
     return MoKConfig.for_shape(hidden, intermediate, **fields)
 
 

@@ -103,7 +103,9 @@ def test_wide_da_items_match_reference(wide):
                                   {"bwd_pull_dedup": True},
                                   {"bwd_direct_da": True},
                                   {"bwd_direct_da": True, "bwd_fused_pull": True,
-                                   "bwd_pull_programs": 32}])
+                                   "bwd_pull_programs": 32},
+                                  {"bwd_dx_band": 16, "bwd_dx_tma": True},
+                                  {"bwd_dx_band": 3, "bwd_dw_down_h_major": True}])
 def test_backward_variants_match_the_default_bitwise(ranks, rows):
     """bwd_fused_pull: the pull items inside the backward megakernel (rows written with plain
     stores, read through TMA after a proxy fence; by every program or by 32 of them),
@@ -112,8 +114,9 @@ def test_backward_variants_match_the_default_bitwise(ranks, rows):
     (the pull as items in the ticket order, rows read through TMA after a fence) and
     bwd_pull_dedup (a token's rows pulled once per rank, the others copied from it in a second
     pass) and bwd_direct_da (the dA items gather dY at home; with the pull items, which they
-    then do not wait for) give the default backward's gradients (and the reference's),
-    bitwise, on a rerun as well."""
+    then do not wait for) and bwd_dx_band / bwd_dw_down_h_major (the dX items in bands of row
+    blocks, the dW_down items H tile outer) give the default backward's gradients (and the
+    reference's), bitwise, on a rerun as well."""
     base = dict(gate_up_interleaved=True, minibatch=256, macrobatch=768, tma=True,
                 num_stages=4)
     shape = (256, 7168, 1024, 8, 8)  # T, H, I, E per rank, K (K <= E even with one rank)
@@ -418,11 +421,13 @@ def test_block_column_maxima_give_the_two_pass_gradients_bitwise(ranks, shared):
 
 @pytest.mark.parametrize("ranks, shared, knobs", [
     (1, True, {"bwd_prefetch_ticket": True}), (2, False, {"bwd_q_interleave": True}),
-    (1, True, {"bwd_prefetch_ticket": True, "bwd_q_interleave": True})])
+    (1, True, {"bwd_prefetch_ticket": True, "bwd_q_interleave": True}),
+    (2, True, {"bwd_dx_band": 16, "bwd_dw_down_h_major": True})])
 def test_ticket_order_knobs_give_the_same_gradients_bitwise(ranks, shared, knobs):
-    """``bwd_prefetch_ticket`` (the next ticket claimed when an item starts) and
-    ``bwd_q_interleave`` (the Q items among the dX items) on the whole FP8 backward: every
-    gradient bitwise the default order's, reruns bitwise equal."""
+    """``bwd_prefetch_ticket`` (the next ticket claimed when an item starts),
+    ``bwd_q_interleave`` (the Q items among the dX items) and ``bwd_dx_band`` with
+    ``bwd_dw_down_h_major`` (the dX and dW_down items reordered) on the whole FP8 backward:
+    every gradient bitwise the default order's, reruns bitwise equal."""
     _fp8_variant_is_bitwise(ranks, shared, knobs, 17)
 
 

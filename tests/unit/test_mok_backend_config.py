@@ -45,6 +45,20 @@ def test_defaults_follow_two_waves_and_cap_at_rows():
     # the down items after the next minibatch's gate+up items on one Hopper rank only
     assert big["skew_down"] is True and bw["skew_down"] is False
     assert default_config_fields(7168, 2048, 8192, 8, 132, world_size=2)["skew_down"] is False
+    # the backward's dX items in bands of 16 row blocks on one Hopper rank only
+    assert big["bwd_dx_band"] == 16 and bw["bwd_dx_band"] == 0
+    assert default_config_fields(7168, 2048, 8192, 8, 132, world_size=2)["bwd_dx_band"] == 0
+
+
+def test_pull_ahead_turns_off_the_default_dx_bands_unless_asked_for():
+    """``bwd_pull_ahead`` keeps each row block's dX items together (its x pull items sit
+    between them): a variant asking for it turns the default ``bwd_dx_band`` off; asking for
+    both is the one-line error naming the knob."""
+    d = default_config_fields(7168, 2048, 16384, 8, 132, local_experts=48)
+    assert config_from_env(7168, 2048, d).bwd_dx_band == 16
+    assert config_from_env(7168, 2048, d, {"bwd_pull_ahead": 8}).bwd_dx_band == 0
+    with pytest.raises(MoKConfigError, match="bwd_dx_band"):
+        config_from_env(7168, 2048, d, {"bwd_pull_ahead": 8, "bwd_dx_band": 4})
 
 
 def test_one_ring_slot_turns_off_the_default_skew_unless_asked_for():
