@@ -577,6 +577,32 @@ def _pull_fp8_copies(ws: Workspace, bb: BackwardBuffers, st: ScheduleTensors,
             xg_ptr=sc.xg_LPH, PHASE=phase, num_warps=4)
 
 
+PULL_TOKENS = 16  # tokens per program of the token-by-token pull (``bwd_pull_by_token``)
+
+
+def _pull_by_token(ws: Workspace, bb: BackwardBuffers, st: ScheduleTensors,
+                   sc: BackwardScratch, x_src: torch.Tensor) -> None:
+    """``bwd_pull_by_token``: the x and dY rows of every slot this launch serves, token by
+    token over the group's N tokens (``pull_rows_by_token_kernel``), then zeros in the
+    padding rows (``zero_padding_rows_kernel``)."""
+    from mok_kernels._details.tl_backward import (
+        pull_rows_by_token_kernel,
+        zero_padding_rows_kernel,
+    )
+
+    if st.slot_rows_LJ is None:
+        raise ValueError("bwd_pull_by_token: the schedule has no slot rows (build it with "
+                         "this config: build_schedule)")
+    N = st.slot_rows_LJ.shape[1] // ws.S
+    ch = _row_chunk(ws.H)
+    pull_rows_by_token_kernel[(ws.L, -(-N // PULL_TOKENS))](
+        st.slot_rows_LJ, st.total_L, x_src, ws.x_tab_R, bb.dy_LTH, bb.tab16_R, sc.xg_LPH,
+        sc.dyg_LPH, N, ws.T, ws.P, H=ws.H, S=ws.S, BT=PULL_TOKENS, CH=ch, num_warps=4)
+    zero_padding_rows_kernel[(ws.L, ws.P // PULL_ROWS)](
+        st.src_LP, st.total_L, sc.xg_LPH, sc.dyg_LPH, ws.P, H=ws.H, BR=PULL_ROWS, CH=ch,
+        num_warps=4)
+
+
 def backward_trace_capacity(ws: Workspace) -> int:
     """Tickets of the backward megakernel's main order per logical rank, at most (every row
     block in use, PA's pull items included): the rows of a ``backward(_trace=...)`` buffer."""
@@ -629,6 +655,8 @@ def backward(config: MoKConfig, ws: Workspace, context: ForwardContext, dy_TH: t
     ws.barrier()
     if config.bwd_fp8_wgrad:  # the pull writes FP8 transposed copies of x and dY
         _pull_fp8_copies(ws, bb, st, sc, x_src)
+    elif config.bwd_pull_by_token:  # each token's rows read once, written to its slots' rows
+        _pull_by_token(ws, bb, st, sc, x_src)
     elif not (config.bwd_fused_pull or config.bwd_direct_rows or config.bwd_pull_ahead):
         # else the megakernel pulls or gathers the rows itself
         br = PULL_ROWS

@@ -242,6 +242,14 @@ class MoKConfig:
         (the I tiles inner) instead of I-tile-major: the items in flight then read fewer dY
         column tiles and all of the group's r h (at Kimi K2 48 x 16384 about 23 MB against
         42 MB). Same gradients; off by default: not yet run on a GPU.
+    bwd_pull_by_token: the backward's separate pull goes token by token: each token's x and
+        dY rows are read once from home and written to every schedule row that serves one of
+        its slots (the schedule then also keeps the row of every slot). Row by row, in
+        schedule order, a token's K slots sit in K experts' row ranges, so its rows are read K
+        times from HBM (at Kimi K2 48 x 16384 about 3.8 of the pull's 7.5 GB); token by token
+        once (0.5 GB). The same bytes in the same rows, so the same gradients. Needs the bf16
+        separate pull (not bwd_direct_rows, bwd_fused_pull, bwd_pull_ahead, bwd_pull_dedup or
+        bwd_fp8_wgrad). Off by default: not yet run on a GPU.
     bwd_fp8_block_k: the reduction step of the backward's FP8 items (with bwd_fp8_da,
         bwd_fp8_dx or bwd_fp8_wgrad): 64 (the bf16 items' step, 128 bytes of bf16 per row)
         or 128 (128 bytes of e4m3 per row, the FP8 forward's block_k: half the K-loop
@@ -303,6 +311,7 @@ class MoKConfig:
     bwd_q_interleave: bool = False
     bwd_dx_band: int = 0
     bwd_dw_down_h_major: bool = False
+    bwd_pull_by_token: bool = False
     fp8: str = "none"
     fp8_pow2_scales: bool = False
 
@@ -419,6 +428,14 @@ class MoKConfig:
                "between the row blocks' dX items)")
         _check(isinstance(self.bwd_dw_down_h_major, bool), "bwd_dw_down_h_major",
                self.bwd_dw_down_h_major, "true | false")
+        _check(isinstance(self.bwd_pull_by_token, bool), "bwd_pull_by_token",
+               self.bwd_pull_by_token, "true | false")
+        _check(not self.bwd_pull_by_token or not (
+            self.bwd_direct_rows or self.bwd_fused_pull or self.bwd_pull_ahead
+            or self.bwd_pull_dedup or self.bwd_fp8_wgrad), "bwd_pull_by_token",
+            self.bwd_pull_by_token, "false when bwd_direct_rows, bwd_fused_pull, "
+            "bwd_pull_ahead, bwd_pull_dedup or bwd_fp8_wgrad is set (it replaces the bf16 "
+            "separate pull only)")
         _check(isinstance(self.bwd_fp8_requant_tma, bool), "bwd_fp8_requant_tma",
                self.bwd_fp8_requant_tma, "true | false")
         _check(not self.bwd_fp8_requant_tma or self.bwd_fp8_dx, "bwd_fp8_requant_tma",

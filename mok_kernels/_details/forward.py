@@ -53,7 +53,8 @@ def build_schedule(ws: Workspace, topk_idx_TK: torch.Tensor) -> Schedule:
     build = compiled_schedule_builder() if ws.config.compile_schedule else build_schedule_tensors
     st = build(ws.gather_idx(), ws.ranks_L, tokens=T, local_experts=ws.E, shared=ws.shared,
                block_m=ws.config.block_m, capacity=ws.P, align=ws.config.row_align,
-               first_rows=ws.config.dispatch_dedup or ws.config.bwd_pull_dedup)
+               first_rows=ws.config.dispatch_dedup or ws.config.bwd_pull_dedup,
+               slot_rows=ws.config.bwd_pull_by_token)
     flag_capacity_errors(ws.errors_L4, st, ws.P)
     ws.sched = st
     return Schedule(ws, st)

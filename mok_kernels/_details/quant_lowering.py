@@ -110,18 +110,25 @@ def compile_pull_kernel(kind: str = "bf16", phase: int = 0, *, hidden: int = 716
     "bf16" (``pull_rows_kernel``: token rows gathered by loaded offsets into [L, P, H] bf16
     rows, PULL_ROWS rows and ``_row_chunk(H)`` columns per step) or "fp8t"
     (``pull_rows_fp8t_kernel``, ``bwd_fp8_wgrad``: the rows' transposed e4m3 copies, 64 rows
-    and 128 columns per step, with the bf16 dY rows in phases 1 and 2); ``phase`` 0 (one
-    pass) or 1 / 2 (``bwd_pull_dedup``)."""
-    from mok_kernels._details.backward import PULL_ROWS
+    and 128 columns per step, with the bf16 dY rows in phases 1 and 2) or "bf16_by_token"
+    (``pull_rows_by_token_kernel``, ``bwd_pull_by_token``: PULL_TOKENS tokens per program,
+    their rows written to up to 9 slot rows each); ``phase`` 0 (one pass) or 1 / 2
+    (``bwd_pull_dedup``)."""
+    from mok_kernels._details.backward import PULL_ROWS, PULL_TOKENS
     from mok_kernels._details.forward import _row_chunk
-    from mok_kernels._details.tl_backward import pull_rows_fp8t_kernel, pull_rows_kernel
+    from mok_kernels._details.tl_backward import (
+        pull_rows_by_token_kernel,
+        pull_rows_fp8t_kernel,
+        pull_rows_kernel,
+    )
 
     a = "/16"  # 16-byte aligned pointers, as the caching allocator gives
     types = {"src_ptr": "*i32" + a, "total_ptr": "*i32" + a, "x_base": "*bf16" + a,
              "x_tab": "*i64" + a, "dy_base": "*bf16" + a, "tab16": "*i64" + a,
              "xg_ptr": "*bf16" + a, "dyg_ptr": "*bf16" + a, "first_ptr": "*i32" + a,
              "xqT_ptr": "*fp8e4nv" + a, "dyqT_ptr": "*fp8e4nv" + a, "gxam_ptr": "*fp32" + a,
-             "gdyam_ptr": "*fp32" + a, "T": "i32", "P": "i32" + a}
+             "gdyam_ptr": "*fp32" + a, "T": "i32", "P": "i32" + a,
+             "slot_rows_ptr": "*i32" + a, "N": "i32"}
     if kind == "fp8t":
         fn = pull_rows_fp8t_kernel
         consts: dict[str, object] = {"BR": 64, "CH": 128, "DY16": phase > 0, "POW2": False,
@@ -131,9 +138,13 @@ def compile_pull_kernel(kind: str = "bf16", phase: int = 0, *, hidden: int = 716
     elif kind == "bf16":
         fn = pull_rows_kernel
         consts = {"BR": PULL_ROWS, "CH": _row_chunk(hidden)}
+    elif kind == "bf16_by_token" and phase == 0:
+        fn = pull_rows_by_token_kernel
+        consts = {"BT": PULL_TOKENS, "CH": _row_chunk(hidden), "S": 9}
     else:
-        raise ValueError(f"kind={kind!r} is invalid: allowed bf16 | fp8t")
-    consts.update(H=hidden, S=16, PHASE=phase)
+        raise ValueError(f"kind={kind!r}, phase={phase} is invalid: allowed bf16 | fp8t "
+                         "(phase 0, 1, 2) | bf16_by_token (phase 0)")
+    consts = {"S": 16, **consts, "H": hidden, "PHASE": phase}
     if phase == 0:
         consts["first_ptr"] = None
     return _compile(fn, {k: v for k, v in types.items() if k in fn.arg_names}, consts,

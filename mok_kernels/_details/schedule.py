@@ -38,6 +38,9 @@ class ScheduleTensors:
     first_LP: int32 row of the first schedule row of each row's token on that rank (the row
         itself where it is the first; -1 for padding rows), with ``first_rows``
         (``dispatch_dedup``), else None.
+    slot_rows_LJ: int32 row of every slot (j = token * S + s over the group's N tokens; P
+        where this rank does not serve it), with ``slot_rows`` (``bwd_pull_by_token``),
+        else None.
     """
 
     src_LP: torch.Tensor
@@ -46,6 +49,7 @@ class ScheduleTensors:
     counts_LG: torch.Tensor
     needed_L: torch.Tensor
     first_LP: torch.Tensor | None = None
+    slot_rows_LJ: torch.Tensor | None = None
 
 
 def schedule_capacity(tokens: int, ranks: int, topk: int, shared: bool, local_experts: int,
@@ -80,12 +84,13 @@ def group_keys(idx_NK: torch.Tensor, ranks_L: torch.Tensor, tokens: int, local_e
 
 def build_schedule_tensors(idx_NK: torch.Tensor, ranks_L: torch.Tensor, *, tokens: int,
                            local_experts: int, shared: bool, block_m: int, capacity: int,
-                           align: int | None = None, first_rows: bool = False
-                           ) -> ScheduleTensors:
+                           align: int | None = None, first_rows: bool = False,
+                           slot_rows: bool = False) -> ScheduleTensors:
     """Schedule of every logical rank in ``ranks_L`` from the group's routing ``idx_NK``
     (global expert ids of all N = R*T tokens, rank-major); groups padded to ``align`` rows
     (default block_m; a multiple of it), ``group_LB`` per block_m rows; with ``first_rows``
-    also ``first_LP`` (each row's token's first row on the rank: a min over its slots)."""
+    also ``first_LP`` (each row's token's first row on the rank: a min over its slots), with
+    ``slot_rows`` ``slot_rows_LJ`` (the row of every slot)."""
     key_LJ = group_keys(idx_NK, ranks_L, tokens, local_experts, shared)
     L, J = key_LJ.shape
     G = local_experts + (1 if shared else 0)
@@ -116,12 +121,13 @@ def build_schedule_tensors(idx_NK: torch.Tensor, ranks_L: torch.Tensor, *, token
     block_start_LB = torch.arange(0, P, BM, device=dev).view(1, -1).expand(L, -1).contiguous()
     group_LB = torch.searchsorted(pend_LG.contiguous(), block_start_LB, right=True)
     total_L = torch.where(overflow_L, torch.zeros_like(needed_L), needed_L)
-    first_LP = None
-    if first_rows:  # slot j's row is row_LJ[:, j] (P where not served): min over a token's S
-        N = idx_NK.shape[0]
-        S = J // N
+    first_LP = row_by_slot_LJ = None
+    if first_rows or slot_rows:  # sorted position j's row is row_LJ[:, j] (P: not served)
         row_by_slot_LJ = torch.full_like(row_LJ, P)
         row_by_slot_LJ.scatter_(1, perm_LJ, row_LJ)  # row of slot j (sorted order undone)
+    if first_rows:  # min over a token's S slots
+        N = idx_NK.shape[0]
+        S = J // N
         first_LN = row_by_slot_LJ.view(L, N, S).amin(2)
         src_LP = src_LP1[:, :P]
         tok_LP = torch.where(src_LP >= 0, src_LP, torch.zeros_like(src_LP)) // S
@@ -134,6 +140,7 @@ def build_schedule_tensors(idx_NK: torch.Tensor, ranks_L: torch.Tensor, *, token
         counts_LG=counts_LG.to(torch.int32),
         needed_L=needed_L.to(torch.int32),
         first_LP=first_LP,
+        slot_rows_LJ=row_by_slot_LJ.to(torch.int32) if slot_rows else None,
     )
 
 

@@ -1115,6 +1115,69 @@ def pull_rows_kernel(src_ptr, total_ptr, x_base, x_tab, dy_base, tab16, xg_ptr, 
 
 
 @triton.jit
+def pull_rows_by_token_kernel(slot_rows_ptr, total_ptr, x_base, x_tab, dy_base, tab16, xg_ptr,
+                              dyg_ptr, N, T, P, H: tl.constexpr, S: tl.constexpr,
+                              BT: tl.constexpr, CH: tl.constexpr):
+    """``bwd_pull_by_token``: the reverse-combine pull token by token. Program (l, i) reads
+    the x and dY rows of the group's tokens i*BT.. once each from their home ranks and writes
+    them to the rows of logical rank l's schedule that serve their S slots (``slot_rows_ptr``
+    [L, N*S]; P where rank l does not serve a slot, and rows at or past the rank's total are
+    left alone). In schedule order, as ``pull_rows_kernel`` goes, a token's K slots sit in K
+    experts' row ranges, so its rows were read K times from HBM; here once, and then from
+    L2. Padding rows: ``zero_padding_rows_kernel``. The same bytes land in the same rows as
+    with ``pull_rows_kernel``."""
+    lr = tl.program_id(0)
+    n = tl.program_id(1) * BT + tl.arange(0, BT)
+    live = n < N
+    total = tl.load(total_ptr + lr)
+    tok = tl.where(live, n, 0).to(tl.int64)
+    rank, t = tok // T, tok % T
+    slots = slot_rows_ptr + lr.to(tl.int64) * N * S + tok * S
+    served = tl.zeros((BT,), dtype=tl.int1)
+    for k in tl.static_range(S):
+        served = served | (live & (tl.load(slots + k, mask=live, other=P) < total))
+    # rows start 16-byte aligned: 16-byte vector loads (see _row_sources)
+    x_rows = x_base + tl.multiple_of(tl.load(x_tab + rank, mask=served, other=0) + t * H, 8)
+    dy_rows = dy_base + tl.multiple_of(tl.load(tab16 + rank, mask=served, other=0) + t * H, 8)
+    out = xg_ptr + lr.to(tl.int64) * P * H
+    dout = dyg_ptr + lr.to(tl.int64) * P * H
+    for h0 in range(0, H, CH):
+        cols = h0 + tl.arange(0, CH)
+        cm = cols < H
+        m = served[:, None] & cm[None, :]
+        xv = tl.load(x_rows[:, None] + cols[None, :], mask=m, other=0.0)
+        dv = tl.load(dy_rows[:, None] + cols[None, :], mask=m, other=0.0)
+        for k in tl.static_range(S):
+            r = tl.load(slots + k, mask=live, other=P)
+            ok = live & (r < total)
+            at = tl.multiple_of(tl.where(ok, r, 0).to(tl.int64) * H, 8)
+            w = ok[:, None] & cm[None, :]
+            tl.store(out + at[:, None] + cols[None, :], xv, mask=w)
+            tl.store(dout + at[:, None] + cols[None, :], dv, mask=w)
+
+
+@triton.jit
+def zero_padding_rows_kernel(src_ptr, total_ptr, xg_ptr, dyg_ptr, P, H: tl.constexpr,
+                             BR: tl.constexpr, CH: tl.constexpr):
+    """Zeros in the pulled x and dY rows of the padding rows (src -1) below each logical
+    rank's total, as ``pull_rows_kernel`` writes them (``pull_rows_by_token_kernel`` writes
+    only rows that serve a slot). Program (l, i): rows i*BR.. of logical rank l."""
+    lr = tl.program_id(0)
+    rows = tl.program_id(1) * BR + tl.arange(0, BR)
+    total = tl.load(total_ptr + lr)
+    if tl.program_id(1) * BR < total:
+        pad = tl.load(src_ptr + lr.to(tl.int64) * P + rows) < 0
+        if tl.sum(pad.to(tl.int32), axis=0) > 0:
+            out = (lr.to(tl.int64) * P + rows) * H
+            zero = tl.zeros((BR, CH), dtype=xg_ptr.dtype.element_ty)
+            for h0 in range(0, H, CH):
+                cols = h0 + tl.arange(0, CH)
+                w = pad[:, None] & (cols < H)[None, :]
+                tl.store(xg_ptr + out[:, None] + cols[None, :], zero, mask=w)
+                tl.store(dyg_ptr + out[:, None] + cols[None, :], zero, mask=w)
+
+
+@triton.jit
 def global_col_amax_kernel(xam_base, dyam_base, tab32, R, gxam_ptr, gdyam_ptr, H: tl.constexpr,
                            CH: tl.constexpr):
     """``bwd_fp8_wgrad``: the column max |v| of x and of dY over every rank's tokens [H] (the

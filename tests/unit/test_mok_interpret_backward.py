@@ -757,3 +757,33 @@ def test_dx_bands_and_h_major_dw_down_give_the_same_gradients_bitwise():
     backward, two loopback ranks (an item left out or run twice at the wrong place leaves a
     dX slot or weight-gradient tile unwritten: a mismatch)."""
     _prints(run_interpreted(BAND_SCRIPT), "band ok", 1)
+
+
+BY_TOKEN_SCRIPT = COMMON + textwrap.dedent("""
+    H, I = 64, 32
+    for L, T, E, K, shared, seed in ((1, 24, 4, 2, True, 31), (2, 13, 3, 2, False, 37),
+                                      (3, 8, 2, 1, True, 41)):
+        x, idx, p, _, W, dy, exact = interleaved_case(L, T, E, K, shared, seed, H, I)
+        out = []
+        for knobs in ({}, {"bwd_pull_by_token": True}):
+            cfg = config(True, **knobs)
+            ws = mk.get_workspace(cfg, tokens=T, hidden=H, intermediate=I, local_experts=E,
+                                  topk=K, shared=shared, device="cpu", loopback_ranks=L)
+            for _ in range(2):  # the second backward on the first one's scratch memory
+                y, saved = mk.forward_train(cfg, ws, mk.build_schedule(ws, idx), x, p, *W)
+                out.append(mk.backward(cfg, ws, saved, dy, *W))
+            mk.check_errors(ws)
+        for i in (1, 2, 3):
+            assert_bitwise(out[0], out[i], (L, i))
+        assert rel(out[0].dx_TH, exact.dx_TH) < 2e-2
+        print("by token ok")
+""")
+
+
+def test_pull_by_token_gives_the_row_pulls_gradients_bitwise():
+    """``bwd_pull_by_token`` (each token's x and dY rows read once and written to the rows of
+    its slots, then zeros in the padding rows): every gradient bitwise the row-by-row pull's,
+    one to three loopback ranks (rows of other ranks' tokens), with and without the shared
+    expert, reruns bitwise equal (a row it missed or a padding row left unwritten would carry
+    another value)."""
+    _prints(run_interpreted(BY_TOKEN_SCRIPT), "by token ok", 3)

@@ -178,3 +178,28 @@ def test_first_rows_name_each_tokens_first_row_on_the_rank(shared):
             assert first == first_of[tok], (lr, r, first, first_of[tok])
             copies += first != r
     assert copies > 0  # the case the cache serves: several rows of a token on one rank
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_slot_rows_are_the_inverse_of_the_row_slots(shared):
+    """``slot_rows`` (``bwd_pull_by_token``): slot j's row r on a logical rank has src[r] ==
+    j, every used row of the schedule is some slot's, P marks the slots the rank does not
+    serve; the rest of the schedule is unchanged, and without it slot_rows_LJ is None."""
+    torch.manual_seed(5)
+    R, T, E, K = 3, 11, 2, 4
+    idx = torch.stack([torch.randperm(R * E)[:K] for _ in range(R * T)]).int()
+    P = 256
+    kw = dict(tokens=T, local_experts=E, shared=shared, block_m=4, capacity=P)
+    st = build_schedule_tensors(idx, torch.arange(R), slot_rows=True, **kw)
+    plain = build_schedule_tensors(idx, torch.arange(R), **kw)
+    assert plain.slot_rows_LJ is None
+    assert torch.equal(st.src_LP, plain.src_LP) and torch.equal(st.group_LB, plain.group_LB)
+    S = K + int(shared)
+    assert tuple(st.slot_rows_LJ.shape) == (R, R * T * S)
+    for lr in range(R):
+        rows = st.slot_rows_LJ[lr]
+        served = rows < P
+        assert torch.equal(st.src_LP[lr][rows[served].long()],
+                           torch.arange(R * T * S, dtype=torch.int32)[served])
+        used = st.src_LP[lr] >= 0
+        assert int(served.sum()) == int(used.sum())
