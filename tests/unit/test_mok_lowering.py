@@ -375,8 +375,9 @@ def test_dispatch_dedup_builds_without_spills(fp8_forward):
                                          ("fp8t", 1), ("fp8t", 2), ("bf16_by_token", 0)])
 def test_separate_pulls_move_rows_in_16_byte_vectors(kind, phase):
     """The backward's separate pulls (the bf16 one, ``bwd_pull_by_token``'s token by token,
-    and ``bwd_fp8_wgrad``'s transposing one; one pass, or the two of ``bwd_pull_dedup``) build for sm_90 and load the gathered bf16
-    rows and store their copies as 16-byte vectors. Without the rows' alignment said (their
+    and ``bwd_fp8_wgrad``'s transposing one; one pass, or the two of ``bwd_pull_dedup``)
+    build for sm_90 and load the gathered bf16 rows and store their copies as 16-byte
+    vectors. Without the rows' alignment said (their
     offsets are loaded values) every bf16 was loaded alone; with a row mask on the
     transposed stores every byte was stored alone, and the transposing pull took most of the
     FP8 backward's time on an H200."""
