@@ -236,12 +236,13 @@ class MoKConfig:
         expert's W_gate_up tiles (58 MB, beyond the H200's 50 MB L2); in bands of 16 about 8
         tiles (16 MB) and 16 row blocks of dG/dU (16 MB). The same items, so the same
         gradients; a B item waits only on its row block's A items, all of which come earlier.
-        Not with bwd_pull_ahead (its x pull items sit between the row blocks' B items). 0 by
-        default: not yet run on a GPU.
+        Not with bwd_pull_ahead (its x pull items sit between the row blocks' B items). 0 here;
+        the mok backend sets 16 on one Hopper rank, where the profiling script timed the bf16
+        backward faster with it (notes/mok-kernel.md).
     bwd_dw_down_h_major: the backward's dW_down (C) items of a group in H-tile-major order
         (the I tiles inner) instead of I-tile-major: the items in flight then read fewer dY
         column tiles and all of the group's r h (at Kimi K2 48 x 16384 about 23 MB against
-        42 MB). Same gradients; off by default: not yet run on a GPU.
+        42 MB). Same gradients; off by default: no faster in the profiling script.
     bwd_pull_by_token: the backward's separate pull goes token by token: each token's x and
         dY rows are read once from home and written to every schedule row that serves one of
         its slots (the schedule then also keeps the row of every slot). Row by row, in
