@@ -175,7 +175,9 @@ def env_overrides() -> dict:
 _NO_SEPARATE_PULL = ("bwd_direct_rows", "bwd_fused_pull", "bwd_pull_ahead")
 """Backward knobs that replace the separate pull, which ``bwd_pull_dedup`` needs (and
 ``bwd_fp8_wgrad``, except under ``bwd_fused_pull`` with ``bwd_fp8_da``, whose pull items write
-its copies): set by the user, they turn those off where only a default set them."""
+its copies): set by the user, they turn those off where only a default set them.
+``bwd_pull_by_token`` (the bf16 separate pull token by token, which reads a token once per
+rank as ``bwd_pull_dedup`` does) turns off a default ``bwd_pull_dedup`` the same way."""
 
 
 def config_from_env(hidden: int, intermediate: int, defaults: dict,
@@ -198,6 +200,8 @@ def config_from_env(hidden: int, intermediate: int, defaults: dict,
         for k in ("bwd_pull_dedup",) + (() if fp8_pull_items else ("bwd_fp8_wgrad",)):
             if k not in over:
                 fields[k] = False
+    if over.get("bwd_pull_by_token") and "bwd_pull_dedup" not in over:
+        fields["bwd_pull_dedup"] = False
     if "minibatch" in over and "macrobatch" not in over:
         fields["macrobatch"] = 3 * over["minibatch"]
     fields.update(over)

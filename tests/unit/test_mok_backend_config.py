@@ -207,3 +207,15 @@ def test_fp8_backward_block_k_comes_through_the_variant_syntax(monkeypatch):
                                              r"divisor of hidden \(64\)"):
         MoKConfig(block_n=32, block_k=16, bwd_fp8_da=True,
                   bwd_fp8_block_k=128).check_shape(64, 32)
+
+
+def test_pull_by_token_turns_off_the_default_pull_dedup_unless_asked_for():
+    """At EP > 1 the backend's default ``bwd_pull_dedup`` (two passes) yields to a variant
+    asking for ``bwd_pull_by_token`` (one pass, a token read once per rank too); asking for
+    both is the one-line error naming the knob."""
+    d = default_config_fields(7168, 2048, 8192, 8, 132, world_size=2, local_experts=24)
+    assert d["bwd_pull_dedup"] is True
+    cfg = config_from_env(7168, 2048, d, {"bwd_pull_by_token": True})
+    assert cfg.bwd_pull_by_token and not cfg.bwd_pull_dedup
+    with pytest.raises(MoKConfigError, match="bwd_pull_by_token"):
+        config_from_env(7168, 2048, d, {"bwd_pull_by_token": True, "bwd_pull_dedup": True})
