@@ -457,13 +457,16 @@ mine = slice(rank * T, (rank + 1) * T)
 for comm, direct, fp8da, w8, items in ((0, False, False, False, False),
                                        (8, False, False, False, False),
                                        (0, True, False, False, False),
+                                       (8, "token", False, False, False),
                                        (8, False, True, False, False),
                                        (8, False, True, True, False),
                                        (8, False, True, True, True)):
     # items: the pull as items inside the megakernel (bwd_fused_pull, 8 pulling programs),
-    # reading the peer's rows while the dA items run
+    # reading the peer's rows while the dA items run; direct "token": bwd_pull_by_token (the
+    # peer's tokens read once each, over NVLink)
     cfg = mk.MoKConfig.for_shape(H, I, minibatch=256, macrobatch=768, tma=True,
-                                 fwd_comm_sms=comm, bwd_direct_rows=direct, bwd_fp8_da=fp8da,
+                                 fwd_comm_sms=comm, bwd_direct_rows=direct is True,
+                                 bwd_pull_by_token=direct == "token", bwd_fp8_da=fp8da,
                                  bwd_fp8_dx=fp8da, dispatch_dedup=fp8da, bwd_fp8_wgrad=w8,
                                  bwd_pull_dedup=fp8da and not items, bwd_fused_pull=items,
                                  bwd_pull_programs=8 if items else 0)
