@@ -500,24 +500,26 @@ def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tens
                          weights: tuple, sc: BackwardScratch, *,
                          withhold: int, programs: int, phases: int,
                          interpreting: bool, x_src: torch.Tensor | None = None,
-                         fp8_weights: BackwardFp8Weights | None = None
-                         ) -> dict[str, object]:
+                         fp8_weights: BackwardFp8Weights | None = None,
+                         dy_src: torch.Tensor | None = None) -> dict[str, object]:
     """Every argument of ``mok_backward_kernel`` by name: buffers, TMA descriptors, scalars
     and compile-time constants. The one list of them, for the launch and for
     ``lowering.compile_megakernel`` (which derives the types from it). ``pre_LPF``: the
     training forward's pre-activations; ``programs``: programs per logical rank;
     ``x_src``: where the x rows are pulled from (``bwd_fused_pull``, ``bwd_pull_ahead``;
-    default the workspace's token buffer); ``fp8_weights``: ``bwd_fp8_da``'s W_down copies."""
+    default the workspace's token buffer); ``fp8_weights``: ``bwd_fp8_da``'s W_down copies;
+    ``dy_src``: where the dY rows are read from (``_dy_source``; default the carved buffer)."""
     cfg, bb = ws.config, _buffers(ws)
+    dy_src = bb.dy_LTH if dy_src is None else dy_src
     if cfg.bwd_fused_pull or cfg.bwd_direct_rows or cfg.bwd_pull_ahead:
         pull = dict(x_base=ws.x_LTH if x_src is None else x_src, x_tab=ws.x_tab_R,
-                    dy_base=bb.dy_LTH, tab16=bb.tab16_R, xg_ptr=sc.xg_LPH, dyg_ptr=sc.dyg_LPH)
+                    dy_base=dy_src, tab16=bb.tab16_R, xg_ptr=sc.xg_LPH, dyg_ptr=sc.dyg_LPH)
     else:  # the pull kernel runs before the launch: constexpr None here
         pull = dict.fromkeys(("x_base", "x_tab", "dy_base", "tab16", "xg_ptr", "dyg_ptr"))
         if cfg.bwd_fp8_da or cfg.bwd_direct_da:  # the dA items gather dY's (FP8) rows at
             pull["tab16"] = bb.tab16_R  # the home ranks
         if cfg.bwd_direct_da:
-            pull["dy_base"] = bb.dy_LTH
+            pull["dy_base"] = dy_src
     descs = _descriptors(ws, weights) + _activation_descriptors(cfg, pre_LPF, sc.hs_LPI,
                                                                 sc.xg_LPH, sc.dyg_LPH)
     names = ("w1_desc", "w2_desc", "ws1_desc", "ws2_desc", "pre_a_desc", "hs_c_desc",
@@ -541,6 +543,21 @@ def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tens
     return {name: args[name] for name in mok_backward_kernel.arg_names}  # parameter order
 
 
+def _dy_source(ws: Workspace, bb: BackwardBuffers, dy_TH: torch.Tensor) -> torch.Tensor:
+    """The buffer the backward reads dY rows from (at ``bb.tab16_R``'s rank offsets). Real EP
+    (peers read it) or several loopback ranks (laid out at the carve's offsets): the carved
+    buffer, dY copied in. One rank in one process: its offset is 0, so a contiguous bf16 dY
+    on the device, 16-byte aligned (the pulls' row loads are 16-byte vectors), is read where
+    it is, as ``_token_source`` does for x: no copy (235 MB each way at Kimi K2 x 16384)."""
+    if (ws.handle is None and ws.L == 1 and dy_TH.dtype == torch.bfloat16
+            and dy_TH.is_contiguous() and dy_TH.data_ptr() % 16 == 0
+            and dy_TH.device.type == ws.device.type
+            and ws.device.index in (None, dy_TH.device.index)):
+        return dy_TH
+    bb.dy_LTH.copy_(dy_TH.view(bb.dy_LTH.shape))
+    return bb.dy_LTH
+
+
 def _col_amax(v_LTH: torch.Tensor) -> torch.Tensor:
     """Column max |v| over the tokens, fp32 [L, H], in one read (min and max at once, no
     |v| temporary); NaN where a column holds a NaN (torch's reductions propagate it), so the
@@ -550,7 +567,7 @@ def _col_amax(v_LTH: torch.Tensor) -> torch.Tensor:
 
 
 def _pull_fp8_copies(ws: Workspace, bb: BackwardBuffers, st: ScheduleTensors,
-                     sc: BackwardScratch, x_src: torch.Tensor) -> None:
+                     sc: BackwardScratch, x_src: torch.Tensor, dy_src: torch.Tensor) -> None:
     """``bwd_fp8_wgrad``: the global column maxima of x and dY (after the barrier: every
     rank's own are in), then the pull of x and dY rows into their FP8 transposed copies
     (and the bf16 dY rows where the dA items read them); with ``bwd_pull_dedup`` in two
@@ -570,7 +587,7 @@ def _pull_fp8_copies(ws: Workspace, bb: BackwardBuffers, st: ScheduleTensors,
     dy16 = sc.dyg_LPH is not None
     for phase in (1, 2) if cfg.bwd_pull_dedup else (0,):
         pull_rows_fp8t_kernel[(ws.L, ws.P // br)](
-            st.src_LP, st.total_L, x_src, ws.x_tab_R, bb.dy_LTH, bb.tab16_R,
+            st.src_LP, st.total_L, x_src, ws.x_tab_R, dy_src, bb.tab16_R,
             sc.dyg_LPH if dy16 else w8.gdyam_H, w8.xqT_LHP, w8.dyqT_LHP, w8.gxam_H,
             w8.gdyam_H, ws.T, ws.P, H=H, S=ws.S, BR=br, CH=ch, DY16=dy16,
             POW2=cfg.fp8_pow2_scales, SOFT_CAST=_interpreting(), first_ptr=st.first_LP,
@@ -581,7 +598,7 @@ PULL_TOKENS = 16  # tokens per program of the token-by-token pull (``bwd_pull_by
 
 
 def _pull_by_token(ws: Workspace, bb: BackwardBuffers, st: ScheduleTensors,
-                   sc: BackwardScratch, x_src: torch.Tensor) -> None:
+                   sc: BackwardScratch, x_src: torch.Tensor, dy_src: torch.Tensor) -> None:
     """``bwd_pull_by_token``: the x and dY rows of every slot this launch serves, token by
     token over the group's N tokens (``pull_rows_by_token_kernel``), then zeros in the
     padding rows (``zero_padding_rows_kernel``)."""
@@ -596,7 +613,7 @@ def _pull_by_token(ws: Workspace, bb: BackwardBuffers, st: ScheduleTensors,
     N = st.slot_rows_LJ.shape[1] // ws.S
     ch = _row_chunk(ws.H)
     pull_rows_by_token_kernel[(ws.L, -(-N // PULL_TOKENS))](
-        st.slot_rows_LJ, st.total_L, x_src, ws.x_tab_R, bb.dy_LTH, bb.tab16_R, sc.xg_LPH,
+        st.slot_rows_LJ, st.total_L, x_src, ws.x_tab_R, dy_src, bb.tab16_R, sc.xg_LPH,
         sc.dyg_LPH, N, ws.T, ws.P, H=ws.H, S=ws.S, BT=PULL_TOKENS, CH=ch, num_warps=4)
     zero_padding_rows_kernel[(ws.L, ws.P // PULL_ROWS)](
         st.src_LP, st.total_L, sc.xg_LPH, sc.dyg_LPH, ws.P, H=ws.H, BR=PULL_ROWS, CH=ch,
@@ -639,7 +656,7 @@ def backward(config: MoKConfig, ws: Workspace, context: ForwardContext, dy_TH: t
     _check_weights(ws, *weights, fp8=False)
     bb = _buffers(ws)
     st = context.schedule.tensors
-    bb.dy_LTH.copy_(dy_TH.view(bb.dy_LTH.shape))
+    dy_src = _dy_source(ws, bb, dy_TH)
     if config.bwd_fp8_da:  # dY quantised once, at its home rank (one scale per token row)
         rows_NH = torch.empty(L * T, H, dtype=torch.bfloat16, device=ws.device)
         quantize_tokens_into("rowwise", dy_TH.reshape(L * T, H), rows_NH,
@@ -654,16 +671,16 @@ def backward(config: MoKConfig, ws: Workspace, context: ForwardContext, dy_TH: t
     bb.counters_LC.zero_()
     ws.barrier()
     if config.bwd_fp8_wgrad:  # the pull writes FP8 transposed copies of x and dY
-        _pull_fp8_copies(ws, bb, st, sc, x_src)
+        _pull_fp8_copies(ws, bb, st, sc, x_src, dy_src)
     elif config.bwd_pull_by_token:  # each token's rows read once, written to its slots' rows
-        _pull_by_token(ws, bb, st, sc, x_src)
+        _pull_by_token(ws, bb, st, sc, x_src, dy_src)
     elif not (config.bwd_fused_pull or config.bwd_direct_rows or config.bwd_pull_ahead):
         # else the megakernel pulls or gathers the rows itself
         br = PULL_ROWS
         for phase in (1, 2) if config.bwd_pull_dedup else (0,):  # dedup: first rows, then
             # the other rows from them (two launches: no wait inside the kernel)
             pull_rows_kernel[(L, ws.P // br)](st.src_LP, st.total_L, x_src, ws.x_tab_R,
-                                              bb.dy_LTH, bb.tab16_R, sc.xg_LPH, sc.dyg_LPH, T,
+                                              dy_src, bb.tab16_R, sc.xg_LPH, sc.dyg_LPH, T,
                                               ws.P, H=H, S=ws.S, BR=br, CH=_row_chunk(H),
                                               first_ptr=st.first_LP, PHASE=phase,
                                               num_warps=4)
@@ -672,7 +689,7 @@ def backward(config: MoKConfig, ws: Workspace, context: ForwardContext, dy_TH: t
     args = backward_kernel_args(ws, st, context.pre_LPF, weights, sc,
                                 withhold=_withhold, programs=progs, phases=_phases,
                                 interpreting=_interpreting(), x_src=x_src,
-                                fp8_weights=fp8_weights)
+                                fp8_weights=fp8_weights, dy_src=dy_src)
     args.update(trace_args(_trace, L, backward_trace_capacity(ws)))
     mok_backward_kernel[(L * progs,)](**args, num_warps=config.num_warps,
                                       num_stages=backward_stages(config), **extra)
