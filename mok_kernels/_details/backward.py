@@ -33,6 +33,7 @@ from mok_kernels._details.forward import (
     _programs,
     _row_chunk,
     _token_source,
+    readable_in_place,
     trace_args,
 )
 from mok_kernels._details.schedule import ScheduleTensors
@@ -546,13 +547,10 @@ def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tens
 def _dy_source(ws: Workspace, bb: BackwardBuffers, dy_TH: torch.Tensor) -> torch.Tensor:
     """The buffer the backward reads dY rows from (at ``bb.tab16_R``'s rank offsets). Real EP
     (peers read it) or several loopback ranks (laid out at the carve's offsets): the carved
-    buffer, dY copied in. One rank in one process: its offset is 0, so a contiguous bf16 dY
-    on the device, 16-byte aligned (the pulls' row loads are 16-byte vectors), is read where
-    it is, as ``_token_source`` does for x: no copy (235 MB each way at Kimi K2 x 16384)."""
-    if (ws.handle is None and ws.L == 1 and dy_TH.dtype == torch.bfloat16
-            and dy_TH.is_contiguous() and dy_TH.data_ptr() % 16 == 0
-            and dy_TH.device.type == ws.device.type
-            and ws.device.index in (None, dy_TH.device.index)):
+    buffer, dY copied in. One rank in one process: its offset is 0, so dY is read where it is
+    when ``readable_in_place``, as ``_token_source`` does for x: no copy (235 MB each way at
+    Kimi K2 x 16384)."""
+    if ws.L == 1 and readable_in_place(ws, dy_TH):
         return dy_TH
     bb.dy_LTH.copy_(dy_TH.view(bb.dy_LTH.shape))
     return bb.dy_LTH

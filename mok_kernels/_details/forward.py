@@ -333,13 +333,19 @@ def _token_source(ws: Workspace, x_TH: torch.Tensor, fp8: bool | None = None) ->
         quantize_tokens_into(ws.config.fp8, x_TH, ws.x_LTH.view(ws.L * ws.T, ws.H),
                              pow2_scales=ws.config.fp8_pow2_scales)
         return ws.x_LTH
-    if (ws.handle is None and x_TH.dtype == torch.bfloat16 and x_TH.is_contiguous()
-            and x_TH.data_ptr() % 16 == 0  # the pulls' row loads are 16-byte vectors
-            and x_TH.device.type == ws.device.type
-            and ws.device.index in (None, x_TH.device.index)):
+    if readable_in_place(ws, x_TH):
         return x_TH
     ws.x_LTH.view(ws.L * ws.T, ws.H).copy_(x_TH)
     return ws.x_LTH
+
+
+def readable_in_place(ws: Workspace, rows_NH: torch.Tensor) -> bool:
+    """Whether the kernels may read token rows from ``rows_NH`` itself instead of a copy in
+    a workspace buffer: one process (no peers read it), a contiguous bf16 tensor on the
+    workspace's device, 16-byte aligned (the pulls' row loads are 16-byte vectors)."""
+    return (ws.handle is None and rows_NH.dtype == torch.bfloat16 and rows_NH.is_contiguous()
+            and rows_NH.data_ptr() % 16 == 0 and rows_NH.device.type == ws.device.type
+            and ws.device.index in (None, rows_NH.device.index))
 
 
 def _check_call(config: MoKConfig, ws: Workspace, schedule: Schedule, x_TH: torch.Tensor,
