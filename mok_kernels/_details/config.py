@@ -251,6 +251,15 @@ class MoKConfig:
         once (0.5 GB). The same bytes in the same rows, so the same gradients. Needs the bf16
         separate pull (not bwd_direct_rows, bwd_fused_pull, bwd_pull_ahead, bwd_pull_dedup or
         bwd_fp8_wgrad). Off by default: not yet run on a GPU.
+    bwd_dw_tiles: adjacent tiles per weight-gradient work item of the backward (a dW_down
+        item's H tiles, a dW_gate_up item's 2I tiles), in one flattened loop, so the software
+        pipeline loads the next tile's first rows while a tile is stored. Their K loop runs
+        over the expert's rows: with few rows per expert (Kimi K2 384 x 4096 on one GPU: about
+        85, one or two steps) an item is mostly its loads' latency and its store, one after
+        the other. Must divide hidden / block_n and 2 * intermediate / block_n. The loop
+        runs two pipeline stages: at three or four, its buffers and the store's staging need
+        more than sm_90's 227 KB of shared memory (295 and 393 KB, Triton 3.9). The same
+        sums, so the same gradients. 1 by default: not yet run on a GPU.
     bwd_fp8_block_k: the reduction step of the backward's FP8 items (with bwd_fp8_da,
         bwd_fp8_dx or bwd_fp8_wgrad): 64 (the bf16 items' step, 128 bytes of bf16 per row)
         or 128 (128 bytes of e4m3 per row, the FP8 forward's block_k: half the K-loop
@@ -313,6 +322,7 @@ class MoKConfig:
     bwd_dx_band: int = 0
     bwd_dw_down_h_major: bool = False
     bwd_pull_by_token: bool = False
+    bwd_dw_tiles: int = 1
     fp8: str = "none"
     fp8_pow2_scales: bool = False
 
@@ -429,6 +439,9 @@ class MoKConfig:
                "between the row blocks' dX items)")
         _check(isinstance(self.bwd_dw_down_h_major, bool), "bwd_dw_down_h_major",
                self.bwd_dw_down_h_major, "true | false")
+        _check(isinstance(self.bwd_dw_tiles, int) and not isinstance(self.bwd_dw_tiles, bool)
+               and 1 <= self.bwd_dw_tiles <= 64, "bwd_dw_tiles", self.bwd_dw_tiles,
+               "an integer in 1..64 (a divisor of the weight gradients' tiles per row)")
         _check(isinstance(self.bwd_pull_by_token, bool), "bwd_pull_by_token",
                self.bwd_pull_by_token, "true | false")
         _check(not self.bwd_pull_by_token or not (
@@ -483,6 +496,11 @@ class MoKConfig:
                f"a divisor of hidden ({hidden}) (down GEMM column tiles)")
         _check(hidden % self.block_k == 0 and intermediate % self.block_k == 0, "block_k",
                self.block_k, f"a divisor of hidden ({hidden}) and intermediate ({intermediate})")
+        _check(hidden // self.block_n % self.bwd_dw_tiles == 0
+               and 2 * intermediate // self.block_n % self.bwd_dw_tiles == 0, "bwd_dw_tiles",
+               self.bwd_dw_tiles, "a divisor of hidden / block_n "
+               f"({hidden // self.block_n}) and 2 * intermediate / block_n "
+               f"({2 * intermediate // self.block_n})")
         _check(hidden // self.block_n % self.bwd_dx_tiles == 0, "bwd_dx_tiles",
                self.bwd_dx_tiles, f"a divisor of hidden / block_n ({hidden // self.block_n})")
         if self.bwd_fp8_da or self.bwd_fp8_dx:

@@ -709,13 +709,17 @@ def _wgrad_down_item(g, it, jn, lr, gst, total, P, hs_c_desc, dyg_c_desc, ctr, e
                      dy_base=None, tab16=None, DIRECT: tl.constexpr = False,
                      FP8W: tl.constexpr = False, qready=None, NQ: tl.constexpr = 0,
                      hqT_desc=None, dyqT_desc=None, srh=None, gdyam=None,
-                     POW2: tl.constexpr = False, XW: tl.constexpr = False, xgrp=None):
-    """C item: dW_down[g][I tile it, H tile jn] = sum over g's rows of (r h)^T dY; waits for
-    every A item of g (they write r h). DIRECT: the dY rows are gathered from their home
-    ranks instead of read from the pulled rows. FP8W: e4m3 tiles of the transposed copies
-    (``hqT_desc`` [L*I, P], ``dyqT_desc`` [L*H, P]: K-major, a pure FP8 K loop), then the
-    column scales (r h's of group g in ``srh``, dY's from the global column max
-    ``gdyam``); waits for g's Q items instead. XW: also for g's pulled rows (``_pulled_rows``)."""
+                     POW2: tl.constexpr = False, XW: tl.constexpr = False, xgrp=None,
+                     DWT: tl.constexpr = 1):
+    """C item: dW_down[g][I tile it, H tiles jn * DWT ..] = sum over g's rows of (r h)^T dY;
+    waits for every A item of g (they write r h). DWT tiles (``bwd_dw_tiles``) in one
+    flattened loop, so the software pipeline loads a tile's first rows during the store of
+    the one before (the K loops are short where experts are small). DIRECT: the dY rows
+    are gathered from their home ranks instead of read from the pulled rows. FP8W: e4m3
+    tiles of the transposed copies (``hqT_desc`` [L*I, P], ``dyqT_desc`` [L*H, P]: K-major,
+    a pure FP8 K loop), then the column scales (r h's of group g in ``srh``, dY's from the
+    global column max ``gdyam``); waits for g's Q items instead. XW: also for g's pulled
+    rows (``_pulled_rows``)."""
     HALF: tl.constexpr = BN // 2
     start, end, ok = _wgrad_wait(g, gst, total, ctr, err, NBMAX, budget, I, BM, DAC, F32_DOT,
                                  PULL, FP8W, qready, NQ)
@@ -723,27 +727,53 @@ def _wgrad_down_item(g, it, jn, lr, gst, total, P, hs_c_desc, dyg_c_desc, ctr, e
         ok = _pulled_rows(ok, xgrp, g, start, end, err, budget, BM, F32_DOT)
     if ok != 0:
         icols = it * HALF + tl.arange(0, HALF)
-        hcols = jn * BN + tl.arange(0, BN)
-        if FP8W:  # (r h)^T and dY^T copies
-            acc = _fp8_wgrad_tile(hqT_desc, lr * I + it * HALF, dyqT_desc, lr * H + jn * BN,
-                                  start, end, HALF, BN, BKW, F32_DOT)
-            s_dy = e4m3_scales(tl.load(gdyam + hcols), POW2)[1]
-            acc = acc * tl.load(srh + g * I + icols)[:, None] * s_dy[None, :]
-        else:
-            acc = tl.zeros((HALF, BN), dtype=tl.float32)
-            for r0 in range(start, end, BKW):
-                h = hs_c_desc.load([lr * P + r0, it * HALF])  # [BKW, HALF]
-                if DIRECT:
-                    dy = _home_tile(src, r0, dy_base, tab16, hcols, T, S, K, H, BKW)
-                else:
-                    dy = dyg_c_desc.load([lr * P + r0, jn * BN])  # [BKW, BN]
-                acc = mma(tl.trans(h), dy, acc, F32_DOT)
         out = dw2 + (lr * E + g).to(tl.int64) * (I * H)
         if HAS_SHARED:
             if g == E:
                 out = dws2 + lr.to(tl.int64) * (I * H)
-        tl.store(out + icols.to(tl.int64)[:, None] * H + hcols[None, :], acc.to(tl.bfloat16))
+        out_rows = out + icols.to(tl.int64)[:, None] * H
+        if DWT == 1:  # one tile, no loop: the build the GPU-tested default runs
+            acc = _wgrad_down_tile(jn, it, icols, g, lr, start, end, P, hs_c_desc, dyg_c_desc,
+                                   T, H, I, S, K, BN, BKW, F32_DOT, src, dy_base, tab16,
+                                   DIRECT, FP8W, hqT_desc, dyqT_desc, srh, gdyam, POW2)
+            tl.store(out_rows + (jn * BN + tl.arange(0, BN))[None, :], acc.to(tl.bfloat16))
+        else:  # one flattened loop: the next tile's loads overlap a tile's store
+            for jj in tl.range(0, DWT, flatten=True, num_stages=2):
+                jt = jn * DWT + jj
+                acc = _wgrad_down_tile(jt, it, icols, g, lr, start, end, P, hs_c_desc,
+                                       dyg_c_desc, T, H, I, S, K, BN, BKW, F32_DOT, src,
+                                       dy_base, tab16, DIRECT, FP8W, hqT_desc, dyqT_desc, srh,
+                                       gdyam, POW2)
+                tl.store(out_rows + (jt * BN + tl.arange(0, BN))[None, :],
+                         acc.to(tl.bfloat16))
     return ok
+
+
+@triton.jit
+def _wgrad_down_tile(jn, it, icols, g, lr, start, end, P, hs_c_desc, dyg_c_desc, T,
+                     H: tl.constexpr, I: tl.constexpr, S: tl.constexpr, K: tl.constexpr,
+                     BN: tl.constexpr, BKW: tl.constexpr, F32_DOT: tl.constexpr, src, dy_base,
+                     tab16, DIRECT: tl.constexpr, FP8W: tl.constexpr, hqT_desc, dyqT_desc, srh,
+                     gdyam, POW2: tl.constexpr):
+    """dW_down[g][I tile it, H tile jn] as fp32 [BN / 2, BN]: the sum over rows start..end
+    of (r h)^T dY (see ``_wgrad_down_item``)."""
+    HALF: tl.constexpr = BN // 2
+    hcols = jn * BN + tl.arange(0, BN)
+    if FP8W:  # (r h)^T and dY^T copies
+        acc = _fp8_wgrad_tile(hqT_desc, lr * I + it * HALF, dyqT_desc, lr * H + jn * BN,
+                              start, end, HALF, BN, BKW, F32_DOT)
+        s_dy = e4m3_scales(tl.load(gdyam + hcols), POW2)[1]
+        acc = acc * tl.load(srh + g * I + icols)[:, None] * s_dy[None, :]
+    else:
+        acc = tl.zeros((HALF, BN), dtype=tl.float32)
+        for r0 in range(start, end, BKW):
+            h = hs_c_desc.load([lr * P + r0, it * HALF])  # [BKW, HALF]
+            if DIRECT:
+                dy = _home_tile(src, r0, dy_base, tab16, hcols, T, S, K, H, BKW)
+            else:
+                dy = dyg_c_desc.load([lr * P + r0, jn * BN])  # [BKW, BN]
+            acc = mma(tl.trans(h), dy, acc, F32_DOT)
+    return acc
 
 
 @triton.jit
@@ -756,9 +786,10 @@ def _wgrad_gate_up_item(g, it, jn, lr, gst, total, P, pre_d_desc, xg_d_desc, ctr
                         DIRECT: tl.constexpr = False, xgrp=None, XW: tl.constexpr = False,
                         FP8W: tl.constexpr = False, qready=None, NQ: tl.constexpr = 0,
                         xqT_desc=None, gqT_desc=None, srg=None, gxam=None,
-                        POW2: tl.constexpr = False):
-    """D item: dW_gate_up[g][H tile it, 2I tile jn] = sum over g's rows of x^T [dG dU].
-    DIRECT: the x rows are gathered from the tokens' home ranks instead of the pulled rows.
+                        POW2: tl.constexpr = False, DWT: tl.constexpr = 1):
+    """D item: dW_gate_up[g][H tile it, 2I tiles jn * DWT ..] = sum over g's rows of
+    x^T [dG dU], DWT tiles in one flattened loop (as the C items). DIRECT: the x rows are
+    gathered from the tokens' home ranks instead of the pulled rows.
     XW (``bwd_pull_ahead``, or ``bwd_fused_pull`` with dA items that do not wait for the
     pull): also waits until every row block of g has its rows pulled (``_pulled_rows``).
     FP8W: e4m3 tiles of the transposed copies (``xqT_desc`` [L*H, P], ``gqT_desc``
@@ -771,34 +802,67 @@ def _wgrad_gate_up_item(g, it, jn, lr, gst, total, P, pre_d_desc, xg_d_desc, ctr
         ok = _pulled_rows(ok, xgrp, g, start, end, err, budget, BM, F32_DOT)
     if ok != 0:
         hcols = it * HALF + tl.arange(0, HALF)
-        fcols = jn * BN + tl.arange(0, BN)
-        if FP8W:  # x^T and [dG dU]^T copies
-            acc = _fp8_wgrad_tile(xqT_desc, lr * H + it * HALF, gqT_desc,
-                                  lr * (2 * I) + jn * BN, start, end, HALF, BN, BKW, F32_DOT)
-            s_x = e4m3_scales(tl.load(gxam + hcols), POW2)[1]
-            acc = acc * s_x[:, None] * tl.load(srg + g * (2 * I) + fcols)[None, :]
-        else:
-            acc = tl.zeros((HALF, BN), dtype=tl.float32)
-            for r0 in range(start, end, BKW):
-                if DIRECT:
-                    x = _home_tile(src, r0, x_base, x_tab, hcols, T, S, K, H, BKW)
-                else:
-                    x = xg_d_desc.load([lr * P + r0, it * HALF])  # pulled x rows [BKW, HALF]
-                dgu = pre_d_desc.load([lr * P + r0, jn * BN])  # [BKW, BN]
-                acc = mma(tl.trans(x), dgu, acc, F32_DOT)
         out = dw1 + (lr * E + g).to(tl.int64) * (H * 2 * I)
         if HAS_SHARED:
             if g == E:
                 out = dws1 + lr.to(tl.int64) * (H * 2 * I)
         out_rows = out + hcols.to(tl.int64)[:, None] * (2 * I)
-        if INTERLEAVED:  # columns alternate gate c, up c: back to the canonical layout
-            dg, du = tl.split(tl.reshape(acc, (HALF, HALF, 2)))
-            c = jn * HALF + tl.arange(0, HALF)
-            tl.store(out_rows + c[None, :], dg.to(tl.bfloat16))
-            tl.store(out_rows + (I + c)[None, :], du.to(tl.bfloat16))
-        else:
-            tl.store(out_rows + fcols[None, :], acc.to(tl.bfloat16))
+        if DWT == 1:  # one tile, no loop: the build the GPU-tested default runs
+            acc = _wgrad_gate_up_tile(jn, it, hcols, g, lr, start, end, P, pre_d_desc,
+                                      xg_d_desc, T, H, I, S, K, BN, BKW, F32_DOT, src, x_base,
+                                      x_tab, DIRECT, FP8W, xqT_desc, gqT_desc, srg, gxam, POW2)
+            _store_dw_gate_up(out_rows, acc, jn, I, BN, INTERLEAVED)
+        else:  # one flattened loop: the next tile's loads overlap a tile's store
+            for jj in tl.range(0, DWT, flatten=True, num_stages=2):
+                jt = jn * DWT + jj
+                acc = _wgrad_gate_up_tile(jt, it, hcols, g, lr, start, end, P, pre_d_desc,
+                                          xg_d_desc, T, H, I, S, K, BN, BKW, F32_DOT, src,
+                                          x_base, x_tab, DIRECT, FP8W, xqT_desc, gqT_desc, srg,
+                                          gxam, POW2)
+                _store_dw_gate_up(out_rows, acc, jt, I, BN, INTERLEAVED)
     return ok
+
+
+@triton.jit
+def _wgrad_gate_up_tile(jn, it, hcols, g, lr, start, end, P, pre_d_desc, xg_d_desc, T,
+                        H: tl.constexpr, I: tl.constexpr, S: tl.constexpr, K: tl.constexpr,
+                        BN: tl.constexpr, BKW: tl.constexpr, F32_DOT: tl.constexpr, src,
+                        x_base, x_tab, DIRECT: tl.constexpr, FP8W: tl.constexpr, xqT_desc,
+                        gqT_desc, srg, gxam, POW2: tl.constexpr):
+    """dW_gate_up[g][H tile it, 2I tile jn] as fp32 [BN / 2, BN]: the sum over rows
+    start..end of x^T [dG dU] (see ``_wgrad_gate_up_item``)."""
+    HALF: tl.constexpr = BN // 2
+    fcols = jn * BN + tl.arange(0, BN)
+    if FP8W:  # x^T and [dG dU]^T copies
+        acc = _fp8_wgrad_tile(xqT_desc, lr * H + it * HALF, gqT_desc,
+                              lr * (2 * I) + jn * BN, start, end, HALF, BN, BKW, F32_DOT)
+        s_x = e4m3_scales(tl.load(gxam + hcols), POW2)[1]
+        acc = acc * s_x[:, None] * tl.load(srg + g * (2 * I) + fcols)[None, :]
+    else:
+        acc = tl.zeros((HALF, BN), dtype=tl.float32)
+        for r0 in range(start, end, BKW):
+            if DIRECT:
+                x = _home_tile(src, r0, x_base, x_tab, hcols, T, S, K, H, BKW)
+            else:
+                x = xg_d_desc.load([lr * P + r0, it * HALF])  # pulled x rows [BKW, HALF]
+            dgu = pre_d_desc.load([lr * P + r0, jn * BN])  # [BKW, BN]
+            acc = mma(tl.trans(x), dgu, acc, F32_DOT)
+    return acc
+
+
+@triton.jit
+def _store_dw_gate_up(out_rows, acc, jn, I: tl.constexpr, BN: tl.constexpr,
+                      INTERLEAVED: tl.constexpr):
+    """Store a [BN / 2, BN] dW_gate_up tile of 2I tile jn as bf16 at the rows ``out_rows``;
+    INTERLEAVED: its columns alternate gate c, up c, stored back in the canonical layout."""
+    HALF: tl.constexpr = BN // 2
+    if INTERLEAVED:
+        dg, du = tl.split(tl.reshape(acc, (HALF, HALF, 2)))
+        c = jn * HALF + tl.arange(0, HALF)
+        tl.store(out_rows + c[None, :], dg.to(tl.bfloat16))
+        tl.store(out_rows + (I + c)[None, :], du.to(tl.bfloat16))
+    else:
+        tl.store(out_rows + (jn * BN + tl.arange(0, BN))[None, :], acc.to(tl.bfloat16))
 
 
 @triton.jit
@@ -844,7 +908,7 @@ def mok_backward_kernel(
         DIRA: tl.constexpr = False, XWD: tl.constexpr = False, RQT: tl.constexpr = False,
         hs_a_desc=None, trace_ptr=None, MAXT=0, TRACE: tl.constexpr = False,
         PFT: tl.constexpr = False, QI: tl.constexpr = False, DXBAND: tl.constexpr = 0,
-        CHM: tl.constexpr = False):
+        CHM: tl.constexpr = False, DWT: tl.constexpr = 1):
     """One persistent program per SM; see the module docstring for the work order. FENCE:
     rows pulled in this launch (PULL or PA): the C and D items fence the async proxy after
     their group's acquire. FP8DA (``bwd_fp8_da``): the A items' FP8 tiles read dY as FP8
@@ -878,6 +942,7 @@ def mok_backward_kernel(
     DXBAND (``bwd_dx_band``) > 1: the B items in bands of DXBAND row blocks, H tiles outer
     (``_banded``); CHM (``bwd_dw_down_h_major``): a group's C items H tile outer, I tile
     inner. Both only reorder items of one section, whose waits all point at earlier ones.
+    DWT (``bwd_dw_tiles``): each C and D item covers DWT adjacent H (C) or 2I (D) tiles.
     TRACE (profiling only): every item of the main ticket order writes (start, end) in
     global-timer nanoseconds, its program within the logical rank and its kind (0 A, 1 B,
     2 Q, 3 C, 4 D; pull items of PA count with the section they sit in) to ``trace_ptr``
@@ -890,8 +955,10 @@ def mok_backward_kernel(
     NQ: tl.constexpr = 3 * I // HALF if FP8W else 0  # Q items per group
     NA: tl.constexpr = I // (DAC * DAT)  # A items per row block
     NB: tl.constexpr = H // (BN * DXT)  # B items per row block
-    NC: tl.constexpr = (I // HALF) * (H // BN)  # C items per group
-    ND: tl.constexpr = (H // HALF) * (2 * I // BN)  # D items per group
+    NCJ: tl.constexpr = H // (BN * DWT)  # H tile groups of a C item's I tile
+    NDJ: tl.constexpr = 2 * I // (BN * DWT)  # 2I tile groups of a D item's H tile
+    NC: tl.constexpr = (I // HALF) * NCJ  # C items per group
+    ND: tl.constexpr = (H // HALF) * NDJ  # D items per group
     pid = tl.program_id(0)
     lr = pid // PROGS
     ctr = ctr_ptr + lr * NCTR
@@ -1048,8 +1115,8 @@ def mok_backward_kernel(
                 i = vt - end_q
                 g = NG - 1 - i // NC
                 c = i % NC
-                ic = c // (H // BN)  # I tile, then H tile
-                jc = c % (H // BN)
+                ic = c // NCJ  # I tile, then H tile (group)
+                jc = c % NCJ
                 if CHM:  # H tile outer, I tile inner
                     ic = c % (I // HALF)
                     jc = c // (I // HALF)
@@ -1058,18 +1125,18 @@ def mok_backward_kernel(
                                       E, NBMAX, budget, H, I, S, K, HAS_SHARED, BM, BN, BKWF,
                                       DAC, F32_DOT, FENCE, src, dy_base, tab16, DIRECT,
                                       FP8W, qready, NQ, hqT_desc, dyqT_desc, srh, gdyam_ptr,
-                                      POW2, PULLG, xgrp)
+                                      POW2, PULLG, xgrp, DWT)
         else:
             if PHASES & 8:
                 i = vt - end_c
                 g = NG - 1 - i // ND
                 d = i % ND
-                ok = _wgrad_gate_up_item(g, d // (2 * I // BN), d % (2 * I // BN), lr, gst,
+                ok = _wgrad_gate_up_item(g, d // NDJ, d % NDJ, lr, gst,
                                          total, P, pre_d_desc, xg_d_desc, ctr, err, dw1_ptr,
                                          dws1_ptr, T, E, NBMAX, budget, H, I, S, K, HAS_SHARED,
                                          BM, BN, BKWF, DAC, F32_DOT, INTERLEAVED, FENCE, src,
                                          x_base, x_tab, DIRECT, xgrp, XWD, FP8W, qready,
-                                         NQ, xqT_desc, gqT_desc, srg, gxam_ptr, POW2)
+                                         NQ, xqT_desc, gqT_desc, srg, gxam_ptr, POW2, DWT)
         if TRACE:
             kind = tl.where(vt < end_a, 0, tl.where(vt < end_b, 1, tl.where(
                 vt < end_q, 2, tl.where(vt < end_c, 3, 4))))

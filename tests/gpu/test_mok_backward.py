@@ -106,7 +106,9 @@ def test_wide_da_items_match_reference(wide):
                                    "bwd_pull_programs": 32},
                                   {"bwd_dx_band": 16, "bwd_dx_tma": True},
                                   {"bwd_dx_band": 3, "bwd_dw_down_h_major": True},
-                                  {"bwd_pull_by_token": True}])
+                                  {"bwd_pull_by_token": True},
+                                  {"bwd_dw_tiles": 4},
+                                  {"bwd_dw_tiles": 2, "bwd_dw_down_h_major": True}])
 def test_backward_variants_match_the_default_bitwise(ranks, rows):
     """bwd_fused_pull: the pull items inside the backward megakernel (rows written with plain
     stores, read through TMA after a proxy fence; by every program or by 32 of them),
@@ -117,7 +119,8 @@ def test_backward_variants_match_the_default_bitwise(ranks, rows):
     pass) and bwd_direct_da (the dA items gather dY at home; with the pull items, which they
     then do not wait for) and bwd_dx_band / bwd_dw_down_h_major (the dX items in bands of row
     blocks, the dW_down items H tile outer) and bwd_pull_by_token (the pull token by token,
-    then zeros in the padding rows) give the default backward's gradients (and the
+    then zeros in the padding rows) and bwd_dw_tiles (several weight-gradient tiles per item)
+    give the default backward's gradients (and the
     reference's), bitwise, on a rerun as well."""
     base = dict(gate_up_interleaved=True, minibatch=256, macrobatch=768, tma=True,
                 num_stages=4)
@@ -424,11 +427,13 @@ def test_block_column_maxima_give_the_two_pass_gradients_bitwise(ranks, shared):
 @pytest.mark.parametrize("ranks, shared, knobs", [
     (1, True, {"bwd_prefetch_ticket": True}), (2, False, {"bwd_q_interleave": True}),
     (1, True, {"bwd_prefetch_ticket": True, "bwd_q_interleave": True}),
-    (2, True, {"bwd_dx_band": 16, "bwd_dw_down_h_major": True})])
+    (2, True, {"bwd_dx_band": 16, "bwd_dw_down_h_major": True}),
+    (1, True, {"bwd_dw_tiles": 4})])
 def test_ticket_order_knobs_give_the_same_gradients_bitwise(ranks, shared, knobs):
     """``bwd_prefetch_ticket`` (the next ticket claimed when an item starts),
     ``bwd_q_interleave`` (the Q items among the dX items) and ``bwd_dx_band`` with
-    ``bwd_dw_down_h_major`` (the dX and dW_down items reordered) on the whole FP8 backward:
+    ``bwd_dw_down_h_major`` (the dX and dW_down items reordered) and ``bwd_dw_tiles`` (four
+    weight-gradient tiles per item) on the whole FP8 backward:
     every gradient bitwise the default order's, reruns bitwise equal."""
     _fp8_variant_is_bitwise(ranks, shared, knobs, 17)
 

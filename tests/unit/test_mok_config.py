@@ -26,6 +26,8 @@ from mok_kernels import MoKConfig, MoKConfigError, plan
     ({"bwd_direct_rows": True, "bwd_fused_pull": True}, "bwd_direct_rows"),
     ({"bwd_direct_rows": 1}, "bwd_direct_rows"),
     ({"bwd_dx_tiles": 0}, "bwd_dx_tiles"),
+    ({"bwd_dw_tiles": 0}, "bwd_dw_tiles"),
+    ({"bwd_dw_tiles": True}, "bwd_dw_tiles"),
     ({"bwd_da_tiles": 65}, "bwd_da_tiles"),
     ({"bwd_dx_tma": 1}, "bwd_dx_tma"),
     ({"bwd_fp8_da": "yes"}, "bwd_fp8_da"),
@@ -88,6 +90,11 @@ def test_shape_check_and_defaults():
     with pytest.raises(MoKConfigError, match=r"^bwd_dx_tiles=3 is invalid: allowed a divisor "
                                              r"of hidden / block_n \(28\)"):
         MoKConfig(block_n=256, bwd_dx_tiles=3).check_shape(7168, 2048)
+    MoKConfig(block_n=256, bwd_dw_tiles=4).check_shape(7168, 2048)  # 28 H and 16 2I tiles
+    with pytest.raises(MoKConfigError, match=r"^bwd_dw_tiles=8 is invalid: allowed a divisor "
+                                             r"of hidden / block_n \(28\) and 2 \* "
+                                             r"intermediate / block_n \(16\)"):
+        MoKConfig(block_n=256, bwd_dw_tiles=8).check_shape(7168, 2048)
     MoKConfig(block_n=256, bwd_da_tiles=4).check_shape(7168, 2048)  # 16 dA tiles of 128
     with pytest.raises(MoKConfigError, match=r"^bwd_da_tiles=3 is invalid: allowed a divisor "
                                              r"of the dA tiles of the intermediate size \(8\)"):
