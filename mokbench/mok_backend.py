@@ -125,7 +125,15 @@ def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int
     items run in bands of 16 row blocks, H tiles outer (``bwd_dx_band``), on one Hopper rank:
     at Kimi K2 48 x 16384 on one H200 the profiling script timed the bf16 backward at 40.043
     ms (bands of 8: 40.301, of 32: 40.513) against 41.523 and 41.398 ms row block by row
-    block (notes/mok-kernel.md); unmeasured in FP8, at EP > 1 and on Blackwell.
+    block (notes/mok-kernel.md); unmeasured in FP8, at EP > 1 and on Blackwell. Where experts
+    are small (fewer than 256 rows per local expert on average) on one Hopper rank, each
+    weight-gradient item covers four tiles (``bwd_dw_tiles``; two or one where four do not
+    divide the shape's tiles): at Kimi K2 384 x 4096 (about 85 rows per expert) the backward
+    took 28.373 ms against 32.197 with one (results/20261201-200246-h200-mok-dw-tiles); where
+    experts are well loaded it is slower (its loop runs two pipeline stages: 45.631 against
+    40.979 ms at Kimi K2 48 x 16384 and 19.916 against 17.756 at Qwen3.5 in the profiling
+    script, notes/mok-kernel.md); unmeasured in FP8, between 256 and 2048 rows per expert, at
+    EP > 1 and on Blackwell.
 
     Why: each measured faster on H200 than its alternatives, and the tile rule keeps to where
     it was measured (notes/mok-kernel.md, "Why the mok backend's defaults are what they
@@ -138,12 +146,25 @@ def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int
     mb = min(mb, -(-rows // 128) * 128)
     loaded = bool(local_experts) and tokens * topk >= 2048 * local_experts
     tiles = 4 if loaded and arch < 100 else 1
+    small = bool(local_experts) and tokens * topk < 256 * local_experts
     return {"minibatch": mb, "macrobatch": 3 * mb, "fwd_comm_sms": 0 if world_size == 1 else 16,
             "tma": True, "gate_up_interleaved": True, "num_stages": 4,
             "compile_schedule": True, "gate_up_tiles": tiles, "down_tiles": tiles,
             "bwd_dx_tma": arch < 100, "bwd_wide_da": arch < 100,
             "bwd_pull_dedup": world_size > 1, "skew_down": arch < 100 and world_size == 1,
-            "bwd_dx_band": 16 if arch < 100 and world_size == 1 else 0}
+            "bwd_dx_band": 16 if arch < 100 and world_size == 1 else 0,
+            "bwd_dw_tiles": (_dw_tiles(hidden, intermediate)
+                             if small and arch < 100 and world_size == 1 else 1)}
+
+
+def _dw_tiles(hidden: int, intermediate: int) -> int:
+    """Weight-gradient tiles per backward item where experts are small: 4, else 2, else 1,
+    the most that divide both the H and the 2I tiles at the shape's block_n."""
+    from mok_kernels import MoKConfig
+
+    bn = MoKConfig.for_shape(hidden, intermediate).block_n
+    return next((d for d in (4, 2) if hidden // bn % d == 0 and 2 * intermediate // bn % d == 0),
+                1)
 
 
 def graph_option(options: dict | None = None) -> bool:

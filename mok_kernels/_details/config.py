@@ -250,7 +250,8 @@ class MoKConfig:
         times from HBM (at Kimi K2 48 x 16384 about 3.8 of the pull's 7.5 GB); token by token
         once (0.5 GB). The same bytes in the same rows, so the same gradients. Needs the bf16
         separate pull (not bwd_direct_rows, bwd_fused_pull, bwd_pull_ahead, bwd_pull_dedup or
-        bwd_fp8_wgrad). Off by default: not yet run on a GPU.
+        bwd_fp8_wgrad). Off by default: no faster on one H200 at Kimi K2 48 x 16384 (the
+        profiling script, notes/mok-kernel.md).
     bwd_dw_tiles: adjacent tiles per weight-gradient work item of the backward (a dW_down
         item's H tiles, a dW_gate_up item's 2I tiles), in one flattened loop, so the software
         pipeline loads the next tile's first rows while a tile is stored. Their K loop runs
@@ -259,7 +260,9 @@ class MoKConfig:
         the other. Must divide hidden / block_n and 2 * intermediate / block_n. The loop
         runs two pipeline stages: at three or four, its buffers and the store's staging need
         more than sm_90's 227 KB of shared memory (295 and 393 KB, Triton 3.9). The same
-        sums, so the same gradients. 1 by default: not yet run on a GPU.
+        sums, so the same gradients. 1 here; the mok backend sets 4 on one Hopper rank where
+        experts are small (at Kimi K2 384 x 4096 on one H200 its backward took 28.373 ms
+        against 32.197; where experts are well loaded the two-stage loop is slower).
     bwd_fp8_block_k: the reduction step of the backward's FP8 items (with bwd_fp8_da,
         bwd_fp8_dx or bwd_fp8_wgrad): 64 (the bf16 items' step, 128 bytes of bf16 per row)
         or 128 (128 bytes of e4m3 per row, the FP8 forward's block_k: half the K-loop
