@@ -353,6 +353,7 @@ class MoKBackend(BackendBase):
                         + (",dw_down_h_major=1" if c.bwd_dw_down_h_major else "")
                         + (",pull_by_token=1" if c.bwd_pull_by_token else "")
                         + (f",dw_tiles={c.bwd_dw_tiles}" if c.bwd_dw_tiles > 1 else "")
+                        + (f",dw_stages={c.bwd_dw_stages}" if c.bwd_dw_stages != 2 else "")
                         + (f",da_tiles={c.bwd_da_tiles}" if c.bwd_da_tiles > 1 else "")
                         + (",dx_tma=1" if c.bwd_dx_tma else "")
                         + (f",pull_ahead={c.bwd_pull_ahead}" if c.bwd_pull_ahead else "")

@@ -494,7 +494,8 @@ def backward_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots:
                 PBR=min(wgrad_rows(cfg), cfg.bwd_bm), PCH=min(128, _row_chunk(hidden)),
                 QBM=cfg.bwd_fp8_block_colmax, RQT=cfg.bwd_fp8_requant_tma,
                 PFT=cfg.bwd_prefetch_ticket, QI=cfg.bwd_q_interleave,
-                DXBAND=cfg.bwd_dx_band, CHM=cfg.bwd_dw_down_h_major, DWT=cfg.bwd_dw_tiles)
+                DXBAND=cfg.bwd_dx_band, CHM=cfg.bwd_dw_down_h_major, DWT=cfg.bwd_dw_tiles,
+                DWSC=cfg.bwd_dw_stages - (cfg.bwd_dw_stages > 2), DWSD=cfg.bwd_dw_stages)
 
 
 def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tensor,

@@ -257,12 +257,19 @@ class MoKConfig:
         pipeline loads the next tile's first rows while a tile is stored. Their K loop runs
         over the expert's rows: with few rows per expert (Kimi K2 384 x 4096 on one GPU: about
         85, one or two steps) an item is mostly its loads' latency and its store, one after
-        the other. Must divide hidden / block_n and 2 * intermediate / block_n. The loop
-        runs two pipeline stages: at three or four, its buffers and the store's staging need
-        more than sm_90's 227 KB of shared memory (295 and 393 KB, Triton 3.9). The same
-        sums, so the same gradients. 1 here; the mok backend sets 4 on one Hopper rank where
-        experts are small (at Kimi K2 384 x 4096 on one H200 its backward took 28.373 ms
-        against 32.197; where experts are well loaded the two-stage loop is slower).
+        the other. Must divide hidden / block_n and 2 * intermediate / block_n. The loops run
+        ``bwd_dw_stages`` pipeline stages. The same sums, so the same gradients. 1 here; the
+        mok backend sets 4 on one Hopper rank where experts are small (at Kimi K2 384 x 4096
+        on one H200 its backward took 28.373 ms against 32.197; where experts are well loaded
+        the two-stage loop is slower).
+    bwd_dw_stages: pipeline stages of the flattened weight-gradient loops (with
+        bwd_dw_tiles > 1): 2, or 4 (the dW_gate_up loop at four, the dW_down loop at three).
+        Two is what the tiles were first timed with; it loads only one step ahead, too little
+        where an expert's K loop is long. Four and three because their buffers fit in
+        sm_90's shared memory together (229408 of 232448 bytes, Triton 3.9), while two loops of
+        the same depth are placed apart (294968 bytes at three and three, 393280 at four and
+        four). Off
+        (2) by default: not yet run on a GPU.
     bwd_fp8_block_k: the reduction step of the backward's FP8 items (with bwd_fp8_da,
         bwd_fp8_dx or bwd_fp8_wgrad): 64 (the bf16 items' step, 128 bytes of bf16 per row)
         or 128 (128 bytes of e4m3 per row, the FP8 forward's block_k: half the K-loop
@@ -326,6 +333,7 @@ class MoKConfig:
     bwd_dw_down_h_major: bool = False
     bwd_pull_by_token: bool = False
     bwd_dw_tiles: int = 1
+    bwd_dw_stages: int = 2
     fp8: str = "none"
     fp8_pow2_scales: bool = False
 
@@ -445,6 +453,8 @@ class MoKConfig:
         _check(isinstance(self.bwd_dw_tiles, int) and not isinstance(self.bwd_dw_tiles, bool)
                and 1 <= self.bwd_dw_tiles <= 64, "bwd_dw_tiles", self.bwd_dw_tiles,
                "an integer in 1..64 (a divisor of the weight gradients' tiles per row)")
+        _check(self.bwd_dw_stages in (2, 4) and not isinstance(self.bwd_dw_stages, bool),
+               "bwd_dw_stages", self.bwd_dw_stages, "2 | 4")
         _check(isinstance(self.bwd_pull_by_token, bool), "bwd_pull_by_token",
                self.bwd_pull_by_token, "true | false")
         _check(not self.bwd_pull_by_token or not (

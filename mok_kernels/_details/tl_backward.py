@@ -710,11 +710,12 @@ def _wgrad_down_item(g, it, jn, lr, gst, total, P, hs_c_desc, dyg_c_desc, ctr, e
                      FP8W: tl.constexpr = False, qready=None, NQ: tl.constexpr = 0,
                      hqT_desc=None, dyqT_desc=None, srh=None, gdyam=None,
                      POW2: tl.constexpr = False, XW: tl.constexpr = False, xgrp=None,
-                     DWT: tl.constexpr = 1):
+                     DWT: tl.constexpr = 1, DWS: tl.constexpr = 2):
     """C item: dW_down[g][I tile it, H tiles jn * DWT ..] = sum over g's rows of (r h)^T dY;
     waits for every A item of g (they write r h). DWT tiles (``bwd_dw_tiles``) in one
-    flattened loop, so the software pipeline loads a tile's first rows during the store of
-    the one before (the K loops are short where experts are small). DIRECT: the dY rows
+    flattened loop of DWS pipeline stages, so the software pipeline loads a tile's first rows
+    during the store of the one before (the K loops are short where experts are small).
+    DIRECT: the dY rows
     are gathered from their home ranks instead of read from the pulled rows. FP8W: e4m3
     tiles of the transposed copies (``hqT_desc`` [L*I, P], ``dyqT_desc`` [L*H, P]: K-major,
     a pure FP8 K loop), then the column scales (r h's of group g in ``srh``, dY's from the
@@ -738,7 +739,7 @@ def _wgrad_down_item(g, it, jn, lr, gst, total, P, hs_c_desc, dyg_c_desc, ctr, e
                                    DIRECT, FP8W, hqT_desc, dyqT_desc, srh, gdyam, POW2)
             tl.store(out_rows + (jn * BN + tl.arange(0, BN))[None, :], acc.to(tl.bfloat16))
         else:  # one flattened loop: the next tile's loads overlap a tile's store
-            for jj in tl.range(0, DWT, flatten=True, num_stages=2):
+            for jj in tl.range(0, DWT, flatten=True, num_stages=DWS):
                 jt = jn * DWT + jj
                 acc = _wgrad_down_tile(jt, it, icols, g, lr, start, end, P, hs_c_desc,
                                        dyg_c_desc, T, H, I, S, K, BN, BKW, F32_DOT, src,
@@ -786,7 +787,8 @@ def _wgrad_gate_up_item(g, it, jn, lr, gst, total, P, pre_d_desc, xg_d_desc, ctr
                         DIRECT: tl.constexpr = False, xgrp=None, XW: tl.constexpr = False,
                         FP8W: tl.constexpr = False, qready=None, NQ: tl.constexpr = 0,
                         xqT_desc=None, gqT_desc=None, srg=None, gxam=None,
-                        POW2: tl.constexpr = False, DWT: tl.constexpr = 1):
+                        POW2: tl.constexpr = False, DWT: tl.constexpr = 1,
+                        DWS: tl.constexpr = 2):
     """D item: dW_gate_up[g][H tile it, 2I tiles jn * DWT ..] = sum over g's rows of
     x^T [dG dU], DWT tiles in one flattened loop (as the C items). DIRECT: the x rows are
     gathered from the tokens' home ranks instead of the pulled rows.
@@ -813,7 +815,7 @@ def _wgrad_gate_up_item(g, it, jn, lr, gst, total, P, pre_d_desc, xg_d_desc, ctr
                                       x_tab, DIRECT, FP8W, xqT_desc, gqT_desc, srg, gxam, POW2)
             _store_dw_gate_up(out_rows, acc, jn, I, BN, INTERLEAVED)
         else:  # one flattened loop: the next tile's loads overlap a tile's store
-            for jj in tl.range(0, DWT, flatten=True, num_stages=2):
+            for jj in tl.range(0, DWT, flatten=True, num_stages=DWS):
                 jt = jn * DWT + jj
                 acc = _wgrad_gate_up_tile(jt, it, hcols, g, lr, start, end, P, pre_d_desc,
                                           xg_d_desc, T, H, I, S, K, BN, BKW, F32_DOT, src,
@@ -908,7 +910,8 @@ def mok_backward_kernel(
         DIRA: tl.constexpr = False, XWD: tl.constexpr = False, RQT: tl.constexpr = False,
         hs_a_desc=None, trace_ptr=None, MAXT=0, TRACE: tl.constexpr = False,
         PFT: tl.constexpr = False, QI: tl.constexpr = False, DXBAND: tl.constexpr = 0,
-        CHM: tl.constexpr = False, DWT: tl.constexpr = 1):
+        CHM: tl.constexpr = False, DWT: tl.constexpr = 1, DWSC: tl.constexpr = 2,
+        DWSD: tl.constexpr = 2):
     """One persistent program per SM; see the module docstring for the work order. FENCE:
     rows pulled in this launch (PULL or PA): the C and D items fence the async proxy after
     their group's acquire. FP8DA (``bwd_fp8_da``): the A items' FP8 tiles read dY as FP8
@@ -942,7 +945,8 @@ def mok_backward_kernel(
     DXBAND (``bwd_dx_band``) > 1: the B items in bands of DXBAND row blocks, H tiles outer
     (``_banded``); CHM (``bwd_dw_down_h_major``): a group's C items H tile outer, I tile
     inner. Both only reorder items of one section, whose waits all point at earlier ones.
-    DWT (``bwd_dw_tiles``): each C and D item covers DWT adjacent H (C) or 2I (D) tiles.
+    DWT (``bwd_dw_tiles``): each C and D item covers DWT adjacent H (C) or 2I (D) tiles, in
+    flattened loops of DWSC and DWSD pipeline stages (``bwd_dw_stages``).
     TRACE (profiling only): every item of the main ticket order writes (start, end) in
     global-timer nanoseconds, its program within the logical rank and its kind (0 A, 1 B,
     2 Q, 3 C, 4 D; pull items of PA count with the section they sit in) to ``trace_ptr``
@@ -1125,7 +1129,7 @@ def mok_backward_kernel(
                                       E, NBMAX, budget, H, I, S, K, HAS_SHARED, BM, BN, BKWF,
                                       DAC, F32_DOT, FENCE, src, dy_base, tab16, DIRECT,
                                       FP8W, qready, NQ, hqT_desc, dyqT_desc, srh, gdyam_ptr,
-                                      POW2, PULLG, xgrp, DWT)
+                                      POW2, PULLG, xgrp, DWT, DWSC)
         else:
             if PHASES & 8:
                 i = vt - end_c
@@ -1136,7 +1140,8 @@ def mok_backward_kernel(
                                          dws1_ptr, T, E, NBMAX, budget, H, I, S, K, HAS_SHARED,
                                          BM, BN, BKWF, DAC, F32_DOT, INTERLEAVED, FENCE, src,
                                          x_base, x_tab, DIRECT, xgrp, XWD, FP8W, qready,
-                                         NQ, xqT_desc, gqT_desc, srg, gxam_ptr, POW2, DWT)
+                                         NQ, xqT_desc, gqT_desc, srg, gxam_ptr, POW2, DWT,
+                                         DWSD)
         if TRACE:
             kind = tl.where(vt < end_a, 0, tl.where(vt < end_b, 1, tl.where(
                 vt < end_q, 2, tl.where(vt < end_c, 3, 4))))

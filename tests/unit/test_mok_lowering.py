@@ -199,6 +199,23 @@ def test_tiles_per_item_backward_fits(knobs):
     assert not lw.spills, lw.ptxas_log
 
 
+@pytest.mark.parametrize("stages", [2, 4])
+def test_weight_gradient_tiles_per_item_fit_at_their_depth(stages):
+    """``bwd_dw_tiles``: four weight-gradient tiles per item in flattened loops of
+    ``bwd_dw_stages`` (2: both loops two deep; 4: dW_gate_up four, dW_down three, the one
+    pairing of deeper loops that fits beside each other); the whole backward fits in shared
+    memory and spills nothing (no shared expert)."""
+    cfg = mk.MoKConfig.for_shape(H, I, **{**_defaults().__dict__, "bwd_dw_tiles": 4,
+                                          "bwd_dw_stages": stages})
+    lw = mk.compile_megakernel(cfg, H, I, kernel="backward")
+    assert lw.shared_bytes <= SMEM_LIMIT, lw.shared_bytes
+    assert not lw.spills, lw.ptxas_log
+    c_depth, d_depth = (2, 2) if stages == 2 else (3, 4)
+    for depth, operand in ((c_depth, "x128xbf16"), (c_depth, "x256xbf16"),
+                           (d_depth, "x128xbf16"), (d_depth, "x256xbf16")):
+        assert f"memdesc<{depth}x64{operand}" in lw.ttgir, (depth, operand)
+
+
 @pytest.mark.parametrize("dx_tiles", [1, 4])
 def test_dx_items_through_tma_build_without_copies(dx_tiles):
     """``bwd_dx_tma``: the dX (B) items alone (phase mask 2) load both GEMM operands through
