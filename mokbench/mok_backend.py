@@ -84,11 +84,13 @@ def fp8_backward_fields(arch: int = 90) -> dict:
     11.725 / 4.239 ms against the bf16 backward's 24.613 / 13.670 / 4.131 at Kimi K2.7 Code,
     DeepSeek-V4-Pro and Qwen3.5 (2.6% slower at the smallest shape, Qwen3.5). Not on Blackwell
     (unverified there): the bf16 backward. Any of these knobs can be set back by a variant
-    (``mok@bwd_fp8_wgrad=false``)."""
+    (``mok@bwd_fp8_wgrad=false``). One weight-gradient tile per item (``bwd_dw_tiles``, four
+    in bf16 cells): the FP8 items' build spills more with four (312 against 144 bytes at
+    Kimi K2, Triton 3.9), and they have not been timed so."""
     if arch >= 100:
         return {}
     return {"bwd_fp8_da": True, "bwd_fp8_dx": True, "bwd_fp8_wgrad": True,
-            "bwd_fp8_block_k": 128}
+            "bwd_fp8_block_k": 128, "bwd_dw_tiles": 1}
 
 
 def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int,
@@ -125,15 +127,16 @@ def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int
     items run in bands of 16 row blocks, H tiles outer (``bwd_dx_band``), on one Hopper rank:
     at Kimi K2 48 x 16384 on one H200 the profiling script timed the bf16 backward at 40.043
     ms (bands of 8: 40.301, of 32: 40.513) against 41.523 and 41.398 ms row block by row
-    block (notes/mok-kernel.md); unmeasured in FP8, at EP > 1 and on Blackwell. Where experts
-    are small (fewer than 256 rows per local expert on average) on one Hopper rank, each
-    weight-gradient item covers four tiles (``bwd_dw_tiles``; two or one where four do not
-    divide the shape's tiles): at Kimi K2 384 x 4096 (about 85 rows per expert) the backward
-    took 28.373 ms against 32.197 with one (results/20261201-200246-h200-mok-dw-tiles); where
-    experts are well loaded it is slower (its loop runs two pipeline stages: 45.631 against
-    40.979 ms at Kimi K2 48 x 16384 and 19.916 against 17.756 at Qwen3.5 in the profiling
-    script, notes/mok-kernel.md); unmeasured in FP8, between 256 and 2048 rows per expert, at
-    EP > 1 and on Blackwell.
+    block (notes/mok-kernel.md); unmeasured in FP8, at EP > 1 and on Blackwell. On one
+    Hopper rank each bf16 weight-gradient item covers four tiles (``bwd_dw_tiles``; two or
+    one where four do not divide the shape's tiles) in loops four and three stages deep
+    (``bwd_dw_stages``): with two-stage loops, at Kimi K2 384 x 4096 (about 85 rows per
+    expert) the backward took 28.373 ms against 32.197 with one tile
+    (results/20261201-200246-h200-mok-dw-tiles) but was slower where experts are well
+    loaded; with the deeper loops the profiling script timed it faster at every shape it ran
+    (Kimi K2 48 x 16384: 39.548 and 39.840 ms against 40.434; Qwen3.5: 17.165 against
+    17.458; Kimi K2 384 x 4096: 27.031, notes/mok-kernel.md); not yet a sweep, off in FP8
+    cells (``fp8_backward_fields``), unmeasured at EP > 1 and on Blackwell.
 
     Why: each measured faster on H200 than its alternatives, and the tile rule keeps to where
     it was measured (notes/mok-kernel.md, "Why the mok backend's defaults are what they
@@ -146,20 +149,20 @@ def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int
     mb = min(mb, -(-rows // 128) * 128)
     loaded = bool(local_experts) and tokens * topk >= 2048 * local_experts
     tiles = 4 if loaded and arch < 100 else 1
-    small = bool(local_experts) and tokens * topk < 256 * local_experts
+    one_hopper = arch < 100 and world_size == 1
     return {"minibatch": mb, "macrobatch": 3 * mb, "fwd_comm_sms": 0 if world_size == 1 else 16,
             "tma": True, "gate_up_interleaved": True, "num_stages": 4,
             "compile_schedule": True, "gate_up_tiles": tiles, "down_tiles": tiles,
             "bwd_dx_tma": arch < 100, "bwd_wide_da": arch < 100,
             "bwd_pull_dedup": world_size > 1, "skew_down": arch < 100 and world_size == 1,
             "bwd_dx_band": 16 if arch < 100 and world_size == 1 else 0,
-            "bwd_dw_tiles": (_dw_tiles(hidden, intermediate)
-                             if small and arch < 100 and world_size == 1 else 1)}
+            "bwd_dw_tiles": _dw_tiles(hidden, intermediate) if one_hopper else 1,
+            "bwd_dw_stages": 4 if one_hopper else 2}
 
 
 def _dw_tiles(hidden: int, intermediate: int) -> int:
-    """Weight-gradient tiles per backward item where experts are small: 4, else 2, else 1,
-    the most that divide both the H and the 2I tiles at the shape's block_n."""
+    """Weight-gradient tiles per backward item: 4, else 2, else 1, the most that divide both
+    the H and the 2I tiles at the shape's block_n."""
     from mok_kernels import MoKConfig
 
     bn = MoKConfig.for_shape(hidden, intermediate).block_n

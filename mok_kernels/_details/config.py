@@ -259,17 +259,18 @@ class MoKConfig:
         85, one or two steps) an item is mostly its loads' latency and its store, one after
         the other. Must divide hidden / block_n and 2 * intermediate / block_n. The loops run
         ``bwd_dw_stages`` pipeline stages. The same sums, so the same gradients. 1 here; the
-        mok backend sets 4 on one Hopper rank where experts are small (at Kimi K2 384 x 4096
-        on one H200 its backward took 28.373 ms against 32.197; where experts are well loaded
-        the two-stage loop is slower).
+        mok backend sets 4 (with bwd_dw_stages 4) in bf16 cells on one Hopper rank (at Kimi
+        K2 384 x 4096 on one H200 its backward took 28.373 ms against 32.197 with two-stage
+        loops, which were slower where experts are well loaded; notes/mok-kernel.md).
     bwd_dw_stages: pipeline stages of the flattened weight-gradient loops (with
         bwd_dw_tiles > 1): 2, or 4 (the dW_gate_up loop at four, the dW_down loop at three).
         Two is what the tiles were first timed with; it loads only one step ahead, too little
         where an expert's K loop is long. Four and three because their buffers fit in
         sm_90's shared memory together (229408 of 232448 bytes, Triton 3.9), while two loops of
         the same depth are placed apart (294968 bytes at three and three, 393280 at four and
-        four). Off
-        (2) by default: not yet run on a GPU.
+        four). 2 here; the mok backend sets 4 with bwd_dw_tiles: the profiling script timed
+        the deeper loops faster at Kimi K2 48 x 16384, 384 x 4096 and Qwen3.5 on one H200
+        (they fit there too, Triton 3.6).
     bwd_fp8_block_k: the reduction step of the backward's FP8 items (with bwd_fp8_da,
         bwd_fp8_dx or bwd_fp8_wgrad): 64 (the bf16 items' step, 128 bytes of bf16 per row)
         or 128 (128 bytes of e4m3 per row, the FP8 forward's block_k: half the K-loop

@@ -48,14 +48,11 @@ def test_defaults_follow_two_waves_and_cap_at_rows():
     # the backward's dX items in bands of 16 row blocks on one Hopper rank only
     assert big["bwd_dx_band"] == 16 and bw["bwd_dx_band"] == 0
     assert default_config_fields(7168, 2048, 8192, 8, 132, world_size=2)["bwd_dx_band"] == 0
-    # four weight-gradient tiles per item where experts are small, on one Hopper rank only
-    small = default_config_fields(7168, 2048, 4096, 8, 132, local_experts=384)
-    assert small["bwd_dw_tiles"] == 4 and big["bwd_dw_tiles"] == 1
-    assert default_config_fields(7168, 2048, 16384, 8, 132, local_experts=48)["bwd_dw_tiles"] == 1
-    assert default_config_fields(7168, 2048, 4096, 8, 148, local_experts=384,
-                                 arch=100)["bwd_dw_tiles"] == 1
-    assert default_config_fields(7168, 2048, 4096, 8, 132, world_size=2,
-                                 local_experts=192)["bwd_dw_tiles"] == 1
+    # four weight-gradient tiles per item, four and three stages deep, on one Hopper rank
+    assert (big["bwd_dw_tiles"], big["bwd_dw_stages"]) == (4, 4)
+    assert (bw["bwd_dw_tiles"], bw["bwd_dw_stages"]) == (1, 2)
+    ep2 = default_config_fields(7168, 2048, 4096, 8, 132, world_size=2, local_experts=192)
+    assert (ep2["bwd_dw_tiles"], ep2["bwd_dw_stages"]) == (1, 2)
     # H 7168 = 28 tiles of 256, 2I 1536 = 6: two tiles divide both, four do not
     assert default_config_fields(7168, 768, 4096, 8, 132, local_experts=384)["bwd_dw_tiles"] == 2
 
