@@ -728,17 +728,14 @@ def _wgrad_down_item(g, it, jn, lr, gst, total, P, hs_c_desc, dyg_c_desc, ctr, e
         ok = _pulled_rows(ok, xgrp, g, start, end, err, budget, BM, F32_DOT)
     if ok != 0:
         icols = it * HALF + tl.arange(0, HALF)
-        out = dw2 + (lr * E + g).to(tl.int64) * (I * H)
-        if HAS_SHARED:
-            if g == E:
-                out = dws2 + lr.to(tl.int64) * (I * H)
-        out_rows = out + icols.to(tl.int64)[:, None] * H
-        if DWT == 1:  # one tile, no loop: the build the GPU-tested default runs
+        if DWT == 1:  # one tile, no loop; the output rows after the GEMM (fewer live values)
             acc = _wgrad_down_tile(jn, it, icols, g, lr, start, end, P, hs_c_desc, dyg_c_desc,
                                    T, H, I, S, K, BN, BKW, F32_DOT, src, dy_base, tab16,
                                    DIRECT, FP8W, hqT_desc, dyqT_desc, srh, gdyam, POW2)
+            out_rows = _dw_rows(dw2, dws2, lr, g, E, icols, I * H, H, HAS_SHARED)
             tl.store(out_rows + (jn * BN + tl.arange(0, BN))[None, :], acc.to(tl.bfloat16))
         else:  # one flattened loop: the next tile's loads overlap a tile's store
+            out_rows = _dw_rows(dw2, dws2, lr, g, E, icols, I * H, H, HAS_SHARED)
             for jj in tl.range(0, DWT, flatten=True, num_stages=DWS):
                 jt = jn * DWT + jj
                 acc = _wgrad_down_tile(jt, it, icols, g, lr, start, end, P, hs_c_desc,
@@ -748,6 +745,18 @@ def _wgrad_down_item(g, it, jn, lr, gst, total, P, hs_c_desc, dyg_c_desc, ctr, e
                 tl.store(out_rows + (jt * BN + tl.arange(0, BN))[None, :],
                          acc.to(tl.bfloat16))
     return ok
+
+
+@triton.jit
+def _dw_rows(dw, dws, lr, g, E, rows, SIZE: tl.constexpr, ROW: tl.constexpr,
+             HAS_SHARED: tl.constexpr):
+    """Pointers to rows ``rows`` ([n, 1], ROW elements each) of group g's weight gradient
+    (SIZE elements per expert in ``dw``; the shared expert's, g == E, in ``dws``)."""
+    out = dw + (lr * E + g).to(tl.int64) * SIZE
+    if HAS_SHARED:
+        if g == E:
+            out = dws + lr.to(tl.int64) * SIZE
+    return out + rows.to(tl.int64)[:, None] * ROW
 
 
 @triton.jit
@@ -804,17 +813,14 @@ def _wgrad_gate_up_item(g, it, jn, lr, gst, total, P, pre_d_desc, xg_d_desc, ctr
         ok = _pulled_rows(ok, xgrp, g, start, end, err, budget, BM, F32_DOT)
     if ok != 0:
         hcols = it * HALF + tl.arange(0, HALF)
-        out = dw1 + (lr * E + g).to(tl.int64) * (H * 2 * I)
-        if HAS_SHARED:
-            if g == E:
-                out = dws1 + lr.to(tl.int64) * (H * 2 * I)
-        out_rows = out + hcols.to(tl.int64)[:, None] * (2 * I)
-        if DWT == 1:  # one tile, no loop: the build the GPU-tested default runs
+        if DWT == 1:  # one tile, no loop; the output rows after the GEMM (fewer live values)
             acc = _wgrad_gate_up_tile(jn, it, hcols, g, lr, start, end, P, pre_d_desc,
                                       xg_d_desc, T, H, I, S, K, BN, BKW, F32_DOT, src, x_base,
                                       x_tab, DIRECT, FP8W, xqT_desc, gqT_desc, srg, gxam, POW2)
+            out_rows = _dw_rows(dw1, dws1, lr, g, E, hcols, H * 2 * I, 2 * I, HAS_SHARED)
             _store_dw_gate_up(out_rows, acc, jn, I, BN, INTERLEAVED)
         else:  # one flattened loop: the next tile's loads overlap a tile's store
+            out_rows = _dw_rows(dw1, dws1, lr, g, E, hcols, H * 2 * I, 2 * I, HAS_SHARED)
             for jj in tl.range(0, DWT, flatten=True, num_stages=DWS):
                 jt = jn * DWT + jj
                 acc = _wgrad_gate_up_tile(jt, it, hcols, g, lr, start, end, P, pre_d_desc,
