@@ -85,7 +85,7 @@ def fp8_backward_fields(arch: int = 90) -> dict:
     DeepSeek-V4-Pro and Qwen3.5 (2.6% slower at the smallest shape, Qwen3.5). Not on Blackwell
     (unverified there): the bf16 backward. Any of these knobs can be set back by a variant
     (``mok@bwd_fp8_wgrad=false``). One weight-gradient tile per item (``bwd_dw_tiles``, four
-    in bf16 cells): the FP8 items' build spills more with four (312 against 144 bytes at
+    in bf16 cells): the FP8 items' build spills more with four (312 against 164 bytes at
     Kimi K2, Triton 3.9), and they have not been timed so."""
     if arch >= 100:
         return {}
