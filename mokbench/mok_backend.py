@@ -134,9 +134,10 @@ def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int
     expert) the backward took 28.373 ms against 32.197 with one tile
     (results/20261201-200246-h200-mok-dw-tiles) but was slower where experts are well
     loaded; with the deeper loops the profiling script timed it faster at every shape it ran
-    (Kimi K2 48 x 16384: 39.548 and 39.840 ms against 40.434; Qwen3.5: 17.165 against
-    17.458; Kimi K2 384 x 4096: 27.031, notes/mok-kernel.md); not yet a sweep, off in FP8
-    cells (``fp8_backward_fields``), unmeasured at EP > 1 and on Blackwell.
+    (Kimi K2 48 x 16384: 39.548 and 39.840 ms against 40.434, and 40.043 in an earlier
+    session, the one-tile build of this one spilling; Qwen3.5: 17.165 against 17.458; Kimi
+    K2 384 x 4096: 27.031, notes/mok-kernel.md); not yet a sweep, off in FP8 cells
+    (``fp8_backward_fields``), unmeasured at EP > 1 and on Blackwell.
 
     Why: each measured faster on H200 than its alternatives, and the tile rule keeps to where
     it was measured (notes/mok-kernel.md, "Why the mok backend's defaults are what they
@@ -154,8 +155,8 @@ def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int
             "tma": True, "gate_up_interleaved": True, "num_stages": 4,
             "compile_schedule": True, "gate_up_tiles": tiles, "down_tiles": tiles,
             "bwd_dx_tma": arch < 100, "bwd_wide_da": arch < 100,
-            "bwd_pull_dedup": world_size > 1, "skew_down": arch < 100 and world_size == 1,
-            "bwd_dx_band": 16 if arch < 100 and world_size == 1 else 0,
+            "bwd_pull_dedup": world_size > 1, "skew_down": one_hopper,
+            "bwd_dx_band": 16 if one_hopper else 0,
             "bwd_dw_tiles": _dw_tiles(hidden, intermediate) if one_hopper else 1,
             "bwd_dw_stages": 4 if one_hopper else 2}
 
