@@ -212,7 +212,9 @@ def config_from_env(hidden: int, intermediate: int, defaults: dict,
     a knob that replaces the backward's separate pull (``_NO_SEPARATE_PULL``) turns off the
     defaults that need it unless they are asked for too (then the conflict is the error),
     one ring slot (macrobatch = minibatch) turns off the default ``skew_down`` the same way,
-    and ``bwd_pull_ahead`` the default ``bwd_dx_band``."""
+    ``bwd_pull_ahead`` the default ``bwd_dx_band``, and ``bwd_direct_rows`` or
+    ``bwd_direct_da`` the default ``bwd_dw_tiles`` (their row gathers beside the deep
+    weight-gradient loops spill on sm_90)."""
     from mok_kernels import MoKConfig
 
     fields = dict(defaults)
@@ -234,6 +236,9 @@ def config_from_env(hidden: int, intermediate: int, defaults: dict,
         fields["skew_down"] = False  # one ring slot asked for: the default order needs two
     if "bwd_dx_band" not in over and fields.get("bwd_pull_ahead"):
         fields["bwd_dx_band"] = 0  # the pull-ahead order keeps its row blocks' dX items
+    if "bwd_dw_tiles" not in over and (fields.get("bwd_direct_rows")
+                                        or fields.get("bwd_direct_da")):
+        fields["bwd_dw_tiles"] = 1  # row gathers beside the deep weight-gradient loops spill
     return MoKConfig.for_shape(hidden, intermediate, **fields)
 
 

@@ -226,3 +226,15 @@ def test_pull_by_token_turns_off_the_default_pull_dedup_unless_asked_for():
     assert cfg.bwd_pull_by_token and not cfg.bwd_pull_dedup
     with pytest.raises(MoKConfigError, match="bwd_pull_by_token"):
         config_from_env(7168, 2048, d, {"bwd_pull_by_token": True, "bwd_pull_dedup": True})
+
+
+def test_row_gathers_turn_off_the_default_weight_gradient_tiles_unless_asked_for():
+    """``bwd_direct_rows`` and ``bwd_direct_da`` gather rows through registers; beside the
+    deep weight-gradient loops their sm_90 build spills, so a variant asking for either runs
+    one weight-gradient tile per item unless it asks for tiles too."""
+    d = default_config_fields(7168, 2048, 16384, 8, 132, local_experts=48)
+    assert config_from_env(7168, 2048, d).bwd_dw_tiles == 4
+    assert config_from_env(7168, 2048, d, {"bwd_direct_rows": True}).bwd_dw_tiles == 1
+    assert config_from_env(7168, 2048, d, {"bwd_direct_da": True}).bwd_dw_tiles == 1
+    assert config_from_env(7168, 2048, d, {"bwd_direct_da": True,
+                                           "bwd_dw_tiles": 2}).bwd_dw_tiles == 2

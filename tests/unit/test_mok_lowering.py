@@ -160,8 +160,10 @@ def test_direct_rows_backward_gathers_rows_by_asynchronous_copies():
     """``bwd_direct_rows``: no pulled-row descriptors; the dY and x rows the A, C and D items
     gather from their home ranks reach shared memory by 16-byte asynchronous copies (the
     row offsets are known multiples of 8 elements), never staged through registers; the
-    build fits and spills nothing (no shared expert)."""
-    cfg = mk.MoKConfig.for_shape(H, I, **{**_defaults().__dict__, "bwd_direct_rows": True})
+    build fits and spills nothing (no shared expert; one weight-gradient tile per item, as
+    the backend runs it: the gathers beside the deep weight-gradient loops spill)."""
+    cfg = mk.MoKConfig.for_shape(H, I, **{**_defaults().__dict__, "bwd_direct_rows": True,
+                                          "bwd_dw_tiles": 1})
     lw = mk.compile_megakernel(cfg, H, I, kernel="backward")
     assert lw.shared_bytes <= SMEM_LIMIT
     assert not lw.spills, lw.ptxas_log
@@ -174,9 +176,10 @@ def test_direct_da_with_pull_items_gathers_dy_and_fences(pullers):
     """``bwd_direct_da`` with ``bwd_fused_pull``: the dA items gather dY's rows at home by
     16-byte asynchronous copies (never staged through registers) while pull items feed the
     weight-gradient items, whose TMA reads of the pulled rows follow an async-proxy fence;
-    the build fits and spills nothing (with the shared expert)."""
+    the build fits and spills nothing (with the shared expert; one weight-gradient tile per
+    item, as the backend runs it)."""
     cfg = mk.MoKConfig.for_shape(H, I, **{**_defaults().__dict__, "bwd_direct_da": True,
-                                          "bwd_fused_pull": True,
+                                          "bwd_fused_pull": True, "bwd_dw_tiles": 1,
                                           "bwd_pull_programs": pullers})
     lw = mk.compile_megakernel(cfg, H, I, shared=True, kernel="backward")
     assert lw.shared_bytes <= SMEM_LIMIT
@@ -286,7 +289,8 @@ def test_fp8_weight_gradients_build_with_e4m3_mmas(dgrad8):
     from mokbench.mok_backend import default_config_fields
 
     fields = {**default_config_fields(H, I, 16384, 8, 132, 1, 48, 90), "bwd_fp8_wgrad": True,
-              "bwd_fp8_da": dgrad8, "bwd_fp8_dx": dgrad8}
+              "bwd_fp8_da": dgrad8, "bwd_fp8_dx": dgrad8,
+              "bwd_dw_tiles": 1}  # one tile per item in FP8 cells (fp8_backward_fields)
     cfg = mk.MoKConfig.for_shape(H, I, **fields)
     lw = mk.compile_megakernel(cfg, H, I, shared=True, kernel="backward")
     assert lw.shared_bytes <= SMEM_LIMIT
