@@ -495,7 +495,7 @@ def backward_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots:
                 QBM=cfg.bwd_fp8_block_colmax, RQT=cfg.bwd_fp8_requant_tma,
                 PFT=cfg.bwd_prefetch_ticket, QI=cfg.bwd_q_interleave,
                 DXBAND=cfg.bwd_dx_band, CHM=cfg.bwd_dw_down_h_major, DWT=cfg.bwd_dw_tiles,
-                DWSC=cfg.bwd_dw_stages - (cfg.bwd_dw_stages > 2), DWSD=cfg.bwd_dw_stages)
+                DWSC=3 if cfg.bwd_dw_stages == 4 else 2, DWSD=cfg.bwd_dw_stages)
 
 
 def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tensor,
