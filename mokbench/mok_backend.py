@@ -86,11 +86,12 @@ def fp8_backward_fields(arch: int = 90) -> dict:
     (unverified there): the bf16 backward. Any of these knobs can be set back by a variant
     (``mok@bwd_fp8_wgrad=false``). One weight-gradient tile per item (``bwd_dw_tiles``, four
     in bf16 cells): the FP8 items' build spills more with four (312 against 164 bytes at
-    Kimi K2, Triton 3.9), and they have not been timed so."""
+    Kimi K2, Triton 3.9), and they have not been timed so; one dX tile per item
+    (``bwd_dx_tiles``), as the FP8 backward was timed."""
     if arch >= 100:
         return {}
     return {"bwd_fp8_da": True, "bwd_fp8_dx": True, "bwd_fp8_wgrad": True,
-            "bwd_fp8_block_k": 128, "bwd_dw_tiles": 1}
+            "bwd_fp8_block_k": 128, "bwd_dw_tiles": 1, "bwd_dx_tiles": 1}
 
 
 def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int,
@@ -136,8 +137,16 @@ def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int
     loaded; with the deeper loops the profiling script timed it faster at every shape it ran
     (Kimi K2 48 x 16384: 39.548 and 39.840 ms against 40.434, and 40.043 in an earlier
     session, the one-tile build of this one spilling; Qwen3.5: 17.165 against 17.458; Kimi
-    K2 384 x 4096: 27.031, notes/mok-kernel.md); not yet a sweep, off in FP8 cells
-    (``fp8_backward_fields``), unmeasured at EP > 1 and on Blackwell.
+    K2 384 x 4096: 27.031, notes/mok-kernel.md); in the sweep at 2b6be5e
+    (results/20261201-223055-h200-bf16-train) 40.556 against 41.414 ms at Kimi K2 48 x 16384
+    and 45.981 against 46.193 at Kimi K2.7 Code, 17.756 against 17.525 at Qwen3.5 (each
+    inside the other's spread); off in FP8 cells (``fp8_backward_fields``), unmeasured at
+    EP > 1 and on Blackwell. And each dX item covers four H tiles (``bwd_dx_tiles``; two or
+    one where four do not divide them) on one Hopper rank: at Kimi K2 48 x 16384 the
+    profiling script timed the backward at 39.648 and 39.498 ms against 39.954 and 40.134
+    (alternating, notes/mok-kernel.md); with the shared expert its sm_90 build spills less
+    (none at Kimi K2.7 Code against 48 bytes, Triton 3.9); not yet a sweep, off in FP8 cells,
+    unmeasured at EP > 1 and on Blackwell.
 
     Why: each measured faster on H200 than its alternatives, and the tile rule keeps to where
     it was measured (notes/mok-kernel.md, "Why the mok backend's defaults are what they
@@ -158,7 +167,8 @@ def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int
             "bwd_pull_dedup": world_size > 1, "skew_down": one_hopper,
             "bwd_dx_band": 16 if one_hopper else 0,
             "bwd_dw_tiles": _dw_tiles(hidden, intermediate) if one_hopper else 1,
-            "bwd_dw_stages": 4 if one_hopper else 2}
+            "bwd_dw_stages": 4 if one_hopper else 2,
+            "bwd_dx_tiles": _dx_tiles(hidden, intermediate) if one_hopper else 1}
 
 
 def _dw_tiles(hidden: int, intermediate: int) -> int:
@@ -169,6 +179,15 @@ def _dw_tiles(hidden: int, intermediate: int) -> int:
     bn = MoKConfig.for_shape(hidden, intermediate).block_n
     return next((d for d in (4, 2) if hidden // bn % d == 0 and 2 * intermediate // bn % d == 0),
                 1)
+
+
+def _dx_tiles(hidden: int, intermediate: int) -> int:
+    """H tiles per backward dX item: 4, else 2, else 1, the most that divide the H tiles at
+    the shape's block_n."""
+    from mok_kernels import MoKConfig
+
+    bn = MoKConfig.for_shape(hidden, intermediate).block_n
+    return next((d for d in (4, 2) if hidden // bn % d == 0), 1)
 
 
 def graph_option(options: dict | None = None) -> bool:
@@ -213,8 +232,9 @@ def config_from_env(hidden: int, intermediate: int, defaults: dict,
     defaults that need it unless they are asked for too (then the conflict is the error),
     one ring slot (macrobatch = minibatch) turns off the default ``skew_down`` the same way,
     ``bwd_pull_ahead`` the default ``bwd_dx_band``, and ``bwd_direct_rows`` or
-    ``bwd_direct_da`` the default ``bwd_dw_tiles`` (their row gathers beside the deep
-    weight-gradient loops spill on sm_90)."""
+    ``bwd_direct_da`` the default ``bwd_dw_tiles`` and ``bwd_dx_tiles`` (their row gathers
+    beside the deep weight-gradient loops spill on sm_90, more with four dX tiles and the
+    shared expert)."""
     from mok_kernels import MoKConfig
 
     fields = dict(defaults)
@@ -236,9 +256,10 @@ def config_from_env(hidden: int, intermediate: int, defaults: dict,
         fields["skew_down"] = False  # one ring slot asked for: the default order needs two
     if "bwd_dx_band" not in over and fields.get("bwd_pull_ahead"):
         fields["bwd_dx_band"] = 0  # the pull-ahead order keeps its row blocks' dX items
-    if "bwd_dw_tiles" not in over and (fields.get("bwd_direct_rows")
-                                        or fields.get("bwd_direct_da")):
-        fields["bwd_dw_tiles"] = 1  # row gathers beside the deep weight-gradient loops spill
+    if fields.get("bwd_direct_rows") or fields.get("bwd_direct_da"):
+        for k in ("bwd_dw_tiles", "bwd_dx_tiles"):  # row gathers beside them spill more
+            if k not in over:
+                fields[k] = 1
     return MoKConfig.for_shape(hidden, intermediate, **fields)
 
 

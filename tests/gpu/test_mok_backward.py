@@ -109,7 +109,9 @@ def test_wide_da_items_match_reference(wide):
                                   {"bwd_pull_by_token": True},
                                   {"bwd_dw_tiles": 4},
                                   {"bwd_dw_tiles": 2, "bwd_dw_down_h_major": True},
-                                  {"bwd_dw_tiles": 4, "bwd_dw_stages": 4}])
+                                  {"bwd_dw_tiles": 4, "bwd_dw_stages": 4},
+                                  {"bwd_dx_band": 16, "bwd_dx_tma": True, "bwd_dx_tiles": 4,
+                                   "bwd_dw_tiles": 4, "bwd_dw_stages": 4}])
 def test_backward_variants_match_the_default_bitwise(ranks, rows):
     """bwd_fused_pull: the pull items inside the backward megakernel (rows written with plain
     stores, read through TMA after a proxy fence; by every program or by 32 of them),

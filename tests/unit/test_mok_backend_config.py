@@ -55,6 +55,9 @@ def test_defaults_follow_two_waves_and_cap_at_rows():
     assert (ep2["bwd_dw_tiles"], ep2["bwd_dw_stages"]) == (1, 2)
     # H 7168 = 28 tiles of 256, 2I 1536 = 6: two tiles divide both, four do not
     assert default_config_fields(7168, 768, 4096, 8, 132, local_experts=384)["bwd_dw_tiles"] == 2
+    # four dX tiles per item on one Hopper rank (two where four do not divide the H tiles)
+    assert big["bwd_dx_tiles"] == 4 and bw["bwd_dx_tiles"] == 1 and ep2["bwd_dx_tiles"] == 1
+    assert default_config_fields(1536, 1024, 4096, 8, 132, local_experts=8)["bwd_dx_tiles"] == 2
 
 
 def test_pull_ahead_turns_off_the_default_dx_bands_unless_asked_for():
@@ -238,3 +241,8 @@ def test_row_gathers_turn_off_the_default_weight_gradient_tiles_unless_asked_for
     assert config_from_env(7168, 2048, d, {"bwd_direct_da": True}).bwd_dw_tiles == 1
     assert config_from_env(7168, 2048, d, {"bwd_direct_da": True,
                                            "bwd_dw_tiles": 2}).bwd_dw_tiles == 2
+    # and the default four dX tiles (with the shared expert they spill more beside the gathers)
+    assert config_from_env(7168, 2048, d).bwd_dx_tiles == 4
+    assert config_from_env(7168, 2048, d, {"bwd_direct_rows": True}).bwd_dx_tiles == 1
+    assert config_from_env(7168, 2048, d, {"bwd_direct_rows": True,
+                                           "bwd_dx_tiles": 4}).bwd_dx_tiles == 4

@@ -740,7 +740,7 @@ BAND_SCRIPT = COMMON + textwrap.dedent("""
         out = []
         for knobs in ({}, {"bwd_dx_band": 2}, {"bwd_dx_band": 3},
                       {"bwd_dx_band": 1024, "bwd_dw_down_h_major": True},
-                      {"bwd_dw_down_h_major": True}):
+                      {"bwd_dw_down_h_major": True}, {"bwd_dx_band": 3, "bwd_dx_tiles": 2}):
             cfg = config(True, **base, **knobs)
             out.append(run_fp8(cfg, L, T, E, K, shared, H, I, x, idx, p, W, dy)[0])
         for i in range(1, len(out)):
@@ -752,10 +752,12 @@ BAND_SCRIPT = COMMON + textwrap.dedent("""
 
 def test_dx_bands_and_h_major_dw_down_give_the_same_gradients_bitwise():
     """``bwd_dx_band`` (the dX items in bands of row blocks, H tiles outer; bands of 2, of
-    3 with a shorter last band, one band of all) and ``bwd_dw_down_h_major`` (a group's dW_down
-    items H tile outer): every gradient bitwise the default order's, bf16 and the whole FP8
-    backward, two loopback ranks (an item left out or run twice at the wrong place leaves a
-    dX slot or weight-gradient tile unwritten: a mismatch)."""
+    3 with a shorter last band, one band of all; bands of items of two H tiles each,
+    ``bwd_dx_tiles``, as mok's one-rank Hopper default runs them) and
+    ``bwd_dw_down_h_major`` (a group's dW_down items H tile outer): every gradient bitwise
+    the default order's, bf16 and the whole FP8 backward, two loopback ranks (an item left
+    out or run twice at the wrong place leaves a dX slot or weight-gradient tile unwritten:
+    a mismatch)."""
     _prints(run_interpreted(BAND_SCRIPT), "band ok", 1)
 
 
