@@ -656,11 +656,11 @@ def backward(config: MoKConfig, ws: Workspace, context: ForwardContext, dy_TH: t
     bb = _buffers(ws)
     st = context.schedule.tensors
     dy_src = _dy_source(ws, bb, dy_TH)
-    if config.bwd_fp8_da:  # dY quantised once, at its home rank (one scale per token row)
-        rows_NH = torch.empty(L * T, H, dtype=torch.bfloat16, device=ws.device)
-        quantize_tokens_into("rowwise", dy_TH.reshape(L * T, H), rows_NH,
-                             pow2_scales=config.fp8_pow2_scales)
-        bb.dyq_LTH.copy_(rows_NH.view(bb.dyq_LTH.shape))  # rank-strided in loopback
+    if config.bwd_fp8_da:  # dY quantised once, at its home rank (one scale per token row),
+        dy_LTH = dy_TH.reshape(L, T, H)  # straight into each rank's (contiguous) rows
+        for lr in range(L):
+            quantize_tokens_into("rowwise", dy_LTH[lr], bb.dyq_LTH[lr],
+                                 pow2_scales=config.fp8_pow2_scales)
     bb.p_LTK.copy_(context.p_NK.view(bb.p_LTK.shape))
     if config.bwd_fp8_wgrad:  # each rank's column maxima, read by every rank after the barrier
         bb.xam_LH.copy_(_col_amax(context.x_TH.view(L, T, H)))

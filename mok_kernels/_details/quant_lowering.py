@@ -36,9 +36,11 @@ def _spec(kernel: str, size: int, pow2_scales: bool, soft_cast: bool, dtype: str
         # constant at launch; the lines of colwise are N output columns
         unit, tile, lines = (("elem_stride", tq.ROW_LINES, "i32") if kernel == "rowwise"
                              else ("line_stride", tq.COL_LINES, "i32/16"))
+        units = {unit: 1, "s_line_stride": 1} | ({"q_line_stride": 1} if unit == "line_stride"
+                                                  else {})
         sig = {**ptrs, "LINES": lines, "batch_stride": "i32/16", "line_stride": "i32/16",
-               "elem_stride": "i32/16"}
-        return tq._quant_lines_kernel, sig, {unit: 1, "LEN": size, **tile, **cast}, 4
+               "elem_stride": "i32/16", "q_line_stride": "i32/16", "s_line_stride": "i32"}
+        return tq._quant_lines_kernel, sig, {**units, "LEN": size, **tile, **cast}, 4
     if kernel == "weight_128x128":
         return tq._quant_w_kernel, ptrs, {"N": size, **cast}, 8
     if kernel == "mx":

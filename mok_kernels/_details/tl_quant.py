@@ -203,16 +203,19 @@ def _quant_w_kernel(w_ptr, q_ptr, s_ptr, N: tl.constexpr, POW2: tl.constexpr,
 
 @triton.jit
 def _quant_lines_kernel(x_ptr, q_ptr, s_ptr, LINES, batch_stride, line_stride, elem_stride,
-                        LEN: tl.constexpr, BL: tl.constexpr, BD: tl.constexpr, POW2: tl.constexpr,
-                        SOFT_CAST: tl.constexpr):
+                        q_line_stride, s_line_stride, LEN: tl.constexpr, BL: tl.constexpr,
+                        BD: tl.constexpr, POW2: tl.constexpr, SOFT_CAST: tl.constexpr):
     """One scale per line of LEN elements (rows of x: line_stride H, elem_stride 1; output
     columns of w: line_stride 1, elem_stride N), BL lines of batch ``program_id(1)`` per
     program, in two passes over the line: amax, then quantise. LEN is a constexpr so that
     the element mask is known to be all-true where BD divides it (vector loads). The line
     blocks are grid axis 0 (up to 2**31 - 1; axis 1 stops at 65535: 384 experts' rows of
-    7168 are 2.75 M lines)."""
+    7168 are 2.75 M lines). q's lines are ``q_line_stride`` apart (line_stride for a q shaped
+    like x; 2H for the FP8 row layout inside bf16 rows, ``quantize_rows_into``), the scales
+    ``s_line_stride`` apart (1; H / 2 fp32 in that layout)."""
     lines = tl.program_id(0) * BL + tl.arange(0, BL)
     base = tl.program_id(1).to(tl.int64) * batch_stride + lines.to(tl.int64) * line_stride
+    qbase = tl.program_id(1).to(tl.int64) * batch_stride + lines.to(tl.int64) * q_line_stride
     ok = lines < LINES
     amax = tl.zeros((BL,), dtype=tl.float32)
     for d in range(0, LEN, BD):
@@ -225,10 +228,11 @@ def _quant_lines_kernel(x_ptr, q_ptr, s_ptr, LINES, batch_stride, line_stride, e
     for d in range(0, LEN, BD):
         e = d + tl.arange(0, BD)
         m = ok[:, None] & (e < LEN)[None, :]
-        offs = base[:, None] + e.to(tl.int64)[None, :] * elem_stride
-        x = to_f32(tl.load(x_ptr + offs, mask=m, other=0.0), SOFT_CAST)
-        tl.store(q_ptr + offs, to_e4m3(x * inv[:, None], SOFT_CAST), mask=m)
-    tl.store(s_ptr + tl.program_id(1).to(tl.int64) * LINES + lines, scale, mask=ok)
+        e_off = e.to(tl.int64)[None, :] * elem_stride
+        x = to_f32(tl.load(x_ptr + base[:, None] + e_off, mask=m, other=0.0), SOFT_CAST)
+        tl.store(q_ptr + qbase[:, None] + e_off, to_e4m3(x * inv[:, None], SOFT_CAST), mask=m)
+    tl.store(s_ptr + (tl.program_id(1).to(tl.int64) * LINES + lines) * s_line_stride, scale,
+             mask=ok)
 
 
 @triton.jit
@@ -297,9 +301,29 @@ def _lines(x: torch.Tensor, batches: int, lines: int, length: int, strides: tupl
     tile = COL_LINES if strides[1] == 1 else ROW_LINES
     if batches and lines:
         _quant_lines_kernel[(triton.cdiv(lines, tile["BL"]), batches)](
-            x, q, s, lines, *strides, LEN=length, **tile, POW2=pow2_scales,
+            x, q, s, lines, *strides, strides[1], 1, LEN=length, **tile, POW2=pow2_scales,
             SOFT_CAST=_soft(soft_cast), num_warps=4)
     return q, s
+
+
+def quantize_rows_into(x: torch.Tensor, rows_NH: torch.Tensor, *, pow2_scales: bool = False,
+                       soft_cast: bool | None = None) -> None:
+    """Rowwise FP8 of x [N, H] written straight into the row layout of ``rows_NH`` ([N, H]
+    bf16, contiguous: each row's 2H bytes hold H e4m3 values, then the row's fp32 scale at
+    byte H), the bytes ``quantize_rowwise`` and two copies would put there, in one pass: no
+    e4m3 temporary, no strided copies (about 0.7 GB less traffic for dY at Kimi K2 x 16384)."""
+    x_TH = _rows(x, 1, "quantize_rows_into")
+    T, H = x_TH.shape
+    if tuple(rows_NH.shape) != (T, H) or rows_NH.dtype != torch.bfloat16 or H % 4 \
+            or not rows_NH.is_contiguous():
+        raise ValueError(f"rows_NH {tuple(rows_NH.shape)} {rows_NH.dtype} is invalid: allowed a "
+                         f"contiguous bf16 [{T}, {H}] tensor (H a multiple of 4)")
+    q = rows_NH.view(torch.uint8).view(torch.float8_e4m3fn)  # [T, 2H]
+    s = rows_NH.view(torch.float32)[:, H // 4:]  # each row's scale at byte H
+    if T:
+        _quant_lines_kernel[(triton.cdiv(T, ROW_LINES["BL"]), 1)](
+            x_TH, q, s, T, 0, H, 1, 2 * H, H // 2, LEN=H, **ROW_LINES, POW2=pow2_scales,
+            SOFT_CAST=_soft(soft_cast), num_warps=4)
 
 
 def quantize_rowwise(x: torch.Tensor, *, pow2_scales: bool = False,

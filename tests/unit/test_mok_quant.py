@@ -239,6 +239,24 @@ SCRIPT = textwrap.dedent("""
     check("rowwise 200 wide", mk.quantize_rowwise(x[:, :200]), mk.ref_quantize_rowwise(x[:, :200]))
     check("colwise K 200", mk.quantize_weight_colwise(w[:, :200]),
           mk.ref_quantize_colwise(w[:, :200]))
+    from mok_kernels._details.ffn_fp8 import quantize_tokens_into
+    from mok_kernels._details.tl_quant import quantize_rows_into
+    for dt, xi in ((torch.float32, x), (torch.bfloat16, x.bfloat16()), (None, x[:, :200])):
+        # the row layout in one pass: the bytes of quantize_rowwise, values then the scale
+        n, h = xi.shape
+        q, sc = mk.quantize_rowwise(xi)
+        for fill in (float("nan"), 0.0):  # poisoned rows: every written byte shows
+            rows = torch.full((n, h), fill, dtype=torch.bfloat16)
+            quantize_rows_into(xi, rows)
+            raw = rows.view(torch.uint8)
+            check(f"rows into {dt} {fill}",
+                  (raw[:, :h].view(torch.float8_e4m3fn), raw[:, h:h + 4].view(torch.float32)),
+                  (q, sc.view(n, 1)))
+        if h % 128 == 0:  # the general path (quantise, then copy in): the same bytes
+            split = torch.zeros(n, h, dtype=torch.bfloat16)
+            quantize_tokens_into("blockwise", xi, split)
+            bq, _ = mk.quantize_blockwise(xi)
+            assert same_bits(split.view(torch.uint8)[:, :h].view(torch.float8_e4m3fn), bq)
     native = mk.quantize_blockwise(c, soft_cast=False)[0].view(torch.uint8)
     print("native-cast bytes off:", int((native != oracle_e4m3(c)).sum()), "of", c.numel())
 """)
@@ -250,8 +268,9 @@ def test_kernels_in_interpreter_match_reference_bitwise():
     out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
                          text=True, timeout=600, cwd=repo)
     assert out.returncode == 0, out.stderr[-3000:]
-    # fp32: 3 inputs x 6 checks; bf16, fp16: 1 x 6 each; weights: 3 dtypes x 4; 3 ragged
-    assert out.stdout.count("ok ") == 18 + 12 + 12 + 3, out.stdout
+    # fp32: 3 inputs x 6 checks; bf16, fp16: 1 x 6 each; weights: 3 dtypes x 4; 3 ragged;
+    # rowwise straight into the row layout: 3 inputs x 2 poisons
+    assert out.stdout.count("ok ") == 18 + 12 + 12 + 3 + 6, out.stdout
 
 
 @pytest.mark.parametrize("arch", [90, 100])
