@@ -40,7 +40,8 @@ class Capabilities:
     """What a backend can run. ``world_sizes=None`` means any; ``min_cc=None`` runs on CPU too.
 
     ``passes`` lists "forward" and/or "backward"; the "inference" pass (the forward under
-    ``torch.no_grad()``) runs wherever the forward does, unless ``inference=False`` opts out.
+    ``torch.no_grad()``) runs wherever the forward does, unless ``inference=False`` opts out,
+    and the "step" pass (forward and backward timed together) wherever both run.
     """
 
     passes: tuple[str, ...] = ("forward", "backward")
@@ -56,7 +57,9 @@ class Capabilities:
 
     def runs(self, pass_: str) -> bool:
         """Whether this backend runs ``pass_`` (inference: wherever forward runs, unless opted
-        out, so a backend need not list it)."""
+        out; step: wherever forward and backward run; so a backend need not list them)."""
+        if pass_ == "step":
+            return "forward" in self.passes and "backward" in self.passes
         if pass_ == "inference":
             return self.inference and ("inference" in self.passes or "forward" in self.passes)
         return pass_ in self.passes

@@ -70,10 +70,11 @@ def check_forward(y_TH: torch.Tensor, ref, precision: str) -> CheckResult:
 
 
 def check_backward(dx_TH, dprobs_TK, dweights: dict[str, torch.Tensor], ref,
-                   precision: str) -> CheckResult:
-    """Gradients against the reference; expert weight grads on the reference's checked experts."""
+                   precision: str, result: CheckResult | None = None) -> CheckResult:
+    """Gradients against the reference; expert weight grads on the reference's checked experts.
+    ``result``: add to it (a step's forward check) instead of a fresh one."""
     tol = TOLERANCE[precision]
-    res = CheckResult()
+    res = CheckResult() if result is None else result
     compare("dx", dx_TH, ref.dx_TH, tol, res)
     compare("d_router_weights", dprobs_TK, ref.dprobs_TK, tol, res)
     for name, g_ref in ref.dweights.items():

@@ -150,7 +150,8 @@ def run(
     zipf_s: float = typer.Option(1.0), seed: int = typer.Option(1234),
     shared_expert: bool = typer.Option(True, "--shared-expert/--no-shared-expert"),
     passes: str = typer.Option("forward,backward,inference",
-                               help="forward (training) | backward | inference (no_grad)"),
+                               help="forward (training) | backward | inference (no_grad) | "
+                                    "step (forward + backward, timed together)"),
     warmup: int = typer.Option(5), iters: int = typer.Option(20),
     out: Path = typer.Option(Path("results")), timeout_s: float = typer.Option(900.0),
     device: str = typer.Option("auto"),

@@ -53,14 +53,16 @@ TIMING_NOTE = (
     "includes schedule/dispatch/experts/combine/weighted sum. forward (training): autograd on, "
     "x and router weights require grad, each backend keeps what its backward needs; backward: "
     "timed after an untimed forward; inference (no_grad): the forward under torch.no_grad() on "
-    "inputs without grad."
+    "inputs without grad; step (forward + backward), where a sweep asks for it: the training "
+    "forward and its backward timed together."
 )
 FORMULA_NOTE = (
     "TFLOP/s = per-rank layer FLOPs / median time (forward and inference 6*(T + T*k)*H*I with "
-    "the shared expert, 6*T*k*H*I without; backward 2x forward). Speedup = fastest ok baseline "
-    "median (same scenario and pass) / this median. vs own bf16 (rows of another precision) = "
-    "the same backend's bf16 median at the same scenario and pass in this run / this median. "
-    "Ceiling = TFLOP/s / dense GEMM TFLOP/s measured on this machine for the precision."
+    "the shared expert, 6*T*k*H*I without; backward 2x forward; step 3x). Speedup = fastest ok "
+    "baseline median (same scenario and pass) / this median. vs own bf16 (rows of another "
+    "precision) = the same backend's bf16 median at the same scenario and pass in this run / "
+    "this median. Ceiling = TFLOP/s / dense GEMM TFLOP/s measured on this machine for the "
+    "precision."
 )
 
 

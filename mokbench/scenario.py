@@ -14,10 +14,14 @@ from mokbench.errors import InputError, is_int, is_number
 
 # forward: a training forward (autograd on, inputs require grad, each backend keeps what its
 # backward needs); backward: y.backward(dy) after an untimed forward; inference: the forward
-# under torch.no_grad() on inputs that do not require grad.
-PASSES = ("forward", "backward", "inference")
+# under torch.no_grad() on inputs that do not require grad; step (asked for by name, not a
+# default): the training forward and its backward timed together, as a training step runs
+# them (on a GPU at its power limit what runs before a backward sets its clock, so a step is
+# not always the sum of the other two).
+PASSES = ("forward", "backward", "inference", "step")
+DEFAULT_PASSES = ("forward", "backward", "inference")
 PASS_LABELS = {"forward": "forward (training)", "backward": "backward",
-               "inference": "inference (no_grad)"}
+               "inference": "inference (no_grad)", "step": "step (forward + backward)"}
 PRECISIONS = ("bf16", "fp8")
 ROUTINGS = ("uniform", "imbalanced", "rank_local")
 DEFAULT_SEED = 1234
@@ -129,7 +133,7 @@ class Scenario:
     shared_expert: bool = True
     zipf_s: float = 1.0
     seed: int = DEFAULT_SEED
-    passes: tuple[str, ...] = PASSES
+    passes: tuple[str, ...] = DEFAULT_PASSES
     timing: TimingConfig = field(default_factory=TimingConfig)
 
     def __post_init__(self) -> None:
@@ -172,12 +176,12 @@ class Scenario:
 
     def flops(self, pass_: str) -> float:
         """Layer FLOPs per rank as published: forward 6*(T + T*k)*H*I with the shared expert
-        (6*T*k*H*I without), backward twice the forward; inference does the forward's GEMMs, so
-        it counts the forward's FLOPs."""
+        (6*T*k*H*I without), backward twice the forward, a step both (three times the
+        forward); inference does the forward's GEMMs, so it counts the forward's FLOPs."""
         s = self.shape
         tokens = self.tokens_per_rank * s.topk + (self.tokens_per_rank if self.shared_expert else 0)
         fwd = 6.0 * tokens * s.hidden * s.intermediate
-        return 2.0 * fwd if pass_ == "backward" else fwd
+        return {"backward": 2.0, "step": 3.0}.get(pass_, 1.0) * fwd
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -187,7 +191,7 @@ class Scenario:
         d = dict(d)
         d["shape"] = ModelShape(**d["shape"])
         d["timing"] = TimingConfig(**d.get("timing", {}))
-        d["passes"] = tuple(d.get("passes", PASSES))
+        d["passes"] = tuple(d.get("passes", DEFAULT_PASSES))
         return Scenario(**d)
 
     def with_(self, **changes) -> Scenario:

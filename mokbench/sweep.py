@@ -16,7 +16,7 @@ A sweep file::
     routing = ["uniform", "imbalanced"]
     zipf_s = 1.2
     shared_expert = true
-    passes = ["forward", "backward", "inference"]  # the default: all three
+    passes = ["forward", "backward", "inference"]  # the default; also "step" (both, timed together)
     backends = ["nccl_torch"]                  # optional per-scenario override
 
 Every error is one line naming the field and what is allowed, raised before anything launches.
@@ -34,7 +34,7 @@ from pathlib import Path
 from mokbench.backend import check_backend_names
 from mokbench.errors import is_int, one_line
 from mokbench.scenario import (
-    PASSES,
+    DEFAULT_PASSES,
     ModelShape,
     Scenario,
     ScenarioError,
@@ -224,7 +224,7 @@ def expand(data: dict, auto_world: int, backends_override: list[str] | None = No
                 raise ScenarioError(f"{key}=[] is invalid: allowed a value or a non-empty list")
         check_backend_names(backends)
         variants = [b for b in backends if "@" in b]
-        passes = tuple(_as_list(spec.get("passes", PASSES)))
+        passes = tuple(_as_list(spec.get("passes", DEFAULT_PASSES)))
         grid_keys = [k for k in sorted(GRID_KEYS) if k in spec]
         if "tokens_per_rank" not in grid_keys:
             raise ScenarioError("scenario field 'tokens_per_rank' is missing: allowed a positive "

@@ -84,17 +84,19 @@ def _grad_mode(pass_: str):
 
 def _check_pass(pass_: str, backend, x, idx, p, inputs, ref, precision: str) -> dict:
     """One untimed run of the pass against the reference. Forward and inference check y;
-    backward checks dx, the router-weight gradient and the weight gradients. The forward row
-    also says whether y kept an autograd graph (``keeps_graph``)."""
+    backward checks dx, the router-weight gradient and the weight gradients; step checks y,
+    then the gradients (its errors: the larger of the two). The forward row also says whether
+    y kept an autograd graph (``keeps_graph``)."""
     if hasattr(backend, "poison"):
         backend.poison()
     with _grad_mode(pass_):
         y = backend.forward(x, idx, p)
     extra = {"keeps_graph": bool(y.requires_grad)} if pass_ == "forward" else {}
-    if pass_ == "backward":
+    if pass_ in ("backward", "step"):
+        fwd = check_forward(y, ref, precision) if pass_ == "step" else None
         backend.zero_grad()
         y.backward(inputs.dy_TH)
-        chk = check_backward(x.grad, p.grad, backend.weight_grads(), ref, precision)
+        chk = check_backward(x.grad, p.grad, backend.weight_grads(), ref, precision, fwd)
     else:
         chk = check_forward(y, ref, precision)
     del y
@@ -108,7 +110,18 @@ def _check_pass(pass_: str, backend, x, idx, p, inputs, ref, precision: str) -> 
 def _time_body(pass_: str, backend, x, idx, p, dy) -> tuple[Callable, Callable | None]:
     """(timed body, untimed prepare) of a pass. Forward: the training forward with autograd
     on (the graph it builds is dropped after each iteration). Inference: the same call under
-    ``torch.no_grad()``. Backward: ``y.backward(dy)`` after an untimed training forward."""
+    ``torch.no_grad()``. Backward: ``y.backward(dy)`` after an untimed training forward.
+    Step: the training forward and ``y.backward(dy)`` in one timed body, gradients cleared
+    before each (untimed), as before each backward."""
+    if pass_ == "step":
+        def clear() -> None:
+            backend.zero_grad()
+            x.grad = p.grad = None
+
+        def step() -> None:
+            backend.forward(x, idx, p).backward(dy)
+
+        return step, clear
     if pass_ != "backward":
         def forward() -> None:
             with _grad_mode(pass_):
@@ -155,6 +168,7 @@ def run_pass(pass_: str, backend, scenario: Scenario, ctx: RunContext, inputs, r
     forward (training): inputs require grad, autograd on, the backend keeps what its backward
     needs. inference: the forward under ``torch.no_grad()`` on inputs without grad; checked
     against the reference y like the forward. backward: timed after an untimed forward.
+    step: the training forward and its backward timed together (y and the gradients checked).
     """
     T = scenario.timing
     x, p = _pass_inputs(pass_, inputs)
@@ -198,7 +212,7 @@ def run_cell(cell: dict, cell_path: Path) -> None:
     weights = make_weights(scenario, ctx.rank, ctx.device)
     inputs = make_inputs(scenario, ctx.rank, ctx.device)
     ref = reference_layer(inputs, weights, rank=ctx.rank, group=ctx.group,
-                          backward="backward" in passes)
+                          backward="backward" in passes or "step" in passes)
     load = load_imbalance(expert_load_E(inputs.topk_idx_TK, scenario.shape.num_experts))
     try:
         backend.setup(scenario, ctx, weights)

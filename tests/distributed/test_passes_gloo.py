@@ -51,6 +51,27 @@ def test_passes_through_gloo(tmp_path):
     assert "forward (training) pass" in r.stdout and "inference (no_grad) pass" in r.stdout
 
 
+def test_step_pass_through_gloo(tmp_path):
+    """A sweep asking for the step pass (here beside the backward) gets a row for it: the
+    training forward and its backward timed together, checked, at three times the forward's
+    FLOPs, in the report under its own label."""
+    f = tmp_path / "s.toml"
+    f.write_text(SWEEP.replace('backends = ["grad_probe", "no_inference"]',
+                               'backends = ["grad_probe"]')
+                 + 'passes = ["backward", "step"]\n')
+    r = mokbench("sweep", str(f), "--device", "cpu", "--out", str(tmp_path / "out"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = {x["pass"]: x for x in read_rows(only_run_dir(tmp_path / "out") / "rows.jsonl")}
+    assert set(rows) == {"backward", "step"}
+    step = rows["step"]
+    assert step["status"] == "ok", step["reason"]
+    assert len(step["samples_ms"]) == 3 and step["max_rel_err"] < 1e-2
+    assert step["tflops"] > 0
+    assert "step (forward + backward) pass" in r.stdout
+    report = (only_run_dir(tmp_path / "out") / "report.md").read_text()
+    assert "## step (forward + backward)" in report
+
+
 def test_sweep_env_reaches_every_rank_and_is_recorded(tmp_path):
     """A sweep file's ``[env]`` table is set in every cell process (the probe backend logs
     only where its variable is set), recorded in env.json and in each row's repro command,
