@@ -56,3 +56,26 @@ def test_backend_fp8_cell_runs_the_fp8_backward_within_the_fp8_bound(monkeypatch
     backend.setup(sc, RunContext(device=dev), make_weights(sc, 0, dev))
     assert "bwd=fp8_da_dx_wgrad" in backend.variant, backend.variant
     backend.teardown()
+
+
+def test_backend_step_pass_is_checked_and_timed(monkeypatch):
+    """The step pass (training forward and backward in one timed body) through the worker's
+    own pass code, as a sweep cell runs it: y and every gradient pass the bf16 check, then
+    three steps are timed; one Hopper rank's defaults (four dX and dW tiles per item)."""
+    from mokbench.scenario import TimingConfig
+    from mokbench.worker import run_pass
+
+    monkeypatch.delenv("MOKBENCH_MOK_CONFIG", raising=False)
+    sc = Scenario(ModelShape("t", 16, 2048, 512, 4), tokens_per_rank=1024, world_size=1,
+                  passes=("step",), timing=TimingConfig(warmup=1, iters=3))
+    dev = torch.device("cuda")
+    ctx = RunContext(device=dev)
+    backend = get_backend("mok")
+    weights = make_weights(sc, 0, dev)
+    inputs = make_inputs(sc, 0, dev)
+    ref = reference_layer(inputs, weights, backward=True)
+    backend.setup(sc, ctx, weights)
+    out = run_pass("step", backend, sc, ctx, inputs, ref)
+    assert out["status"] == "ok", out.get("reason")
+    assert out["max_rel_err"] < 1e-2 and len(out["samples_ms"]) == 3
+    backend.teardown()
