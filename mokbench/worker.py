@@ -119,7 +119,8 @@ def _time_body(pass_: str, backend, x, idx, p, dy) -> tuple[Callable, Callable |
             x.grad = p.grad = None
 
         def step() -> None:
-            backend.forward(x, idx, p).backward(dy)
+            with _grad_mode(pass_):
+                backend.forward(x, idx, p).backward(dy)
 
         return step, clear
     if pass_ != "backward":
