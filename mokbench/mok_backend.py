@@ -396,7 +396,8 @@ class MoKBackend(BackendBase):
                         + (f",bwd_block_m={c.bwd_block_m}" if c.bwd_block_m else "")
                         + (f",bwd_fp8_block_k={c.bwd_fp8_block_k}"
                            if c.bwd_fp8_block_k != 64 and backward_kind(c) != "bf16" else "")
-                        + (",block_colmax=1" if c.bwd_fp8_block_colmax else ""))
+                        + (",block_colmax=1" if c.bwd_fp8_block_colmax else "")
+                        + (",da_rows=1" if c.bwd_fp8_da_rows else ""))
 
     def validate_options(self, scenario, options: dict) -> None:
         """Build the configuration a variant asks for (``mok@minibatch=512``) on the host, so

@@ -142,6 +142,7 @@ class BackwardScratch:
     dyg_LPH: torch.Tensor | None  # pulled dY rows (None with bwd_direct_rows)
     gq_LPG: torch.Tensor | None = None  # bwd_fp8_dx: dG/dU as FP8 rows (2I e4m3, a scale)
     wgrad8: Fp8WgradScratch | None = None  # bwd_fp8_wgrad
+    dyqr_LPH: torch.Tensor | None = None  # bwd_fp8_da_rows: FP8 dY rows (bf16-row bytes)
 
 
 @dataclass
@@ -200,7 +201,9 @@ def backward_scratch(ws: Workspace) -> BackwardScratch:
                 if cfg.bwd_fp8_dx else None),
         wgrad8=(Fp8WgradScratch.empty(L, H, I, P, ws.E + int(ws.shared), dev,
                                       P // cfg.bwd_bm if cfg.bwd_fp8_block_colmax else 0)
-                if w8 else None))
+                if w8 else None),
+        dyqr_LPH=(torch.empty(L, P, H, dtype=bf, device=dev) if cfg.bwd_fp8_da_rows
+                  else None))
 
 
 def dgu_row_elements(intermediate: int) -> int:
@@ -495,7 +498,8 @@ def backward_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots:
                 QBM=cfg.bwd_fp8_block_colmax, RQT=cfg.bwd_fp8_requant_tma,
                 PFT=cfg.bwd_prefetch_ticket, QI=cfg.bwd_q_interleave,
                 DXBAND=cfg.bwd_dx_band, CHM=cfg.bwd_dw_down_h_major, DWT=cfg.bwd_dw_tiles,
-                DWSC=3 if cfg.bwd_dw_stages == 4 else 2, DWSD=cfg.bwd_dw_stages)
+                DWSC=3 if cfg.bwd_dw_stages == 4 else 2, DWSD=cfg.bwd_dw_stages,
+                DAQR=cfg.bwd_fp8_da_rows)
 
 
 def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tensor,
@@ -526,6 +530,13 @@ def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tens
                                                                 sc.xg_LPH, sc.dyg_LPH)
     names = ("w1_desc", "w2_desc", "ws1_desc", "ws2_desc", "pre_a_desc", "hs_c_desc",
              "pre_d_desc", "pre_b_desc", "dyg_a_desc", "dyg_c_desc", "xg_d_desc")
+    descs = dict(zip(names, descs, strict=True))
+    if cfg.bwd_fp8_da_rows:  # the FP8 dA items' A tiles: [BM, BK8] boxes of the copied rows
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        rows8 = sc.dyqr_LPH.view(-1, ws.H).view(torch.float8_e4m3fn)  # [L*P, 2H] bytes
+        descs["dyg_a_desc"] = TensorDescriptor.from_tensor(
+            rows8, [cfg.bwd_bm, fp8_backward_block_k(cfg)])
     args = dict(
         p_base=bb.p_LTK,
         drp_base=bb.drp_LTKJ, tab32=bb.tab32_R, comb_base=ws.comb_LTSH, comb_tab=ws.comb_tab_R,
@@ -533,7 +544,8 @@ def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tens
         gstart_ptr=group_starts(st.counts_LG, cfg.row_align),
         pre_ptr=pre_LPF, hs_ptr=sc.hs_LPI, ctr_ptr=bb.counters_LC, err_ptr=ws.errors_L4,
         dw1_ptr=sc.dw1_EHF, dw2_ptr=sc.dw2_EIH, dws1_ptr=sc.dws1_LHF, dws2_ptr=sc.dws2_LIH,
-        **dict(zip(names, descs, strict=True)), **pull, **_fp8_da_args(ws, bb, fp8_weights),
+        **descs, **pull, **_fp8_da_args(ws, bb, fp8_weights),
+        dyqr_ptr=sc.dyqr_LPH,
         **_fp8_dx_args(ws, sc, fp8_weights), **_fp8_wgrad_args(cfg, sc, pre_LPF),
         T=ws.T, E=ws.E, NG=ws.E + int(ws.shared), P=ws.P, NCTR=bb.counters_LC.shape[1],
         budget=cfg.spin_budget, withhold=withhold, trace_ptr=None, MAXT=0, TRACE=False,
@@ -683,6 +695,13 @@ def backward(config: MoKConfig, ws: Workspace, context: ForwardContext, dy_TH: t
                                               ws.P, H=H, S=ws.S, BR=br, CH=_row_chunk(H),
                                               first_ptr=st.first_LP, PHASE=phase,
                                               num_warps=4)
+    if config.bwd_fp8_da_rows:  # the FP8 dY rows, contiguous per schedule row (padding 0)
+        br = PULL_ROWS
+        pull_rows_kernel[(L, ws.P // br)](st.src_LP, st.total_L, x_src, ws.x_tab_R,
+                                          bb.dyq_LTH, bb.tab16_R, sc.dyqr_LPH, sc.dyqr_LPH, T,
+                                          ws.P, H=H, S=ws.S, BR=br, CH=_row_chunk(H),
+                                          first_ptr=st.first_LP, PHASE=0, WHICH=2,
+                                          num_warps=4)
     progs, _ = _programs(ws)
     extra = {} if _interpreting() else {"launch_cooperative_grid": True}
     args = backward_kernel_args(ws, st, context.pre_LPF, weights, sc,

@@ -216,6 +216,13 @@ class MoKConfig:
         sits on the dA items' time. The same bytes; off by default: the profiling script at
         Kimi K2.7 Code timed no gain (notes/mok-kernel.md), so those loads were not what the
         dA items wait on.
+    bwd_fp8_da_rows: with ``bwd_fp8_da``: before the launch, a copy kernel gathers every
+        schedule row's FP8 dY row (its H e4m3 values and scale, in the bytes of a bf16 row)
+        from the home ranks into contiguous [P, H] rows, and the dA items load their A tiles
+        from those through TMA instead of gathering them by pointer loads; the same values,
+        so bitwise the same gradients. An experiment (off): per FLOP the FP8 dA items ran
+        1.6x slower than the FP8 dX items, which read their block's contiguous rows; this
+        says whether the gather is why. The copy costs about 2 x P x 2H bytes.
     bwd_prefetch_ticket: the backward megakernel claims an item's next ticket when the item
         starts, so the atomic's round trip to L2 overlaps the item (the forward's
         ``prefetch_ticket``). The backward's items are short (20-30 us for the B, C and D
@@ -328,6 +335,7 @@ class MoKConfig:
     bwd_fp8_block_k: int = 64
     bwd_fp8_block_colmax: bool = False
     bwd_fp8_requant_tma: bool = False
+    bwd_fp8_da_rows: bool = False
     bwd_prefetch_ticket: bool = False
     bwd_q_interleave: bool = False
     bwd_dx_band: int = 0
@@ -466,6 +474,11 @@ class MoKConfig:
             "separate pull only)")
         _check(isinstance(self.bwd_fp8_requant_tma, bool), "bwd_fp8_requant_tma",
                self.bwd_fp8_requant_tma, "true | false")
+        _check(isinstance(self.bwd_fp8_da_rows, bool), "bwd_fp8_da_rows",
+               self.bwd_fp8_da_rows, "true | false")
+        _check(not self.bwd_fp8_da_rows or self.bwd_fp8_da, "bwd_fp8_da_rows",
+               self.bwd_fp8_da_rows, "false unless bwd_fp8_da is set (it serves the FP8 dA "
+               "items)")
         _check(not self.bwd_fp8_requant_tma or self.bwd_fp8_dx, "bwd_fp8_requant_tma",
                self.bwd_fp8_requant_tma,
                "false unless bwd_fp8_dx is set (it serves the dX items' requantisation)")

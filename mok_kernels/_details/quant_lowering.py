@@ -139,7 +139,7 @@ def compile_pull_kernel(kind: str = "bf16", phase: int = 0, *, hidden: int = 716
             consts["xg_ptr"] = None
     elif kind == "bf16":
         fn = pull_rows_kernel
-        consts = {"BR": PULL_ROWS, "CH": _row_chunk(hidden)}
+        consts = {"BR": PULL_ROWS, "CH": _row_chunk(hidden), "WHICH": 0}
     elif kind == "bf16_by_token" and phase == 0:
         fn = pull_rows_by_token_kernel
         consts = {"BT": PULL_TOKENS, "CH": _row_chunk(hidden), "S": 9}

@@ -268,20 +268,27 @@ def _da_tile(jt, prow, valid, dy_rows, d2, w_row0, dyg_a_desc, H: tl.constexpr,
 def _da_tile_fp8(jt, rank, t, valid, lr, g, E, dyq_base, tab16, w2q_desc, ws2q_desc, sw2q_ptr,
                  sws2q_ptr, H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr,
                  BK: tl.constexpr, DAC: tl.constexpr, F32_DOT: tl.constexpr,
-                 HAS_SHARED: tl.constexpr):
+                 HAS_SHARED: tl.constexpr, prow=0, dyqr_desc=None, dyqr_ptr=None,
+                 DAQR: tl.constexpr = False):
     """``FP8DA``: dA_raw [BM, DAC] of I tile jt from the FP8 dY rows of the rows' tokens at
     their home ranks (``dyq_base`` + ``tab16``: H e4m3 values, then one fp32 scale per row)
     and group g's e4m3 W_down rows (through ``w2q_desc`` / ``ws2q_desc``, one fp32 scale per
     row of W_down): a pure FP8 K loop over H, both scales applied after it (``fp8_tile``,
-    ROWWISE). Padding rows read 0."""
-    a_rows, sa_rows = fp8_row_views(_home_rows(dyq_base, tab16, rank, t, valid, H), H, 2)
+    ROWWISE). Padding rows read 0. DAQR (``bwd_fp8_da_rows``): the same rows, copied before
+    the launch into contiguous rows of this rank's schedule (``dyqr_ptr``, row ``prow`` on),
+    as TMA tiles through ``dyqr_desc``."""
+    if DAQR:
+        a_rows, sa_rows = fp8_row_views(
+            dyqr_ptr + (prow + tl.arange(0, BM)).to(tl.int64) * H, H, 2)
+    else:
+        a_rows, sa_rows = fp8_row_views(_home_rows(dyq_base, tab16, rank, t, valid, H), H, 2)
     d, w_row0 = _weight_desc(lr, g, E, w2q_desc, ws2q_desc, I, True, HAS_SHARED)
     sw = sw2q_ptr + (lr * E + g).to(tl.int64) * I
     if HAS_SHARED:
         if g == E:
             sw = sws2q_ptr
     return fp8_tile(a_rows, valid, sa_rows, 0, sw, jt * DAC, H, I, BM, DAC, BK, 2, F32_DOT,
-                    d, w_row0, True)
+                    d, w_row0, True, dyqr_desc, prow, DAQR)
 
 
 @triton.jit
@@ -413,7 +420,7 @@ def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, 
                      FP8DX: tl.constexpr = False, gq=None, GQW: tl.constexpr = 0,
                      RQC: tl.constexpr = 128, POW2: tl.constexpr = False,
                      QBM: tl.constexpr = False, bmax=None, RQT: tl.constexpr = False,
-                     hs_a_desc=None):
+                     hs_a_desc=None, DAQR: tl.constexpr = False, dyqr_ptr=None):
     """A item: dA[rows of block b, I tiles jt0*DAT .. of DAC columns] and its epilogue
     (``_da_epilogue``); DAT tiles per item in one flattened loop (the next tile's loads
     overlap a tile's epilogue), and the item signals +DAT. DIRECT: the dY rows are gathered
@@ -433,7 +440,7 @@ def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, 
         if FP8DA:
             acc = _da_tile_fp8(jt0, rank, t, valid, lr, g, E, dyq_base, tab16, w2q_desc,
                                ws2q_desc, sw2q_ptr, sws2q_ptr, H, I, BM, BK, DAC, F32_DOT,
-                               HAS_SHARED)
+                               HAS_SHARED, prow, dyg_a_desc, dyqr_ptr, DAQR)
         else:
             acc = _da_tile(jt0, prow, valid, dy_rows, d2, w_row0, dyg_a_desc, H, BM, BK, DAC,
                            F32_DOT, DIRECT)
@@ -445,7 +452,7 @@ def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, 
             if FP8DA:
                 acc = _da_tile_fp8(jt, rank, t, valid, lr, g, E, dyq_base, tab16, w2q_desc,
                                    ws2q_desc, sw2q_ptr, sws2q_ptr, H, I, BM, BK, DAC, F32_DOT,
-                                   HAS_SHARED)
+                                   HAS_SHARED, prow, dyg_a_desc, dyqr_ptr, DAQR)
             else:
                 acc = _da_tile(jt, prow, valid, dy_rows, d2, w_row0, dyg_a_desc, H, BM, BK,
                                DAC, F32_DOT, DIRECT)
@@ -917,11 +924,13 @@ def mok_backward_kernel(
         hs_a_desc=None, trace_ptr=None, MAXT=0, TRACE: tl.constexpr = False,
         PFT: tl.constexpr = False, QI: tl.constexpr = False, DXBAND: tl.constexpr = 0,
         CHM: tl.constexpr = False, DWT: tl.constexpr = 1, DWSC: tl.constexpr = 2,
-        DWSD: tl.constexpr = 2):
+        DWSD: tl.constexpr = 2, dyqr_ptr=None, DAQR: tl.constexpr = False):
     """One persistent program per SM; see the module docstring for the work order. FENCE:
     rows pulled in this launch (PULL or PA): the C and D items fence the async proxy after
     their group's acquire. FP8DA (``bwd_fp8_da``): the A items' FP8 tiles read dY as FP8
-    rows at its home ranks (``dyq_base``, same rank offsets ``tab16`` as dY) and W_down's
+    rows at its home ranks (``dyq_base``, same rank offsets ``tab16`` as dY; DAQR,
+    ``bwd_fp8_da_rows``: copied to contiguous rows ``dyqr_ptr`` before the launch and read
+    through ``dyg_a_desc`` as TMA tiles) and W_down's
     e4m3 rows (``w2q_desc`` / ``ws2q_desc``) with their fp32 scales (``sw2q_ptr`` /
     ``sws2q_ptr``). FP8DX (``bwd_fp8_dx``): the B items' FP8 tiles on the FP8 dG/dU rows
     (``gq_ptr`` [L, P, GQW], quantised by the A item that completes a row block, RQC columns
@@ -1065,7 +1074,7 @@ def mok_backward_kernel(
                                              INTERLEAVED, dy_base, tab16, DIRA, DAT, FP8DA,
                                              dyq_base, w2q_desc, ws2q_desc, sw2q_ptr,
                                              sws2q_ptr, FP8DX, gq, GQW, RQC, POW2, QBM,
-                                             bmax_ptr, RQT, hs_a_desc)
+                                             bmax_ptr, RQT, hs_a_desc, DAQR, dyqr_ptr)
             elif PHASES & 1:
                 b = vt // NA
                 if PULL:  # its rows pulled by an item of this launch (plain stores; TMA here)
@@ -1083,7 +1092,7 @@ def mok_backward_kernel(
                                      DAC, F32_DOT, INTERLEAVED, dy_base, tab16, DIRA, DAT,
                                      FP8DA, dyq_base, w2q_desc, ws2q_desc, sw2q_ptr,
                                      sws2q_ptr, FP8DX, gq, GQW, RQC, POW2, QBM, bmax_ptr,
-                                     RQT, hs_a_desc)
+                                     RQT, hs_a_desc, DAQR, dyqr_ptr)
         elif vt < end_b:
             i = vt - end_a
             if PA > 0:
@@ -1162,20 +1171,22 @@ def mok_backward_kernel(
 @triton.jit
 def pull_rows_kernel(src_ptr, total_ptr, x_base, x_tab, dy_base, tab16, xg_ptr, dyg_ptr, T, P,
                      H: tl.constexpr, S: tl.constexpr, BR: tl.constexpr, CH: tl.constexpr,
-                     first_ptr=None, PHASE: tl.constexpr = 0):
+                     first_ptr=None, PHASE: tl.constexpr = 0, WHICH: tl.constexpr = 0):
     """Reverse-combine pull: the x and dY rows of BR schedule rows, from the tokens' home
     ranks (peer memory), into contiguous [L, P, H] buffers (zeros for padding rows), so every
     backward GEMM reads its row operands as plain tiles. Program (l, i) does rows i*BR.. of
     logical rank l; rows past the rank's total are left alone. PHASE 1 and 2
     (``bwd_pull_dedup``, two launches; ``first_ptr`` the schedule's first_LP): a token's
-    first row on this rank from home, then its other rows from that row (``_row_sources``)."""
+    first row on this rank from home, then its other rows from that row (``_row_sources``).
+    WHICH (PHASE 0, as ``_pull_rows``): 2 copies the dY rows only (``bwd_fp8_da_rows``: the
+    FP8 dY rows, kept in the bytes of bf16 rows, into ``dyg_ptr``)."""
     lr = tl.program_id(0)
     rows = tl.program_id(1) * BR + tl.arange(0, BR)
     total = tl.load(total_ptr + lr)
     if tl.program_id(1) * BR < total:
         if PHASE == 0:
             _pull_rows(rows, lr, src_ptr + lr.to(tl.int64) * P, x_base, x_tab, dy_base, tab16,
-                       xg_ptr, dyg_ptr, T, P, H, S, CH)
+                       xg_ptr, dyg_ptr, T, P, H, S, CH, WHICH)
         else:
             x_rows, dy_rows, ld, wr = _row_sources(
                 rows, lr, src_ptr + lr.to(tl.int64) * P, first_ptr + lr.to(tl.int64) * P,

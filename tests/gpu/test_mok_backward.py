@@ -441,6 +441,14 @@ def test_ticket_order_knobs_give_the_same_gradients_bitwise(ranks, shared, knobs
     _fp8_variant_is_bitwise(ranks, shared, knobs, 17)
 
 
+@pytest.mark.parametrize("ranks, shared", [(1, True), (2, False)])
+def test_fp8_da_items_from_copied_rows_give_the_same_gradients_bitwise(ranks, shared):
+    """``bwd_fp8_da_rows`` (the FP8 dY rows copied to contiguous rows before the launch, the
+    dA items' A tiles through TMA): every gradient bitwise the gathering dA items', reruns
+    bitwise equal."""
+    _fp8_variant_is_bitwise(ranks, shared, {"bwd_fp8_da_rows": True}, 19)
+
+
 @pytest.mark.parametrize("ranks, shared, colmax", [(1, True, False), (2, False, True)])
 def test_requantisation_through_tma_gives_the_same_gradients_bitwise(ranks, shared, colmax):
     """``bwd_fp8_requant_tma`` (the block-completing dA item's requantisation reads the dG/dU

@@ -33,6 +33,8 @@ from mok_kernels import MoKConfig, MoKConfigError, plan
     ({"bwd_fp8_da": "yes"}, "bwd_fp8_da"),
     ({"bwd_fp8_dx": 1}, "bwd_fp8_dx"),
     ({"bwd_fp8_wgrad": 1}, "bwd_fp8_wgrad"),
+    ({"bwd_fp8_da_rows": 1, "bwd_fp8_da": True}, "bwd_fp8_da_rows"),
+    ({"bwd_fp8_da_rows": True}, "bwd_fp8_da_rows"),
     ({"bwd_pull_dedup": "yes"}, "bwd_pull_dedup"),
     ({"bwd_pull_dedup": True, "bwd_direct_rows": True}, "bwd_pull_dedup"),
     ({"bwd_pull_dedup": True, "bwd_pull_ahead": 2}, "bwd_pull_dedup"),

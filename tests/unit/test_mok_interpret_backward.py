@@ -761,6 +761,28 @@ def test_dx_bands_and_h_major_dw_down_give_the_same_gradients_bitwise():
     _prints(run_interpreted(BAND_SCRIPT), "band ok", 1)
 
 
+DA_ROWS_SCRIPT = COMMON + textwrap.dedent("""
+    H, I = 64, 32
+    f8 = dict(bwd_fp8_da=True, bwd_fp8_dx=True, bwd_fp8_wgrad=True)
+    for L, T, E, K, shared, seed in ((1, 24, 4, 2, True, 47), (2, 13, 3, 2, False, 53)):
+        x, idx, p, _, W, dy, exact = interleaved_case(L, T, E, K, shared, seed, H, I)
+        for base in (f8, dict(bwd_fp8_da=True)):
+            out = [run_fp8(config(True, **base, **knobs), L, T, E, K, shared, H, I, x, idx,
+                           p, W, dy)[0] for knobs in ({}, {"bwd_fp8_da_rows": True})]
+            assert_bitwise(out[0], out[1], (L, len(base)))
+            assert rel(out[1].dx_TH, exact.dx_TH) < 1e-1
+    print("da rows ok")
+""")
+
+
+def test_fp8_da_items_from_copied_rows_give_the_same_gradients_bitwise():
+    """``bwd_fp8_da_rows`` (the FP8 dY rows copied to contiguous rows before the launch, the
+    dA items' A tiles loaded from them through TMA): every gradient bitwise the gathering
+    dA items', with the whole FP8 backward and with FP8 dA items alone, one and two loopback
+    ranks (a wrong row offset or scale would change dx and the weight gradients)."""
+    _prints(run_interpreted(DA_ROWS_SCRIPT), "da rows ok", 1)
+
+
 DW_TILES_SCRIPT = COMMON + textwrap.dedent("""
     L, T, E, K, shared, H, I = 2, 13, 3, 2, True, 64, 32
     f8 = dict(bwd_fp8_da=True, bwd_fp8_dx=True, bwd_fp8_wgrad=True)

@@ -206,6 +206,25 @@ def test_tiles_per_item_backward_fits(knobs):
     assert not lw.spills, lw.ptxas_log
 
 
+def test_fp8_da_items_from_copied_rows_load_through_tma():
+    """``bwd_fp8_da_rows``: the FP8 dA items alone (phase mask 1) load their A tiles through
+    a TMA descriptor (no per-thread asynchronous copy left; the gathering items copy dY's
+    rows per thread) and the whole FP8 backward still fits in shared memory."""
+    from mokbench.mok_backend import fp8_backward_fields, fp8_config_fields
+
+    fields = {**default_config_fields(H, I, 16384, 8, 132, 1, 48, 90),
+              **fp8_config_fields(90, None), **fp8_backward_fields(90)}
+    gather = mk.MoKConfig.for_shape(H, I, **fields)
+    rows = mk.MoKConfig.for_shape(H, I, **{**fields, "bwd_fp8_da_rows": True})
+    a_gather = mk.compile_megakernel(gather, H, I, kernel="backward", phases=1)
+    a_rows = mk.compile_megakernel(rows, H, I, kernel="backward", phases=1)
+    assert a_gather.ttgir.count("ttg.async_copy_global_to_local") > 0
+    assert a_rows.ttgir.count("ttg.async_copy_global_to_local") == 0
+    assert a_rows.ptx.count("cp.async.bulk.tensor") > a_gather.ptx.count("cp.async.bulk.tensor")
+    whole = mk.compile_megakernel(rows, H, I, kernel="backward")
+    assert whole.shared_bytes <= SMEM_LIMIT, whole.shared_bytes
+
+
 @pytest.mark.parametrize("tiles, stages", [(1, 2), (4, 2), (4, 4)])
 def test_weight_gradient_items_fit_at_their_depth(tiles, stages):
     """``bwd_dw_tiles``: one weight-gradient tile per item, or four in flattened loops of
