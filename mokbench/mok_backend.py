@@ -172,22 +172,26 @@ def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int
 
 
 def _dw_tiles(hidden: int, intermediate: int) -> int:
-    """Weight-gradient tiles per backward item: 4, else 2, else 1, the most that divide both
-    the H and the 2I tiles at the shape's block_n."""
-    from mok_kernels import MoKConfig
-
-    bn = MoKConfig.for_shape(hidden, intermediate).block_n
-    return next((d for d in (4, 2) if hidden // bn % d == 0 and 2 * intermediate // bn % d == 0),
-                1)
+    """Weight-gradient tiles per backward item: the most of 4, 2, 1 that divide both the H
+    and the 2I tiles at the shape's block_n."""
+    return _most_tiles(hidden, 2 * intermediate, block_n=_block_n(hidden, intermediate))
 
 
 def _dx_tiles(hidden: int, intermediate: int) -> int:
-    """H tiles per backward dX item: 4, else 2, else 1, the most that divide the H tiles at
-    the shape's block_n."""
+    """H tiles per backward dX item: the most of 4, 2, 1 that divide the H tiles at the
+    shape's block_n."""
+    return _most_tiles(hidden, block_n=_block_n(hidden, intermediate))
+
+
+def _block_n(hidden: int, intermediate: int) -> int:
     from mok_kernels import MoKConfig
 
-    bn = MoKConfig.for_shape(hidden, intermediate).block_n
-    return next((d for d in (4, 2) if hidden // bn % d == 0), 1)
+    return MoKConfig.for_shape(hidden, intermediate).block_n
+
+
+def _most_tiles(*widths: int, block_n: int) -> int:
+    """The most of 4, 2, 1 tiles per item that divide every width's count of block_n tiles."""
+    return next((d for d in (4, 2) if all(w // block_n % d == 0 for w in widths)), 1)
 
 
 def graph_option(options: dict | None = None) -> bool:
