@@ -145,8 +145,10 @@ def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int
     one where four do not divide them) on one Hopper rank: at Kimi K2 48 x 16384 the
     profiling script timed the backward at 39.648 and 39.498 ms against 39.954 and 40.134
     (alternating, notes/mok-kernel.md); with the shared expert its sm_90 build spills less
-    (none at Kimi K2.7 Code against 48 bytes, Triton 3.9); not yet a sweep, off in FP8 cells,
-    unmeasured at EP > 1 and on Blackwell.
+    (none at Kimi K2.7 Code against 48 bytes, Triton 3.9); in the sweep at cc46318
+    (results/20261202-014259-h200-bf16-train) 40.585 against 41.088 ms at Kimi K2 48 x 16384
+    and 17.516 against 17.732 at Qwen3.5 (28.228 against 28.106 at Kimi K2 384 x 4096, inside
+    each other's spread); off in FP8 cells, unmeasured at EP > 1 and on Blackwell.
 
     Why: each measured faster on H200 than its alternatives, and the tile rule keeps to where
     it was measured (notes/mok-kernel.md, "Why the mok backend's defaults are what they
