@@ -87,11 +87,13 @@ def fp8_backward_fields(arch: int = 90) -> dict:
     (``mok@bwd_fp8_wgrad=false``). One weight-gradient tile per item (``bwd_dw_tiles``, four
     in bf16 cells): the FP8 items' build spills more with four (312 against 164 bytes at
     Kimi K2, Triton 3.9), and they have not been timed so; one dX tile per item
-    (``bwd_dx_tiles``), as the FP8 backward was timed."""
+    (``bwd_dx_tiles``), as the FP8 backward was timed; and the row pull, not the bf16 pull by
+    token (``bwd_pull_by_token``), which the FP8 weight gradients' pull replaces."""
     if arch >= 100:
         return {}
     return {"bwd_fp8_da": True, "bwd_fp8_dx": True, "bwd_fp8_wgrad": True,
-            "bwd_fp8_block_k": 128, "bwd_dw_tiles": 1, "bwd_dx_tiles": 1}
+            "bwd_fp8_block_k": 128, "bwd_dw_tiles": 1, "bwd_dx_tiles": 1,
+            "bwd_pull_by_token": False}
 
 
 def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int,
@@ -148,7 +150,15 @@ def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int
     (none at Kimi K2.7 Code against 48 bytes, Triton 3.9); in the sweep at cc46318
     (results/20261202-014259-h200-bf16-train) 40.585 against 41.088 ms at Kimi K2 48 x 16384
     and 17.516 against 17.732 at Qwen3.5 (28.228 against 28.106 at Kimi K2 384 x 4096, inside
-    each other's spread); off in FP8 cells, unmeasured at EP > 1 and on Blackwell.
+    each other's spread); off in FP8 cells, unmeasured at EP > 1 and on Blackwell. And the
+    backward's separate pull goes token by token (``bwd_pull_by_token``: a token's x and dY
+    rows read once, not once per slot) on one Hopper rank: at Qwen3.5 (64 x 16384, top-10,
+    shared expert) the profiling script timed the bf16 backward at 16.478 and 16.489 ms
+    against 17.013 and 17.087 (alternating; under torch.profiler the pull took 0.900 ms
+    against 1.472), at Kimi K2 48 x 16384 40.528 and 40.366 against 40.463 and 40.593
+    (notes/mok-kernel.md); not yet a sweep, off in FP8 cells (the FP8 weight gradients read
+    the FP8 pull's copies), unmeasured at EP > 1 (where ``bwd_pull_dedup`` reads a token once
+    per rank) and on Blackwell.
 
     Why: each measured faster on H200 than its alternatives, and the tile rule keeps to where
     it was measured (notes/mok-kernel.md, "Why the mok backend's defaults are what they
@@ -170,7 +180,8 @@ def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int
             "bwd_dx_band": 16 if one_hopper else 0,
             "bwd_dw_tiles": _dw_tiles(hidden, intermediate) if one_hopper else 1,
             "bwd_dw_stages": 4 if one_hopper else 2,
-            "bwd_dx_tiles": _dx_tiles(hidden, intermediate) if one_hopper else 1}
+            "bwd_dx_tiles": _dx_tiles(hidden, intermediate) if one_hopper else 1,
+            "bwd_pull_by_token": one_hopper}
 
 
 def _dw_tiles(hidden: int, intermediate: int) -> int:
@@ -227,7 +238,9 @@ _NO_SEPARATE_PULL = ("bwd_direct_rows", "bwd_fused_pull", "bwd_pull_ahead")
 ``bwd_fp8_wgrad``, except under ``bwd_fused_pull`` with ``bwd_fp8_da``, whose pull items write
 its copies): set by the user, they turn those off where only a default set them.
 ``bwd_pull_by_token`` (the bf16 separate pull token by token, which reads a token once per
-rank as ``bwd_pull_dedup`` does) turns off a default ``bwd_pull_dedup`` the same way."""
+rank as ``bwd_pull_dedup`` does) turns off a default ``bwd_pull_dedup`` the same way, and any
+of these, ``bwd_pull_dedup`` or ``bwd_fp8_wgrad`` asked for turns off a default
+``bwd_pull_by_token``."""
 
 
 def config_from_env(hidden: int, intermediate: int, defaults: dict,
@@ -235,7 +248,8 @@ def config_from_env(hidden: int, intermediate: int, defaults: dict,
     """MoKConfig from shape defaults, then $MOKBENCH_MOK_CONFIG, then the backend label's
     options (``mok@minibatch=2048``); a minibatch without a macrobatch gets 3 ring slots, and
     a knob that replaces the backward's separate pull (``_NO_SEPARATE_PULL``) turns off the
-    defaults that need it unless they are asked for too (then the conflict is the error),
+    defaults that need it unless they are asked for too (then the conflict is the error; the
+    pull by token yields the same way to ``bwd_pull_dedup`` and ``bwd_fp8_wgrad``),
     one ring slot (macrobatch = minibatch) turns off the default ``skew_down`` the same way,
     ``bwd_pull_ahead`` the default ``bwd_dx_band``, and ``bwd_direct_rows`` or
     ``bwd_direct_da`` the default ``bwd_dw_tiles`` and ``bwd_dx_tiles`` (their row gathers
@@ -255,6 +269,9 @@ def config_from_env(hidden: int, intermediate: int, defaults: dict,
                 fields[k] = False
     if over.get("bwd_pull_by_token") and "bwd_pull_dedup" not in over:
         fields["bwd_pull_dedup"] = False
+    if "bwd_pull_by_token" not in over and any(
+            over.get(k) for k in _NO_SEPARATE_PULL + ("bwd_pull_dedup", "bwd_fp8_wgrad")):
+        fields["bwd_pull_by_token"] = False  # asked for a pull the token pull cannot be
     if "minibatch" in over and "macrobatch" not in over:
         fields["macrobatch"] = 3 * over["minibatch"]
     fields.update(over)

@@ -58,6 +58,9 @@ def test_defaults_follow_two_waves_and_cap_at_rows():
     # four dX tiles per item on one Hopper rank (two where four do not divide the H tiles)
     assert big["bwd_dx_tiles"] == 4 and bw["bwd_dx_tiles"] == 1 and ep2["bwd_dx_tiles"] == 1
     assert default_config_fields(1536, 1024, 4096, 8, 132, local_experts=8)["bwd_dx_tiles"] == 2
+    # the backward's bf16 pull token by token on one Hopper rank only
+    assert big["bwd_pull_by_token"] is True and bw["bwd_pull_by_token"] is False
+    assert ep2["bwd_pull_by_token"] is False
 
 
 def test_pull_ahead_turns_off_the_default_dx_bands_unless_asked_for():
@@ -158,6 +161,9 @@ def test_fp8_cells_get_the_fp8_path(monkeypatch):
     assert (mx.fp8, mx.block_m, mx.bwd_bm) == ("mx", 128, 128)
     assert scenario_config(_scenario("fp8"), arch=100).fp8 == "mx"
     assert scenario_config(_scenario("bf16")).fp8 == "none"
+    # the bf16 pull by token in bf16 cells; the FP8 weight gradients' row pull in FP8 cells
+    assert scenario_config(_scenario("bf16")).bwd_pull_by_token is True
+    assert cfg.bwd_pull_by_token is False and cfg.bwd_fp8_wgrad is True
     assert "fp8" in get_backend("mok").capabilities.precisions
 
 
@@ -246,3 +252,15 @@ def test_row_gathers_turn_off_the_default_weight_gradient_tiles_unless_asked_for
     assert config_from_env(7168, 2048, d, {"bwd_direct_rows": True}).bwd_dx_tiles == 1
     assert config_from_env(7168, 2048, d, {"bwd_direct_rows": True,
                                            "bwd_dx_tiles": 4}).bwd_dx_tiles == 4
+
+
+@pytest.mark.parametrize("asked", [{"bwd_direct_rows": True}, {"bwd_fused_pull": True},
+                                   {"bwd_pull_ahead": 8}, {"bwd_pull_dedup": True}])
+def test_other_pulls_turn_off_the_default_pull_by_token_unless_asked_for(asked):
+    """The pull by token replaces only the bf16 separate row pull: a variant asking for
+    another pull gets a valid config without it; asking for both is the one-line error."""
+    d = default_config_fields(7168, 2048, 16384, 8, 132, local_experts=48)
+    assert config_from_env(7168, 2048, d).bwd_pull_by_token is True
+    assert config_from_env(7168, 2048, d, asked).bwd_pull_by_token is False
+    with pytest.raises(MoKConfigError, match=r"^bwd_pull_by_token=True is invalid"):
+        config_from_env(7168, 2048, d, {**asked, "bwd_pull_by_token": True})
