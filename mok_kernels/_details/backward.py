@@ -499,7 +499,7 @@ def backward_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots:
                 PFT=cfg.bwd_prefetch_ticket, QI=cfg.bwd_q_interleave,
                 DXBAND=cfg.bwd_dx_band, CHM=cfg.bwd_dw_down_h_major, DWT=cfg.bwd_dw_tiles,
                 DWSC=3 if cfg.bwd_dw_stages == 4 else 2, DWSD=cfg.bwd_dw_stages,
-                DAQR=cfg.bwd_fp8_da_rows)
+                DAQR=cfg.bwd_fp8_da_rows, DAPF=cfg.bwd_da_prefetch)
 
 
 def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tensor,
@@ -643,6 +643,23 @@ def backward_trace_capacity(ws: Workspace) -> int:
     return (nb + cfg.bwd_pull_ahead) * na + nb * nbx + ng * per_group
 
 
+def _pull_rows(ws: Workspace, bb: BackwardBuffers, st: ScheduleTensors, x_src: torch.Tensor,
+               dy_src: torch.Tensor, xg_LPH: torch.Tensor, dyg_LPH: torch.Tensor, *,
+               phase: int = 0, which: int = 0) -> None:
+    """One launch of ``pull_rows_kernel`` over every logical rank's schedule rows (PULL_ROWS
+    per program): the separate pull (``phase`` 0, or 1 then 2 with ``bwd_pull_dedup``) and
+    ``bwd_fp8_da_rows``' copy of the FP8 dY rows (``which`` 2). One place for the launch, so
+    the two callers cannot drift apart."""
+    from mok_kernels._details.tl_backward import pull_rows_kernel
+
+    br = PULL_ROWS
+    pull_rows_kernel[(ws.L, ws.P // br)](st.src_LP, st.total_L, x_src, ws.x_tab_R, dy_src,
+                                         bb.tab16_R, xg_LPH, dyg_LPH, ws.T, ws.P, H=ws.H,
+                                         S=ws.S, BR=br, CH=_row_chunk(ws.H),
+                                         first_ptr=st.first_LP, PHASE=phase, WHICH=which,
+                                         num_warps=4)
+
+
 def backward(config: MoKConfig, ws: Workspace, context: ForwardContext, dy_TH: torch.Tensor,
              w_gate_up: torch.Tensor, w_down: torch.Tensor,
              shared_gate_up: torch.Tensor | None = None,
@@ -655,7 +672,7 @@ def backward(config: MoKConfig, ws: Workspace, context: ForwardContext, dy_TH: t
     ``_trace`` (profiling only): an int64 [L, backward_trace_capacity(ws), 4] tensor that receives
     every megakernel item's (start ns, end ns, program, kind) at its ticket; rows of
     tickets not used keep what they held."""
-    from mok_kernels._details.tl_backward import mok_backward_kernel, pull_rows_kernel
+    from mok_kernels._details.tl_backward import mok_backward_kernel
     from mok_kernels._details.tl_mega import weighted_sum_kernel
 
     if config != ws.config or context.schedule.workspace is not ws:
@@ -687,21 +704,11 @@ def backward(config: MoKConfig, ws: Workspace, context: ForwardContext, dy_TH: t
         _pull_by_token(ws, bb, st, sc, x_src, dy_src)
     elif not (config.bwd_fused_pull or config.bwd_direct_rows or config.bwd_pull_ahead):
         # else the megakernel pulls or gathers the rows itself
-        br = PULL_ROWS
         for phase in (1, 2) if config.bwd_pull_dedup else (0,):  # dedup: first rows, then
             # the other rows from them (two launches: no wait inside the kernel)
-            pull_rows_kernel[(L, ws.P // br)](st.src_LP, st.total_L, x_src, ws.x_tab_R,
-                                              dy_src, bb.tab16_R, sc.xg_LPH, sc.dyg_LPH, T,
-                                              ws.P, H=H, S=ws.S, BR=br, CH=_row_chunk(H),
-                                              first_ptr=st.first_LP, PHASE=phase,
-                                              num_warps=4)
+            _pull_rows(ws, bb, st, x_src, dy_src, sc.xg_LPH, sc.dyg_LPH, phase=phase)
     if config.bwd_fp8_da_rows:  # the FP8 dY rows, contiguous per schedule row (padding 0)
-        br = PULL_ROWS
-        pull_rows_kernel[(L, ws.P // br)](st.src_LP, st.total_L, x_src, ws.x_tab_R,
-                                          bb.dyq_LTH, bb.tab16_R, sc.dyqr_LPH, sc.dyqr_LPH, T,
-                                          ws.P, H=H, S=ws.S, BR=br, CH=_row_chunk(H),
-                                          first_ptr=st.first_LP, PHASE=0, WHICH=2,
-                                          num_warps=4)
+        _pull_rows(ws, bb, st, x_src, bb.dyq_LTH, sc.dyqr_LPH, sc.dyqr_LPH, which=2)
     progs, _ = _programs(ws)
     extra = {} if _interpreting() else {"launch_cooperative_grid": True}
     args = backward_kernel_args(ws, st, context.pre_LPF, weights, sc,

@@ -408,6 +408,31 @@ def _da_epilogue(acc, jt, rows, prow, pre, hs, rank, t, k, routed, p_base, drp_b
 
 
 @triton.jit
+def _prefetch_lines(ptrs0, ELEMS: tl.constexpr):
+    """``prefetch.global.L2`` of ELEMS bf16 from each row pointer in ``ptrs0`` [BM], one
+    instruction per 128-byte line."""
+    ptrs = ptrs0[:, None] + tl.arange(0, ELEMS // 64)[None, :] * 64
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_gate_up(pre_rows, c0, COLS: tl.constexpr, I: tl.constexpr,
+                      INTERLEAVED: tl.constexpr, SKIP: tl.constexpr):
+    """``bwd_da_prefetch``: an L2 prefetch of the gate/up pre-activations of columns
+    c0 .. c0+COLS of each row (``pre_rows``: the rows' [2I] bf16 starts; interleaved, one run
+    of 2*COLS from 2*c0, else COLS from c0 and COLS from I + c0), so that the epilogue's
+    loads, one quarter after another after the K loop, find them in L2 instead of HBM. A
+    hint: no value changes. SKIP under the interpreter (no PTX there)."""
+    if not SKIP:
+        if INTERLEAVED:
+            _prefetch_lines(pre_rows + 2 * c0, 2 * COLS)
+        else:
+            _prefetch_lines(pre_rows + c0, COLS)
+            _prefetch_lines(pre_rows + I + c0, COLS)
+
+
+@triton.jit
 def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, drp_base,
                      tab32, w2_desc, ws2_desc, pre_a_desc, T, E, NBMAX, withhold,
                      H: tl.constexpr, I: tl.constexpr, S: tl.constexpr, K: tl.constexpr,
@@ -420,7 +445,8 @@ def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, 
                      FP8DX: tl.constexpr = False, gq=None, GQW: tl.constexpr = 0,
                      RQC: tl.constexpr = 128, POW2: tl.constexpr = False,
                      QBM: tl.constexpr = False, bmax=None, RQT: tl.constexpr = False,
-                     hs_a_desc=None, DAQR: tl.constexpr = False, dyqr_ptr=None):
+                     hs_a_desc=None, DAQR: tl.constexpr = False, dyqr_ptr=None,
+                     DAPF: tl.constexpr = False):
     """A item: dA[rows of block b, I tiles jt0*DAT .. of DAC columns] and its epilogue
     (``_da_epilogue``); DAT tiles per item in one flattened loop (the next tile's loads
     overlap a tile's epilogue), and the item signals +DAT. DIRECT: the dY rows are gathered
@@ -429,10 +455,14 @@ def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, 
     completes the block (FP8DX) also stores its column maxima of r h and dG/dU at ``bmax``
     [L, NBMAX, 3I]. RQT (``bwd_fp8_requant_tma``): that item's requantisation reads the rows
     through ``pre_a_desc`` as pipelined copies (``_requant_dgu_rows_tma``; with QBM it also
-    takes the column maxima there, r h's through ``hs_a_desc``)."""
+    takes the column maxima there, r h's through ``hs_a_desc``). DAPF
+    (``bwd_da_prefetch``): first an L2 prefetch of the gate/up columns its epilogues read."""
     g = tl.load(grp + b)
     rows = b * BM + tl.arange(0, BM)
     valid, rank, t, k, routed = _row_meta(src, rows, T, S, K)
+    if DAPF:
+        _prefetch_gate_up(pre + rows.to(tl.int64) * (2 * I), jt0 * DAT * DAC, DAT * DAC, I,
+                          INTERLEAVED, F32_DOT)
     d2, w_row0 = _weight_desc(lr, g, E, w2_desc, ws2_desc, I, True, HAS_SHARED)
     prow = lr * P + b * BM
     dy_rows = _home_rows(dy_base, tab16, rank, t, valid, H) if DIRECT else 0
@@ -924,7 +954,8 @@ def mok_backward_kernel(
         hs_a_desc=None, trace_ptr=None, MAXT=0, TRACE: tl.constexpr = False,
         PFT: tl.constexpr = False, QI: tl.constexpr = False, DXBAND: tl.constexpr = 0,
         CHM: tl.constexpr = False, DWT: tl.constexpr = 1, DWSC: tl.constexpr = 2,
-        DWSD: tl.constexpr = 2, dyqr_ptr=None, DAQR: tl.constexpr = False):
+        DWSD: tl.constexpr = 2, dyqr_ptr=None, DAQR: tl.constexpr = False,
+        DAPF: tl.constexpr = False):
     """One persistent program per SM; see the module docstring for the work order. FENCE:
     rows pulled in this launch (PULL or PA): the C and D items fence the async proxy after
     their group's acquire. FP8DA (``bwd_fp8_da``): the A items' FP8 tiles read dY as FP8
@@ -1074,7 +1105,7 @@ def mok_backward_kernel(
                                              INTERLEAVED, dy_base, tab16, DIRA, DAT, FP8DA,
                                              dyq_base, w2q_desc, ws2q_desc, sw2q_ptr,
                                              sws2q_ptr, FP8DX, gq, GQW, RQC, POW2, QBM,
-                                             bmax_ptr, RQT, hs_a_desc, DAQR, dyqr_ptr)
+                                             bmax_ptr, RQT, hs_a_desc, DAQR, dyqr_ptr, DAPF)
             elif PHASES & 1:
                 b = vt // NA
                 if PULL:  # its rows pulled by an item of this launch (plain stores; TMA here)
@@ -1092,7 +1123,7 @@ def mok_backward_kernel(
                                      DAC, F32_DOT, INTERLEAVED, dy_base, tab16, DIRA, DAT,
                                      FP8DA, dyq_base, w2q_desc, ws2q_desc, sw2q_ptr,
                                      sws2q_ptr, FP8DX, gq, GQW, RQC, POW2, QBM, bmax_ptr,
-                                     RQT, hs_a_desc, DAQR, dyqr_ptr)
+                                     RQT, hs_a_desc, DAQR, dyqr_ptr, DAPF)
         elif vt < end_b:
             i = vt - end_a
             if PA > 0:

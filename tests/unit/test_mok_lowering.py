@@ -20,8 +20,16 @@ SMEM_LIMIT = 232448  # bytes of shared memory one block may use on H100/H200 (22
 
 def _defaults(world_size: int = 1, experts: int = 48, tokens: int = 16384,
               arch: int = 90) -> mk.MoKConfig:
-    return mk.MoKConfig.for_shape(H, I, **default_config_fields(
+    """The backend's defaults for the shape, with the row pull: the pull by token is a kernel
+    of its own, outside the megakernel these tests build, and the variants here that replace
+    the separate pull would conflict with it."""
+    return mk.MoKConfig.for_shape(H, I, **_row_pull(
         H, I, tokens, 8, 132, world_size, experts // world_size, arch))
+
+
+def _row_pull(*shape) -> dict:
+    """``default_config_fields(*shape)`` with the row pull (see ``_defaults``)."""
+    return {**default_config_fields(*shape), "bwd_pull_by_token": False}
 
 
 @pytest.mark.parametrize("world_size, shared, experts, tokens, tiles", [
@@ -47,7 +55,7 @@ def test_hopper_build_of_the_defaults(world_size, shared, experts, tokens, tiles
 def test_hopper_build_with_the_sum_inside():
     """fused_sum at 48 x 16384 (four tiles per item): the summing code after the down tiles
     keeps the build free of spills and serialised MMAs."""
-    cfg = mk.MoKConfig.for_shape(H, I, **{**default_config_fields(H, I, 16384, 8, 132, 1, 48),
+    cfg = mk.MoKConfig.for_shape(H, I, **{**_row_pull(H, I, 16384, 8, 132, 1, 48),
                                           "fused_sum": True})
     lw = mk.compile_megakernel(cfg, H, I)
     assert lw.shared_bytes <= SMEM_LIMIT
@@ -61,7 +69,7 @@ def test_hopper_build_with_skewed_down_items(fp8):
     of spills and serialised MMAs."""
     from mokbench.mok_backend import fp8_config_fields
 
-    fields = {**default_config_fields(H, I, 16384, 8, 132, 1, 48),
+    fields = {**_row_pull(H, I, 16384, 8, 132, 1, 48),
               **(fp8_config_fields(90, fp8) if fp8 != "none" else {}), "skew_down": True}
     cfg = mk.MoKConfig.for_shape(H, I, **fields)
     lw = mk.compile_megakernel(cfg, H, I)
@@ -212,7 +220,7 @@ def test_fp8_da_items_from_copied_rows_load_through_tma():
     rows per thread) and the whole FP8 backward still fits in shared memory."""
     from mokbench.mok_backend import fp8_backward_fields, fp8_config_fields
 
-    fields = {**default_config_fields(H, I, 16384, 8, 132, 1, 48, 90),
+    fields = {**_row_pull(H, I, 16384, 8, 132, 1, 48, 90),
               **fp8_config_fields(90, None), **fp8_backward_fields(90)}
     gather = mk.MoKConfig.for_shape(H, I, **fields)
     rows = mk.MoKConfig.for_shape(H, I, **{**fields, "bwd_fp8_da_rows": True})
@@ -223,6 +231,21 @@ def test_fp8_da_items_from_copied_rows_load_through_tma():
     assert a_rows.ptx.count("cp.async.bulk.tensor") > a_gather.ptx.count("cp.async.bulk.tensor")
     whole = mk.compile_megakernel(rows, H, I, kernel="backward")
     assert whole.shared_bytes <= SMEM_LIMIT, whole.shared_bytes
+
+
+def test_da_prefetch_issues_l2_prefetches_of_the_gate_up_lines():
+    """``bwd_da_prefetch``: the dA items alone (phase mask 1) issue one L2 prefetch per
+    128-byte line of their tile's gate/up (none without the knob), and the whole backward at
+    the backend's one-rank defaults still fits and spills nothing (no shared expert)."""
+    base = _defaults()
+    on = mk.MoKConfig.for_shape(H, I, **{**base.__dict__, "bwd_da_prefetch": True})
+    assert "prefetch.global.L2" not in mk.compile_megakernel(base, H, I, kernel="backward",
+                                                              phases=1).ptx
+    a_on = mk.compile_megakernel(on, H, I, kernel="backward", phases=1)
+    assert a_on.ptx.count("prefetch.global.L2") >= 1
+    whole = mk.compile_megakernel(on, H, I, kernel="backward")
+    assert whole.shared_bytes <= SMEM_LIMIT, whole.shared_bytes
+    assert not whole.spills, whole.ptxas_log
 
 
 @pytest.mark.parametrize("tiles, stages", [(1, 2), (4, 2), (4, 4)])
@@ -307,9 +330,8 @@ def test_fp8_weight_gradients_build_with_e4m3_mmas(dgrad8):
     memory, and build without spills on their own (the Q and C items, the Q and D items);
     the whole kernel spills a little (220-296 bytes with Triton 3.9): bounded here until a
     GPU run times the knob. The Q items read r h and dG/dU through pipelined TMA copies."""
-    from mokbench.mok_backend import default_config_fields
 
-    fields = {**default_config_fields(H, I, 16384, 8, 132, 1, 48, 90), "bwd_fp8_wgrad": True,
+    fields = {**_row_pull(H, I, 16384, 8, 132, 1, 48, 90), "bwd_fp8_wgrad": True,
               "bwd_fp8_da": dgrad8, "bwd_fp8_dx": dgrad8,
               "bwd_dw_tiles": 1, "bwd_dx_tiles": 1}  # in FP8 cells (fp8_backward_fields)
     cfg = mk.MoKConfig.for_shape(H, I, **fields)
@@ -337,9 +359,9 @@ def test_whole_fp8_backward_builds_with_128_deep_steps(fp8_forward):
     transposed copies, the kernel within sm_90's shared memory (196.6 KB with Triton 3.9,
     twice the 64-deep build's), small spills (320 bytes with Triton 3.9, 400 with 3.6;
     ptxas's allocation over the whole kernel moves with any item's code)."""
-    from mokbench.mok_backend import default_config_fields, fp8_config_fields
+    from mokbench.mok_backend import fp8_config_fields
 
-    fields = {**default_config_fields(H, I, 16384, 8, 132, 1, 48, 90),
+    fields = {**_row_pull(H, I, 16384, 8, 132, 1, 48, 90),
               **(fp8_config_fields(90) if fp8_forward else {}), "bwd_fp8_da": True,
               "bwd_fp8_dx": True, "bwd_fp8_wgrad": True, "bwd_fp8_block_k": 128}
     cfg = mk.MoKConfig.for_shape(H, I, **fields)
@@ -370,9 +392,9 @@ def test_whole_fp8_backward_builds_with_pull_items_or_block_maxima(knobs):
     400 with none), and the
     async proxy fenced after each pull item and before the weight-gradient items read TMA
     copies."""
-    from mokbench.mok_backend import default_config_fields, fp8_config_fields
+    from mokbench.mok_backend import fp8_config_fields
 
-    fields = {**default_config_fields(H, I, 16384, 8, 132, 1, 48, 90), **fp8_config_fields(90),
+    fields = {**_row_pull(H, I, 16384, 8, 132, 1, 48, 90), **fp8_config_fields(90),
               "bwd_fp8_da": True, "bwd_fp8_dx": True, "bwd_fp8_wgrad": True,
               "bwd_fp8_block_k": 128, **knobs}
     cfg = mk.MoKConfig.for_shape(H, I, **fields)
@@ -389,9 +411,9 @@ def test_whole_fp8_backward_builds_for_blackwell():
     MXFP8 forward's config): every backward GEMM is a tcgen05 e4m3 MMA (kind::f8f6f4), the
     kernel fits in shared memory, its spills stay small (76 bytes with Triton 3.9). Built
     only: unverified on Blackwell hardware."""
-    from mokbench.mok_backend import default_config_fields, fp8_config_fields
+    from mokbench.mok_backend import fp8_config_fields
 
-    fields = {**default_config_fields(H, I, 16384, 8, 148, 1, 48, 100), **fp8_config_fields(100),
+    fields = {**_row_pull(H, I, 16384, 8, 148, 1, 48, 100), **fp8_config_fields(100),
               "bwd_fp8_da": True, "bwd_fp8_dx": True, "bwd_fp8_wgrad": True}
     cfg = mk.MoKConfig.for_shape(H, I, **fields)
     lw = mk.compile_megakernel(cfg, H, I, shared=True, kernel="backward", arch=100)
@@ -405,9 +427,9 @@ def test_dispatch_dedup_builds_without_spills(fp8_forward):
     """``dispatch_dedup`` at the EP-2 defaults (16 communication programs): the forward with
     the token cache and its flags builds like the plain pull, in the same shared memory and
     without spills."""
-    from mokbench.mok_backend import default_config_fields, fp8_config_fields
+    from mokbench.mok_backend import fp8_config_fields
 
-    fields = {**default_config_fields(H, I, 8192, 8, 132, 2, 6, 90),
+    fields = {**_row_pull(H, I, 8192, 8, 132, 2, 6, 90),
               **(fp8_config_fields(90) if fp8_forward else {})}
     plain = mk.compile_megakernel(mk.MoKConfig.for_shape(H, I, **fields), H, I, shared=True,
                                   comm_programs=16)
@@ -446,9 +468,8 @@ def test_megakernels_access_global_memory_in_wide_words(kernel, knobs):
     could not prove a row's alignment. One exception, on purpose: the FP8 backward's
     quantisation items store their transposed e4m3 bytes one per thread, 32 consecutive
     ones per warp (whole sectors), since their 16-byte form made the kernel spill more."""
-    from mokbench.mok_backend import default_config_fields
 
-    fields = {**default_config_fields(H, I, 16384, 8, 132, 1, 48, 90), **knobs}
+    fields = {**_row_pull(H, I, 16384, 8, 132, 1, 48, 90), **knobs}
     cfg = mk.MoKConfig.for_shape(H, I, **fields)
     lw = mk.compile_megakernel(cfg, H, I, shared=True, kernel=kernel)
     ops = re.findall(r"\b((?:ld|st)\.global(?:\.[a-z0-9:]+)+)", lw.ptx)
@@ -464,10 +485,10 @@ def test_requantisation_through_tma_is_pipelined():
     pass over r h) issue their second 128-column box in the loop's prologue, i.e. the copies
     are pipelined (``num_stages``), not loaded and waited for one at a time; without the
     knob no such copies exist (the requantisation reads with plain loads)."""
-    from mokbench.mok_backend import default_config_fields, fp8_config_fields
+    from mokbench.mok_backend import fp8_config_fields
 
     def prologue_copies(knobs: dict, desc: str) -> int:
-        fields = {**default_config_fields(H, I, 16384, 8, 132, 1, 48, 90),
+        fields = {**_row_pull(H, I, 16384, 8, 132, 1, 48, 90),
                   **fp8_config_fields(90), "bwd_fp8_da": True, "bwd_fp8_dx": True,
                   "bwd_fp8_wgrad": True, "bwd_fp8_block_k": 128, **knobs}
         cfg = mk.MoKConfig.for_shape(H, I, **fields)
@@ -486,9 +507,9 @@ def test_item_trace_builds_and_reads_the_global_timer():
     """The backward with its item trace (profiling only) at the Kimi shape, whole FP8
     backward: it builds for sm_90 within shared memory and reads ``%globaltimer`` around the
     items; the build without it has no such read (the trace costs nothing when off)."""
-    from mokbench.mok_backend import default_config_fields, fp8_config_fields
+    from mokbench.mok_backend import fp8_config_fields
 
-    fields = {**default_config_fields(H, I, 16384, 8, 132, 1, 48, 90), **fp8_config_fields(90),
+    fields = {**_row_pull(H, I, 16384, 8, 132, 1, 48, 90), **fp8_config_fields(90),
               "bwd_fp8_da": True, "bwd_fp8_dx": True, "bwd_fp8_wgrad": True,
               "bwd_fp8_block_k": 128}
     cfg = mk.MoKConfig.for_shape(H, I, **fields)
@@ -503,9 +524,8 @@ def test_forward_item_trace_builds_and_reads_the_global_timer():
     """The forward megakernel with its compute items' trace at the Kimi defaults (sm_90):
     it builds, reads ``%globaltimer`` around the items, and without the trace has no such
     read."""
-    from mokbench.mok_backend import default_config_fields
 
-    cfg = mk.MoKConfig.for_shape(H, I, **default_config_fields(H, I, 16384, 8, 132, 1, 48, 90))
+    cfg = mk.MoKConfig.for_shape(H, I, **_row_pull(H, I, 16384, 8, 132, 1, 48, 90))
     on = mk.compile_megakernel(cfg, H, I, shared=True, trace=True)
     off = mk.compile_megakernel(cfg, H, I, shared=True)
     assert on.shared_bytes <= SMEM_LIMIT
