@@ -5,6 +5,7 @@ tuning; the numbers that go into tables come from ``mokbench sweep``.
 
     python benchmarks/mok_backward_time.py --experts 48 --tokens 16384 [--shared]
         [--passes inference,forward_train]   # forward only: no backward compile or timing
+        [--fp8]   # the FP8 forward and backward, as the backend runs precision = "fp8"
 """
 
 from __future__ import annotations
@@ -16,13 +17,21 @@ import torch
 from bench_common import add_shape_args, cuda_ms
 
 import mok_kernels as mk
-from mokbench.mok_backend import config_from_env, default_config_fields
+from mokbench.mok_backend import (
+    config_from_env,
+    default_config_fields,
+    fp8_backward_fields,
+    fp8_config_fields,
+)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     add_shape_args(ap)
     ap.add_argument("--shared", action="store_true")
+    ap.add_argument("--fp8", action="store_true",
+                    help="the backend's FP8 cell defaults (FP8 forward with its recipe, the "
+                         "FP8 backward) under --options, weights quantised once as it does")
     ap.add_argument("--options", default="{}", help="JSON MoKConfig overrides")
     ap.add_argument("--phases", default="", help="comma-separated backward item masks to time "
                     "(1 dA, 2 dX, 4 dW_down, 8 dW_gate_up; 0 everything outside the items; "
@@ -50,8 +59,12 @@ def main() -> None:
     H, I, E, T, K = a.hidden, a.intermediate, a.experts, a.tokens, a.topk
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    cfg = config_from_env(H, I, default_config_fields(H, I, T, K, sms, 1, E),
-                          json.loads(a.options))
+    arch = torch.cuda.get_device_capability(dev)[0] * 10
+    defaults = default_config_fields(H, I, T, K, sms, 1, E, arch)
+    if a.fp8:  # as mok_backend.scenario_config for precision "fp8"
+        defaults.update(fp8_config_fields(arch, json.loads(a.options).get("fp8")))
+        defaults.update(fp8_backward_fields(arch))
+    cfg = config_from_env(H, I, defaults, json.loads(a.options))
     ws = mk.get_workspace(cfg, tokens=T, hidden=H, intermediate=I, local_experts=E, topk=K,
                           shared=a.shared, device=dev)
     g = torch.Generator(device=dev).manual_seed(0)
@@ -66,12 +79,13 @@ def main() -> None:
     ws2 = (torch.randn(I, H, device=dev) * I ** -0.5).bfloat16() if a.shared else None
     w = (w1, w2, ws1, ws2)
     w8 = mk.quantize_backward_weights(cfg, w2, ws2, w1, ws1)  # None without FP8 dgrad knobs
+    wf = mk.quantize_weights(cfg, *w) if cfg.fp8 != "none" else w  # the forward's weights
 
     def infer():
-        return mk.forward(cfg, ws, mk.build_schedule(ws, idx), x, p, *w)
+        return mk.forward(cfg, ws, mk.build_schedule(ws, idx), x, p, *wf)
 
     def train():
-        return mk.forward_train(cfg, ws, mk.build_schedule(ws, idx), x, p, *w)
+        return mk.forward_train(cfg, ws, mk.build_schedule(ws, idx), x, p, *wf)
 
     held = {}
 
@@ -114,7 +128,7 @@ def main() -> None:
         for _ in range(a.trace_runs):
             ftr.fill_(-1)
             btr.fill_(-1)
-            held["ctx"] = mk.forward_train(cfg, ws, mk.build_schedule(ws, idx), x, p, *w,
+            held["ctx"] = mk.forward_train(cfg, ws, mk.build_schedule(ws, idx), x, p, *wf,
                                            _trace=ftr)[1]
             mk.backward(cfg, ws, held["ctx"], dy, *w, fp8_weights=w8, _trace=btr)
         mk.check_errors(ws)

@@ -5,6 +5,7 @@ replay of forward + backward, the bounded-wait timeout, and the backend's autogr
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -534,3 +535,20 @@ def test_real_ep_over_two_gpus():
                           str(script)], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert out.stdout.count("ok") == 12
+
+
+@pytest.mark.parametrize("extra", [[], ["--fp8"]])
+def test_profiling_script_times_the_bf16_and_the_fp8_cells(extra):
+    """benchmarks/mok_backward_time.py (the A/Bs in notes/mok-kernel.md) runs the backend's
+    bf16 defaults and, with --fp8, its FP8 cells' (FP8 forward on quantised weights, FP8
+    backward), and prints each pass's median."""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{root / 'benchmarks'}"}
+    out = subprocess.run([sys.executable, str(root / "benchmarks" / "mok_backward_time.py"),
+                          "--hidden", "1024", "--intermediate", "512", "--experts", "8",
+                          "--tokens", "1024", "--iters", "2", "--warmup", "1", *extra],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert ("fp8='rowwise_all'" in out.stdout) == bool(extra), out.stdout[-2000:]
+    for name in ("inference", "forward_train", "backward"):
+        assert re.search(rf"^{name} +median +\d+\.\d+ ms", out.stdout, re.M), out.stdout
