@@ -20,11 +20,16 @@ one colour in every chart (:func:`color_map`).
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
+# The log axes' 10^n tick labels are mathtext, which loads every math font set; a machine
+# without the STIX and Computer Modern fonts then logs 21 "findfont: ... Falling back to
+# DejaVu Sans" warnings per sweep. The fallback draws the same charts: only noise in the log.
+logging.getLogger("matplotlib.font_manager").setLevel(logging.ERROR)
 
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402

@@ -96,3 +96,21 @@ def test_knob_curves_do_not_mix_other_options(tmp_path):
     plots.knob_chart(report.summarize(pd.DataFrame(rows), {}), tmp_path)
     svg = (tmp_path / "knobs.svg").read_text()
     assert "time vs minibatch" in svg and "tma=True" not in svg  # one point: no curve
+
+
+def test_charts_log_no_font_fallback_noise(tmp_path):
+    """A fresh process drawing the charts (log axes with mathtext ticks) writes no
+    "findfont ... Falling back" lines, on a machine with or without the math fonts."""
+    import subprocess
+    import sys
+
+    code = ("import pandas as pd, sys\n"
+            "from mokbench import plots, report\n"
+            "from tests.unit.test_plots import synthetic_rows\n"
+            "plots.make_plots(report.summarize(pd.DataFrame(synthetic_rows()), {}),"
+            " __import__('pathlib').Path(sys.argv[1]))\n")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "plots")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert (tmp_path / "plots" / "time_vs_tokens.svg").exists()
+    assert "findfont" not in out.stderr + out.stdout, out.stderr[-2000:]
