@@ -260,29 +260,29 @@ def config_from_env(hidden: int, intermediate: int, defaults: dict,
     fields = dict(defaults)
     over = {**env_overrides(), **(options or {})}
     over.pop("cuda_graph", None)  # a backend option, not a kernel knob
+    def yield_defaults(keys: tuple[str, ...], value) -> None:
+        """Set the defaults among ``keys`` to ``value``; what was asked for stays."""
+        fields.update({k: value for k in keys if k not in over})
+
     if any(over.get(k) for k in _NO_SEPARATE_PULL):  # asked for: defaults needing it yield
         fp8_pull_items = (over.get("bwd_fused_pull") and not over.get("bwd_direct_rows")
                           and not over.get("bwd_pull_ahead")
                           and over.get("bwd_fp8_da", fields.get("bwd_fp8_da")))
-        for k in ("bwd_pull_dedup",) + (() if fp8_pull_items else ("bwd_fp8_wgrad",)):
-            if k not in over:
-                fields[k] = False
-    if over.get("bwd_pull_by_token") and "bwd_pull_dedup" not in over:
-        fields["bwd_pull_dedup"] = False
-    if "bwd_pull_by_token" not in over and any(
-            over.get(k) for k in _NO_SEPARATE_PULL + ("bwd_pull_dedup", "bwd_fp8_wgrad")):
-        fields["bwd_pull_by_token"] = False  # asked for a pull the token pull cannot be
+        yield_defaults(("bwd_pull_dedup",) + (() if fp8_pull_items else ("bwd_fp8_wgrad",)),
+                       False)
+    if over.get("bwd_pull_by_token"):
+        yield_defaults(("bwd_pull_dedup",), False)
+    if any(over.get(k) for k in _NO_SEPARATE_PULL + ("bwd_pull_dedup", "bwd_fp8_wgrad")):
+        yield_defaults(("bwd_pull_by_token",), False)  # a pull the token pull cannot be
     if "minibatch" in over and "macrobatch" not in over:
         fields["macrobatch"] = 3 * over["minibatch"]
     fields.update(over)
-    if "skew_down" not in over and fields["macrobatch"] < 2 * fields["minibatch"]:
-        fields["skew_down"] = False  # one ring slot asked for: the default order needs two
-    if "bwd_dx_band" not in over and fields.get("bwd_pull_ahead"):
-        fields["bwd_dx_band"] = 0  # the pull-ahead order keeps its row blocks' dX items
+    if fields["macrobatch"] < 2 * fields["minibatch"]:
+        yield_defaults(("skew_down",), False)  # one ring slot: the default order needs two
+    if fields.get("bwd_pull_ahead"):
+        yield_defaults(("bwd_dx_band",), 0)  # the pull-ahead order keeps its row blocks' dX
     if fields.get("bwd_direct_rows") or fields.get("bwd_direct_da"):
-        for k in ("bwd_dw_tiles", "bwd_dx_tiles"):  # row gathers beside them spill more
-            if k not in over:
-                fields[k] = 1
+        yield_defaults(("bwd_dw_tiles", "bwd_dx_tiles"), 1)  # gathers beside them spill more
     return MoKConfig.for_shape(hidden, intermediate, **fields)
 
 

@@ -113,11 +113,11 @@ def _time_body(pass_: str, backend, x, idx, p, dy) -> tuple[Callable, Callable |
     ``torch.no_grad()``. Backward: ``y.backward(dy)`` after an untimed training forward.
     Step: the training forward and ``y.backward(dy)`` in one timed body, gradients cleared
     before each (untimed), as before each backward."""
-    if pass_ == "step":
-        def clear() -> None:
-            backend.zero_grad()
-            x.grad = p.grad = None
+    def clear() -> None:  # gradients of the iteration before
+        backend.zero_grad()
+        x.grad = p.grad = None
 
+    if pass_ == "step":
         def step() -> None:
             with _grad_mode(pass_):
                 backend.forward(x, idx, p).backward(dy)
@@ -132,8 +132,7 @@ def _time_body(pass_: str, backend, x, idx, p, dy) -> tuple[Callable, Callable |
     holder: dict = {}
 
     def prepare() -> None:
-        backend.zero_grad()
-        x.grad = p.grad = None
+        clear()
         holder["y"] = backend.forward(x, idx, p)
 
     def body() -> None:
