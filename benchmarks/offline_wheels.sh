@@ -19,7 +19,7 @@ usage() {
 Usage: $PROG download DIR
        $PROG split DIR OUTDIR [MIB]
        $PROG gather BATCHDIR STORE
-       $PROG install [--dry-run] STORE
+       $PROG install [--dry-run] [--wait S] STORE
 
 Install TransformerEngine $TE_VERSION (PyTorch, CUDA $CUDA_MAJOR) and Megatron-Core $MCORE_VERSION on a
 machine without a package index, when files can only be carried in batches of limited size.
@@ -45,6 +45,9 @@ machine without a package index, when files can only be carried in batches of li
                         then import transformer_engine.pytorch and megatron.core
     --dry-run           reassemble and check, then print the pip and python commands instead of
                         running them
+    --wait S            first wait up to S seconds for batches still being gathered (another
+                        process gathers them, one per transfer), then install; when S pass
+                        with batches missing, name them and install nothing
 
 Environment: PYTHON (default python3; runs pip, and for install it is the environment installed
 into); PIP_INDEX_URL (download; default https://pypi.org/simple); NVTE_CUDA_ARCHS (default 90) and
@@ -246,6 +249,21 @@ cmd_split() {
 }
 
 # ---------------------------------------------------------------------------------------------
+# The batches (space-separated, in CONTENTS order) with a piece not yet in STORE; empty when
+# every batch is in (or STORE has no CONTENTS yet: then "all"). A part whose whole file was
+# already reassembled counts as there.
+missing_batches() {
+  local store=$1 missing=() psha psize pbatch pname
+  [[ -f $store/CONTENTS ]] || { echo all; return; }
+  while read -r psha psize pbatch pname; do
+    [[ -n $pname && ! -f $store/$pname ]] || continue
+    [[ $pname == *.part-[0-9][0-9][0-9] && -f $store/${pname%.part-*} ]] && continue
+    [[ " ${missing[*]} " == *" $pbatch "* ]] || missing+=("$pbatch")
+  done <"$store/CONTENTS"
+  echo "${missing[*]}"
+}
+
+# ---------------------------------------------------------------------------------------------
 cmd_gather() {
   [[ $# -eq 2 ]] || bad_usage "gather takes BATCHDIR STORE"
   local bdir=$1 store=$2 f name
@@ -271,14 +289,10 @@ cmd_gather() {
     moved=$((moved + 1))
   done
   echo "moved $moved file(s) from $bdir into $store"
-  local missing=() psha psize pbatch pname
-  while read -r psha psize pbatch pname; do
-    [[ -n $pname && ! -f $store/$pname ]] || continue
-    [[ $pname == *.part-[0-9][0-9][0-9] && -f $store/${pname%.part-*} ]] && continue
-    [[ " ${missing[*]} " == *" $pbatch "* ]] || missing+=("$pbatch")
-  done <"$store/CONTENTS"
-  if ((${#missing[@]})); then
-    echo "still to gather: ${missing[*]}"
+  local missing
+  missing=$(missing_batches "$store")
+  if [[ -n $missing ]]; then
+    echo "still to gather: $missing"
   else
     echo "every batch is in $store: $PROG install $store"
   fi
@@ -320,15 +334,27 @@ reassemble() {
 }
 
 cmd_install() {
-  local dry=0 store="" a
-  for a in "$@"; do
+  local dry=0 store="" wait_s="" a
+  while (($#)); do
+    a=$1; shift
     case $a in
       --dry-run) dry=1 ;;
+      --wait)
+        [[ ${1:-} =~ ^[0-9]+$ ]] || bad_usage "--wait: got '${1:-}'; allowed a whole number of seconds"
+        wait_s=$1; shift ;;
       -*) bad_usage "unknown option for install: $a" ;;
       *) [[ -z $store ]] || bad_usage "install takes one STORE"; store=$a ;;
     esac
   done
   [[ -n $store ]] || bad_usage "install takes STORE"
+  if [[ -n $wait_s ]]; then  # the batches arrive one transfer at a time
+    local until_s=$((SECONDS + wait_s)) missing
+    mkdir -p -- "$store"
+    while missing=$(missing_batches "$store"); [[ -n $missing ]]; do
+      ((SECONDS < until_s)) || die "after $wait_s s these batches are still not gathered in $store: $missing"
+      sleep 1
+    done
+  fi
   [[ -d $store ]] || die "no such folder: $store"
   store=$(cd -- "$store" && pwd)
   local py=${PYTHON:-python3}

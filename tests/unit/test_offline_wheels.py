@@ -173,6 +173,37 @@ def test_a_batch_not_gathered_is_named(dl: Path, tmp_path: Path):
     one_line_error(sh("install", "--dry-run", store), "missing", last)
 
 
+def test_install_waits_for_the_batches_still_on_their_way(dl: Path, tmp_path: Path):
+    """--wait S: the install starts once another process has gathered the last batch."""
+    out, store = tmp_path / "out", tmp_path / "store"
+    ok("split", dl, out, 1)
+    last = batches(out)[-1]
+    gather_all(out, store, skip=(last.name,))
+    waiting = subprocess.Popen(["bash", str(SCRIPT), "install", "--dry-run", "--wait", "60",
+                                str(store)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env={**os.environ, "PYTHON": sys.executable})
+    time.sleep(2)
+    assert waiting.poll() is None  # still waiting for the last batch
+    ok("gather", last, store)
+    stdout, stderr = waiting.communicate(timeout=60)
+    assert waiting.returncode == 0, stderr
+    assert "# dry run:" in stdout
+    for f in dl.iterdir():
+        assert (store / f.name).read_bytes() == f.read_bytes(), f.name
+
+
+def test_install_wait_names_the_batches_that_never_came(dl: Path, tmp_path: Path):
+    out, store = tmp_path / "out", tmp_path / "store"
+    ok("split", dl, out, 1)
+    last = batches(out)[-1].name
+    gather_all(out, store, skip=(last,))
+    err = one_line_error(sh("install", "--dry-run", "--wait", "1", store), "after 1 s", last)
+    assert "reassembled" not in err
+    one_line_error(sh("install", "--wait", "soon", store), "--wait", "'soon'", "seconds")
+    # Nothing gathered at all: the store is made and every batch is missing.
+    one_line_error(sh("install", "--wait", "0", tmp_path / "empty"), "still not gathered", "all")
+
+
 def test_gather_refuses_another_bundle(dl: Path, tmp_path: Path):
     ok("split", dl, tmp_path / "a", 1)
     (dl / "pydantic-2.0-py3-none-any.whl").write_bytes(b"other")

@@ -1,0 +1,153 @@
+#!/usr/bin/env bash
+# One time-limited GPU session, run in the background so that short calls can feed and watch it:
+# install TransformerEngine and Megatron-Core from carried batches (beside the GPU tier), run
+# the GPU tier, then timing commands, then a sweep that stops in time for its files to be packed.
+#
+# Usage (on the GPU machine, from the repo root):
+#   benchmarks/gpu_session.sh start [--until S] [--te STORE] [--tier S] [--commands FILE]
+#                                   [--sweep FILE] [-- SWEEP_ARGS...]
+#   benchmarks/gpu_session.sh report [--wait S] [--pack DIR]
+#
+# start    begins the session in a new process session (it outlives the call) and returns; when
+#          one was already begun in STATE it says so and returns 0, so every call of a lease can
+#          begin with it and the first call that gets a machine starts the work. Steps, in order:
+#   --te STORE      (beside the tier) offline_wheels.sh install --wait until the deadline, STORE
+#                   being filled by `offline_wheels.sh gather batch-N STORE` calls meanwhile; the
+#                   commands and the sweep wait for it, since te / megatron rows need it
+#   --tier S        benchmarks/gpu_tier.sh --workers 4 $TIER_ARGS, stopped after S seconds
+#   --commands FILE each line (blank lines and # comments skipped) run by bash, at most 300 s,
+#                   PYTHONPATH = the tree and benchmarks/, skipped once less than 60 s is left
+#   --sweep FILE    benchmarks/device_sweep.sh FILE SWEEP_ARGS, its limit the time left less 45 s
+#                   for packing (skipped under 120 s)
+#   --until S       every step ends S seconds after the start (default 1500)
+# report   waits until the session is done or S seconds pass (default 0), prints each step's
+#          line and the logs' ends; --pack DIR writes DIR/logs.tgz (every log) and, once the
+#          sweep has packed it, DIR/run.tgz (the run folder).
+#
+# Env: STATE (default /tmp/gpu-session: session.log, te.log, tier.log and tier/, commands.log,
+# sweep/, done), TIER_ARGS (pytest arguments for the tier, e.g. -k "not test_baselines_gpu").
+# The session runs from a copy of the tree taken at the start (benchmarks/tree_snapshot.sh), so
+# a later call that re-sends the tree cannot change what it runs.
+set -uo pipefail
+
+PROG=gpu_session.sh
+die() { echo "$PROG: error: $*" >&2; exit 2; }
+STATE=${STATE:-/tmp/gpu-session}
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+
+number() { [[ $2 =~ ^[0-9]+$ ]] || die "$1: got '$2'; allowed a whole number of seconds"; }
+
+cmd_start() {
+  local until_s=1500 te="" tier_s=0 commands="" sweep="" sweep_args=()
+  while (($#)); do
+    case $1 in
+      --until) number --until "${2:-}"; until_s=$2; shift 2 ;;
+      --te) [[ -n ${2:-} ]] || die "--te needs a STORE folder"; te=$2; shift 2 ;;
+      --tier) number --tier "${2:-}"; tier_s=$2; shift 2 ;;
+      --commands) [[ -f ${2:-} ]] || die "--commands: no such file: '${2:-}'"
+        commands=$(cd "$(dirname "$2")" && pwd)/$(basename "$2"); shift 2 ;;
+      --sweep) [[ -f ${2:-} ]] || die "--sweep: no such file: '${2:-}'"; sweep=$2; shift 2 ;;
+      --) shift; sweep_args=("$@"); break ;;
+      *) die "start: unknown argument '$1'; allowed --until, --te, --tier, --commands, --sweep, --" ;;
+    esac
+  done
+  mkdir -p "$STATE" || die "cannot make $STATE"
+  if ! mkdir "$STATE/begun" 2>/dev/null; then  # atomic: one session per STATE
+    echo "$PROG: a session was already begun in $STATE ($( [[ -e $STATE/done ]] && echo done || echo running))"
+    return 0
+  fi
+  cd "$REPO" || die "cannot enter $REPO"
+  setsid nohup bash "$REPO/benchmarks/gpu_session.sh" _run "$until_s" "$te" "$tier_s" \
+    "$commands" "$sweep" "${sweep_args[@]}" >"$STATE/session.out" 2>&1 </dev/null &
+  echo "$PROG: session begun in $STATE (pid $!), every step over $until_s s after now"
+}
+
+# The session itself (start runs it in the background).
+cmd_run() {
+  local until_s=$1 te=$2 tier_s=$3 commands=$4 sweep=$5; shift 5
+  local t0=$SECONDS deadline=$((SECONDS + until_s)) te_pid=""
+  log() { echo "$(date +%T) +$((SECONDS - t0))s $*" >>"$STATE/session.log"; }
+  left() { echo $((deadline - SECONDS)); }
+  # shellcheck source=benchmarks/tree_snapshot.sh
+  . "$REPO/benchmarks/tree_snapshot.sh"
+  snapshot_tree || { log "cannot copy the tree"; touch "$STATE/done"; exit 1; }
+  export PYTHONUNBUFFERED=1 SNAPSHOT=0  # the steps run from this copy as it is
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  log "begun at $(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo '?'), until +${until_s}s"
+  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,clocks.max.sm,power.limit \
+    --format=csv,noheader >>"$STATE/session.log" 2>&1
+  if [[ -n $te ]]; then
+    (log "te: waiting for the batches in $te"
+     bash benchmarks/offline_wheels.sh install --wait "$(left)" "$te" >"$STATE/te.log" 2>&1
+     log "te: rc=$? ($(tail -1 "$STATE/te.log"))") &
+    te_pid=$!
+  fi
+  if ((tier_s > 0)); then
+    log "tier: begun (at most ${tier_s}s)"
+    # shellcheck disable=SC2086  # TIER_ARGS are words
+    OUT=$STATE/tier timeout "$tier_s" bash benchmarks/gpu_tier.sh --workers 4 ${TIER_ARGS:-} \
+      >"$STATE/tier.log" 2>&1
+    log "tier: rc=$? ($(grep -h -E 'passed|failed' "$STATE"/tier/*.log 2>/dev/null | tail -2 | tr '\n' ' '))"
+  fi
+  [[ -z $te_pid ]] || wait "$te_pid"
+  if [[ -n $commands ]]; then
+    export PYTHONPATH=$PWD:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}
+    local line
+    while IFS= read -r line || [[ -n $line ]]; do
+      [[ -z ${line// /} || $line == \#* ]] && continue
+      if (($(left) < 60)); then log "command skipped (time): $line"; continue; fi
+      echo "== $line" >>"$STATE/commands.log"
+      timeout "$(($(left) < 300 ? $(left) : 300))" bash -c "$line" >>"$STATE/commands.log" 2>&1
+      log "command rc=$?: $line"
+    done <"$commands"
+  fi
+  if [[ -n $sweep ]]; then
+    local limit=$(($(left) - 45))
+    if ((limit < 120)); then
+      log "sweep skipped: ${limit}s left for it"
+    else
+      log "sweep: $sweep (limit ${limit}s)"
+      OUT=$STATE/sweep SWEEP_LIMIT_S=$limit bash benchmarks/device_sweep.sh "$sweep" "$@" \
+        >"$STATE/sweep.out" 2>&1
+      log "sweep: rc=$? ($(grep -c -E '^ +(ok|fail)' "$STATE/sweep/sweep.log" 2>/dev/null) rows)"
+    fi
+  fi
+  log "done"
+  touch "$STATE/done"
+}
+
+cmd_report() {
+  local wait_s=0 pack=""
+  while (($#)); do
+    case $1 in
+      --wait) number --wait "${2:-}"; wait_s=$2; shift 2 ;;
+      --pack) [[ -n ${2:-} ]] || die "--pack needs a folder"; pack=$2; shift 2 ;;
+      *) die "report: unknown argument '$1'; allowed --wait, --pack" ;;
+    esac
+  done
+  [[ -d $STATE/begun ]] || die "no session was begun in $STATE"
+  local until_s=$((SECONDS + wait_s))
+  while [[ ! -e $STATE/done ]] && ((SECONDS < until_s)); do sleep 2; done
+  echo "--- session ($([[ -e $STATE/done ]] && echo done || echo running))"
+  cat "$STATE/session.log" 2>/dev/null
+  local f
+  for f in commands.log sweep/sweep.log; do
+    [[ -f $STATE/$f ]] || continue
+    echo "--- $f"
+    grep -v "━" "$STATE/$f" | grep -E "^==|median|ms|rror" | tail -40
+  done
+  if [[ -n $pack ]]; then
+    mkdir -p "$pack" || die "cannot make $pack"
+    tar czf "$pack/logs.tgz" -C "$STATE" --exclude=./sweep/run.tgz . 2>/dev/null
+    [[ ! -f $STATE/sweep/run.tgz ]] || cp "$STATE/sweep/run.tgz" "$pack/run.tgz"
+  fi
+  return 0
+}
+
+case ${1:-} in
+  start) shift; cmd_start "$@" ;;
+  report) shift; cmd_report "$@" ;;
+  _run) shift; cmd_run "$@" ;;
+  -h | --help) sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//' ;;
+  *) die "usage: $PROG start [options] | report [--wait S] [--pack DIR] (--help for more)" ;;
+esac

@@ -1,0 +1,78 @@
+"""benchmarks/gpu_session.sh on CPU: a session begun in the background runs its commands (with
+the tree and benchmarks/ importable) and a sweep through device_sweep.sh, logs a line per step,
+packs the logs and the run folder; a second start does nothing; bad arguments get one line."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "benchmarks" / "gpu_session.sh"
+
+pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("setsid") is None,
+                                reason="needs bash and setsid")
+
+
+def sh(state: Path, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    env = {**os.environ, "STATE": str(state),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True,
+                          env=env, timeout=timeout, cwd=REPO)
+
+
+def test_a_session_runs_commands_and_a_sweep_then_packs(tmp_path: Path):
+    state, pack = tmp_path / "state", tmp_path / "pack"
+    commands = tmp_path / "commands.txt"
+    commands.write_text("# timing commands\n\necho first line\n"
+                        "python -c 'import bench_common, mokbench; print(\"imports ms\")'\n"
+                        "exit 3\n")
+    r = sh(state, "start", "--until", "400", "--commands", str(commands), "--sweep",
+           "sweeps/quick.toml", "--", "--backends", "nccl_torch", "--timeout-s", "200")
+    assert r.returncode == 0 and "session begun" in r.stdout, r.stderr
+    again = sh(state, "start", "--until", "5")
+    assert again.returncode == 0 and "already begun" in again.stdout
+    rep = sh(state, "report", "--wait", "380", "--pack", str(pack), timeout=400)
+    assert rep.returncode == 0, rep.stderr
+    log = (state / "session.log").read_text()
+    assert "command rc=0: echo first line" in log
+    assert "command rc=0: python -c" in log  # the tree and benchmarks/ on PYTHONPATH
+    assert "command rc=3: exit 3" in log
+    assert "sweep: rc=0" in log and log.rstrip().endswith("done"), log
+    assert "--- session (done)" in rep.stdout and "imports ms" in rep.stdout
+    with tarfile.open(pack / "logs.tgz") as t:
+        names = t.getnames()
+    assert "./session.log" in names and "./commands.log" in names
+    with tarfile.open(pack / "run.tgz") as t:
+        rows = [n for n in t.getnames() if n.endswith("/rows.jsonl")]
+    assert len(rows) == 1
+
+
+def test_too_little_time_skips_the_sweep_and_says_so(tmp_path: Path):
+    state = tmp_path / "state"
+    assert sh(state, "start", "--until", "100", "--sweep", "sweeps/quick.toml").returncode == 0
+    rep = sh(state, "report", "--wait", "50")
+    assert "sweep skipped" in rep.stdout and "(done)" in rep.stdout, rep.stdout
+    assert not (state / "sweep").exists()
+
+
+@pytest.mark.parametrize("args, words", [
+    (("start", "--until", "soon"), ("--until", "'soon'", "seconds")),
+    (("start", "--sweep", "nowhere.toml"), ("--sweep", "nowhere.toml")),
+    (("start", "--tie", "5"), ("--tie", "--tier")),
+    (("report",), ("no session",)),
+    (("nothing",), ("usage",)),
+])
+def test_bad_arguments_get_one_line(tmp_path: Path, args: tuple, words: tuple):
+    r = sh(tmp_path / "state", *args)
+    assert r.returncode == 2
+    lines = [ln for ln in r.stderr.splitlines() if ln]
+    assert len(lines) == 1 and "error:" in lines[0], r.stderr
+    for w in words:
+        assert w in lines[0], lines[0]
