@@ -229,6 +229,47 @@ def _md_table(part: pd.DataFrame, legend: tables.Legend, show: dict[str, bool]) 
     return "\n".join(lines)
 
 
+def side_by_side(summary: pd.DataFrame, not_run: list[tuple[str, str]] | None = None) -> str:
+    """One Markdown table of the whole run, for reports: a row per (scenario, pass), scenarios
+    in run order and each one's passes together, a column
+    per backend label (baselines first, by name, then ours in run order) holding its median ms
+    (its status where it did not run ok; "not run" for a cell of the sweep with no row, "-"
+    where the backend has no row for that pass), then per backend of ours its speedup over the
+    fastest baseline ("~" where within noise, as in the per-pass tables)."""
+    if summary.empty:
+        return ""
+    labels = list(pd.unique(summary["backend"]))
+    base = set(summary.loc[summary["is_baseline"], "backend"])
+    ours = [b for b in labels if b not in base]
+    cols = sorted(base) + ours
+    missing = {(s, b) for s, b in (not_run or [])}
+    head = ["scenario", "pass", *(f"{b} ms" for b in cols), *(f"{b} vs best" for b in ours)]
+    lines = ["| " + " | ".join(_md_escape(h) for h in head) + " |",
+             "|---|---|" + "---:|" * (len(head) - 2)]
+    by_key = {(r.scenario_id, r.backend, r["pass"]): r for _, r in summary.iterrows()}
+    scenarios = list(pd.unique(summary["scenario_id"]))
+    for s in scenarios:
+        for p in tables.ordered_passes(summary):
+            if not ((summary["scenario_id"] == s) & (summary["pass"] == p)).any():
+                continue
+            cells, speedups = [], []
+            for b in cols:
+                row = by_key.get((s, b, p))
+                if row is None:
+                    cells.append("not run" if (s, b) in missing else "-")
+                elif row["status"] == "ok":
+                    cells.append(tables.num(row["median_ms"], ".3f"))
+                else:
+                    cells.append(str(row["status"]))
+                if b in ours:
+                    x = None if row is None else row["speedup_vs_best_baseline"]
+                    speedups.append("-" if x is None or x != x else
+                                    ("~" if row["within_noise"] else "") + f"{x:.3f}x")
+            lines.append("| " + " | ".join([_md_escape(s), pass_label(p, summary), *cells,
+                                             *speedups]) + " |")
+    return "\n".join(lines)
+
+
 def _md_legend(summary: pd.DataFrame, legend: tables.Legend) -> list[str]:
     lines = [f"- {_md_escape(x)}" for x in tables.legend_lines(legend)]
     if summary["within_noise"].any():
@@ -324,6 +365,10 @@ def to_markdown(summary: pd.DataFrame, env: dict[str, Any], run_id: str,
     for p in tables.ordered_passes(summary):
         part = summary[summary["pass"] == p]
         parts += [f"## {pass_label(p, summary)}", "", _md_table(part, legend, show), ""]
+    parts += ["## Side by side", "",
+              "Medians in ms (full scenario ids), then each of our backends' speedup over the "
+              "fastest baseline of its scenario and pass.", "", side_by_side(summary, not_run),
+              ""]
     parts += _md_legend(summary, legend)
     parts += _md_not_run(not_run or [], env.get("backends"))
     if charts:

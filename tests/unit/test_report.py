@@ -279,3 +279,30 @@ def test_fp8_rows_show_their_speedup_over_the_same_backend_in_bf16(tmp_path):
     assert "| vs own bf16 |" in md and "| 1.50x |" in md
     plain = report.summarize(pd.DataFrame(known_rows()), {})
     assert "| vs own bf16 |" not in report.to_markdown(plain, {}, "r")
+
+
+def test_side_by_side_one_row_per_scenario_and_pass(summary: pd.DataFrame):
+    """Medians per backend label (baselines by name, then ours), statuses where a row did not
+    run ok, "not run" for the sweep's cells without rows, "-" for a pass a backend lacks, and
+    our speedups over the fastest baseline."""
+    table = report.side_by_side(summary, not_run=[(S2, "te")])
+    lines = table.splitlines()
+    assert lines[0] == ("| scenario | pass | deepep ms | nccl_torch ms | te ms | mok ms "
+                        "| mok vs best |")
+    body = {tuple(c.strip() for c in ln.strip("|").split("|")[:2]): ln for ln in lines[2:]}
+    assert list(body) == [(S1, "forward"), (S1, "backward"),  # rows without the mode: "forward"
+                          (S2, "forward")]
+    assert body[S1, "forward"].endswith("| failed | 10.000 | 8.000 | 4.000 | 2.000x |")
+    assert body[S1, "backward"].endswith("| - | 30.000 | skipped | 20.000 | 1.500x |")
+    assert body[S2, "forward"].endswith("| - | timeout | not run | 5.000 | - |")
+    # A speedup within the spread of the fastest baseline carries "~".
+    close = [row(S1, "te", "forward", 8.0), row(S1, "mok", "forward", 7.9, baseline=False)]
+    close[1]["p90_ms"] = 8.5  # overlaps te's [8.0, 8.0]
+    assert "| ~1.013x |" in report.side_by_side(report.summarize(pd.DataFrame(close), ENV))
+
+
+def test_the_markdown_report_has_the_side_by_side_table(summary: pd.DataFrame):
+    md = report.to_markdown(summary, ENV, "r")
+    section = md.split("## Side by side\n", 1)[1].split("\n## ", 1)[0]
+    assert report.side_by_side(summary) in section
+    assert report.side_by_side(summary.iloc[0:0]) == ""
