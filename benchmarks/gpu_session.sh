@@ -5,7 +5,7 @@
 #
 # Usage (on the GPU machine, from the repo root):
 #   benchmarks/gpu_session.sh start [--until S] [--te STORE] [--tier S] [--commands FILE]
-#                                   [--sweep FILE] [-- SWEEP_ARGS...]
+#                                   [--sweep FILE]... [-- SWEEP_ARGS...]
 #   benchmarks/gpu_session.sh report [--wait S] [--pack DIR]
 #
 # start    begins the session in a new process session (it outlives the call) and returns; when
@@ -18,14 +18,15 @@
 #   --commands FILE each line (blank lines and # comments skipped) run by bash, at most 300 s,
 #                   PYTHONPATH = the tree and benchmarks/, skipped once less than 60 s is left
 #   --sweep FILE    benchmarks/device_sweep.sh FILE SWEEP_ARGS, its limit the time left less 45 s
-#                   for packing (skipped under 120 s)
+#                   for packing (skipped under 120 s); repeated, the sweeps run one after the
+#                   other, each with the time the ones before it left
 #   --until S       every step ends S seconds after the start (default 1500)
 # report   waits until the session is done or S seconds pass (default 0), prints each step's
-#          line and the logs' ends; --pack DIR writes DIR/logs.tgz (every log) and, once the
-#          sweep has packed it, DIR/run.tgz (the run folder).
+#          line and the logs' ends; --pack DIR writes DIR/logs.tgz (every log) and, for each
+#          sweep that has packed its run folder, DIR/run-N.tgz (N = its place on the line).
 #
 # Env: STATE (default /tmp/gpu-session: session.log, te.log, tier.log and tier/, commands.log,
-# sweep/, done), TIER_ARGS (pytest arguments for the tier, e.g. -k "not test_baselines_gpu").
+# sweep-N/, done), TIER_ARGS (pytest arguments for the tier, e.g. -k "not test_baselines_gpu").
 # The session runs from a copy of the tree taken at the start (benchmarks/tree_snapshot.sh), so
 # a later call that re-sends the tree cannot change what it runs.
 set -uo pipefail
@@ -38,7 +39,7 @@ REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 number() { [[ $2 =~ ^[0-9]+$ ]] || die "$1: got '$2'; allowed a whole number of seconds"; }
 
 cmd_start() {
-  local until_s=1500 te="" tier_s=0 commands="" sweep="" sweep_args=()
+  local until_s=1500 te="" tier_s=0 commands="" sweeps=() sweep_args=()
   while (($#)); do
     case $1 in
       --until) number --until "${2:-}"; until_s=$2; shift 2 ;;
@@ -46,7 +47,7 @@ cmd_start() {
       --tier) number --tier "${2:-}"; tier_s=$2; shift 2 ;;
       --commands) [[ -f ${2:-} ]] || die "--commands: no such file: '${2:-}'"
         commands=$(cd "$(dirname "$2")" && pwd)/$(basename "$2"); shift 2 ;;
-      --sweep) [[ -f ${2:-} ]] || die "--sweep: no such file: '${2:-}'"; sweep=$2; shift 2 ;;
+      --sweep) [[ -f ${2:-} ]] || die "--sweep: no such file: '${2:-}'"; sweeps+=("$2"); shift 2 ;;
       --) shift; sweep_args=("$@"); break ;;
       *) die "start: unknown argument '$1'; allowed --until, --te, --tier, --commands, --sweep, --" ;;
     esac
@@ -57,14 +58,17 @@ cmd_start() {
     return 0
   fi
   cd "$REPO" || die "cannot enter $REPO"
+  local IFS=$'\n'  # the sweep files, one per line, in one argument
   setsid nohup bash "$REPO/benchmarks/gpu_session.sh" _run "$until_s" "$te" "$tier_s" \
-    "$commands" "$sweep" "${sweep_args[@]}" >"$STATE/session.out" 2>&1 </dev/null &
+    "$commands" "${sweeps[*]}" "${sweep_args[@]}" >"$STATE/session.out" 2>&1 </dev/null &
   echo "$PROG: session begun in $STATE (pid $!), every step over $until_s s after now"
 }
 
 # The session itself (start runs it in the background).
 cmd_run() {
-  local until_s=$1 te=$2 tier_s=$3 commands=$4 sweep=$5; shift 5
+  local until_s=$1 te=$2 tier_s=$3 commands=$4 sweeps=(); shift 4
+  [[ -z $1 ]] || mapfile -t sweeps <<<"$1"
+  shift
   local t0=$SECONDS deadline=$((SECONDS + until_s)) te_pid=""
   log() { echo "$(date +%T) +$((SECONDS - t0))s $*" >>"$STATE/session.log"; }
   left() { echo $((deadline - SECONDS)); }
@@ -101,17 +105,18 @@ cmd_run() {
       log "command rc=$?: $line"
     done <"$commands"
   fi
-  if [[ -n $sweep ]]; then
-    local limit=$(($(left) - 45))
+  local n=0 sweep limit
+  for sweep in "${sweeps[@]}"; do
+    n=$((n + 1)) limit=$(($(left) - 45))
     if ((limit < 120)); then
-      log "sweep skipped: ${limit}s left for it"
-    else
-      log "sweep: $sweep (limit ${limit}s)"
-      OUT=$STATE/sweep SWEEP_LIMIT_S=$limit bash benchmarks/device_sweep.sh "$sweep" "$@" \
-        >"$STATE/sweep.out" 2>&1
-      log "sweep: rc=$? ($(grep -c -E '^ +(ok|fail)' "$STATE/sweep/sweep.log" 2>/dev/null) rows)"
+      log "sweep-$n skipped: ${limit}s left for $sweep"
+      continue
     fi
-  fi
+    log "sweep-$n: $sweep (limit ${limit}s)"
+    OUT=$STATE/sweep-$n MB_ROOT=$STATE/mb-$n SWEEP_LIMIT_S=$limit \
+      bash benchmarks/device_sweep.sh "$sweep" "$@" >"$STATE/sweep-$n.out" 2>&1
+    log "sweep-$n: rc=$? ($(grep -c -E '^ +(ok|fail)' "$STATE/sweep-$n/sweep.log" 2>/dev/null) rows)"
+  done
   log "done"
   touch "$STATE/done"
 }
@@ -131,15 +136,20 @@ cmd_report() {
   echo "--- session ($([[ -e $STATE/done ]] && echo done || echo running))"
   cat "$STATE/session.log" 2>/dev/null
   local f
-  for f in commands.log sweep/sweep.log; do
-    [[ -f $STATE/$f ]] || continue
+  for f in "$STATE"/commands.log "$STATE"/sweep-*/sweep.log; do
+    [[ -f $f ]] || continue
+    f=${f#"$STATE"/}
     echo "--- $f"
     grep -v "━" "$STATE/$f" | grep -E "^==|median|ms|rror" | tail -40
   done
   if [[ -n $pack ]]; then
     mkdir -p "$pack" || die "cannot make $pack"
-    tar czf "$pack/logs.tgz" -C "$STATE" --exclude=./sweep/run.tgz . 2>/dev/null
-    [[ ! -f $STATE/sweep/run.tgz ]] || cp "$STATE/sweep/run.tgz" "$pack/run.tgz"
+    tar czf "$pack/logs.tgz" -C "$STATE" --exclude='./sweep-*/run.tgz' --exclude='./mb-*' . \
+      2>/dev/null
+    local run
+    for run in "$STATE"/sweep-*/run.tgz; do
+      [[ ! -f $run ]] || cp "$run" "$pack/run-$(basename "$(dirname "$run")" | cut -d- -f2).tgz"
+    done
   fi
   return 0
 }

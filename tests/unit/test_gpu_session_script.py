@@ -33,33 +33,39 @@ def test_a_session_runs_commands_and_a_sweep_then_packs(tmp_path: Path):
     commands.write_text("# timing commands\n\necho first line\n"
                         "python -c 'import bench_common, mokbench; print(\"imports ms\")'\n"
                         "exit 3\n")
-    r = sh(state, "start", "--until", "400", "--commands", str(commands), "--sweep",
-           "sweeps/quick.toml", "--", "--backends", "nccl_torch", "--timeout-s", "200")
+    r = sh(state, "start", "--until", "500", "--commands", str(commands), "--sweep",
+           "sweeps/quick.toml", "--sweep", "sweeps/quick.toml", "--", "--backends", "nccl_torch",
+           "--timeout-s", "200")
     assert r.returncode == 0 and "session begun" in r.stdout, r.stderr
     again = sh(state, "start", "--until", "5")
     assert again.returncode == 0 and "already begun" in again.stdout
-    rep = sh(state, "report", "--wait", "380", "--pack", str(pack), timeout=400)
+    rep = sh(state, "report", "--wait", "480", "--pack", str(pack), timeout=500)
     assert rep.returncode == 0, rep.stderr
     log = (state / "session.log").read_text()
     assert "command rc=0: echo first line" in log
     assert "command rc=0: python -c" in log  # the tree and benchmarks/ on PYTHONPATH
     assert "command rc=3: exit 3" in log
-    assert "sweep: rc=0" in log and log.rstrip().endswith("done"), log
+    assert "sweep-1: rc=0" in log and "sweep-2: rc=0" in log, log  # one after the other
+    assert log.rstrip().endswith("done"), log
     assert "--- session (done)" in rep.stdout and "imports ms" in rep.stdout
     with tarfile.open(pack / "logs.tgz") as t:
         names = t.getnames()
     assert "./session.log" in names and "./commands.log" in names
-    with tarfile.open(pack / "run.tgz") as t:
-        rows = [n for n in t.getnames() if n.endswith("/rows.jsonl")]
-    assert len(rows) == 1
+    runs = []
+    for n in (1, 2):  # each sweep's own run folder
+        with tarfile.open(pack / f"run-{n}.tgz") as t:
+            rows = [m for m in t.getnames() if m.endswith("/rows.jsonl")]
+        assert len(rows) == 1
+        runs.append(rows[0].split("/")[0])
+    assert runs[0] != runs[1]
 
 
 def test_too_little_time_skips_the_sweep_and_says_so(tmp_path: Path):
     state = tmp_path / "state"
     assert sh(state, "start", "--until", "100", "--sweep", "sweeps/quick.toml").returncode == 0
     rep = sh(state, "report", "--wait", "50")
-    assert "sweep skipped" in rep.stdout and "(done)" in rep.stdout, rep.stdout
-    assert not (state / "sweep").exists()
+    assert "sweep-1 skipped" in rep.stdout and "(done)" in rep.stdout, rep.stdout
+    assert not (state / "sweep-1").exists()
 
 
 @pytest.mark.parametrize("args, words", [
