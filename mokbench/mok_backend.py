@@ -409,6 +409,9 @@ class MoKBackend(BackendBase):
                         + (f",dw_stages={c.bwd_dw_stages}" if c.bwd_dw_stages != 2 else "")
                         + (f",da_tiles={c.bwd_da_tiles}" if c.bwd_da_tiles > 1 else "")
                         + (",dx_tma=1" if c.bwd_dx_tma else "")
+                        + (",da_prefetch=1" if c.bwd_da_prefetch else "")
+                        + (f",da_epilogue_stages={c.bwd_da_epilogue_stages}"
+                           if c.bwd_da_epilogue_stages else "")
                         + (f",pull_ahead={c.bwd_pull_ahead}" if c.bwd_pull_ahead else "")
                         + (",dispatch_dedup=1" if c.dispatch_dedup else "")
                         + (",pull_dedup=1" if c.bwd_pull_dedup else "")

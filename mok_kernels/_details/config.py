@@ -278,6 +278,13 @@ class MoKConfig:
         tile), and per FLOP the FP8 A items, whose epilogue is the same bf16 one, were 1.6x
         slower than the FP8 dX items. Loading the next quarter into registers ahead instead
         spilled (570-750 bytes on sm_90). A hint: the same gradients. Off: not yet timed.
+    bwd_da_epilogue_stages: 0, or the dA (A) items' SwiGLU-backward epilogue runs its column
+        quarters as one loop pipelined this many stages deep (2 or 3) instead of one after
+        the other, so that the next quarter's gate/up tile is being loaded (by TMA, into
+        shared memory the K loop no longer uses) while a quarter is worked on: now each
+        quarter's load is waited on before its math (see bwd_da_prefetch for why the A
+        items' epilogue matters). The same arithmetic in the same order: the same gradients.
+        Off: not yet timed.
     bwd_dw_stages: pipeline stages of the flattened weight-gradient loops (with
         bwd_dw_tiles > 1): 2, or 4 (the dW_gate_up loop at four, the dW_down loop at three).
         Two is what the tiles were first timed with; it loads only one step ahead, too little
@@ -353,6 +360,7 @@ class MoKConfig:
     bwd_dw_tiles: int = 1
     bwd_dw_stages: int = 2
     bwd_da_prefetch: bool = False
+    bwd_da_epilogue_stages: int = 0
     fp8: str = "none"
     fp8_pow2_scales: bool = False
 
@@ -486,6 +494,9 @@ class MoKConfig:
                self.bwd_fp8_requant_tma, "true | false")
         _check(isinstance(self.bwd_da_prefetch, bool), "bwd_da_prefetch",
                self.bwd_da_prefetch, "true | false")
+        _check(self.bwd_da_epilogue_stages in (0, 3, 4)
+               and not isinstance(self.bwd_da_epilogue_stages, bool),
+               "bwd_da_epilogue_stages", self.bwd_da_epilogue_stages, "0 | 3 | 4")
         _check(isinstance(self.bwd_fp8_da_rows, bool), "bwd_fp8_da_rows",
                self.bwd_fp8_da_rows, "true | false")
         _check(not self.bwd_fp8_da_rows or self.bwd_fp8_da, "bwd_fp8_da_rows",

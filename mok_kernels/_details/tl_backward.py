@@ -374,17 +374,36 @@ def _dx_tile_fp8(jn, gq_rows16, lr, g, E, w1q_desc, ws1q_desc, sw1q_ptr, sws1q_p
 @triton.jit
 def _da_epilogue(acc, jt, rows, prow, pre, hs, rank, t, k, routed, p_base, drp_base, tab32,
                  pre_a_desc, I: tl.constexpr, K: tl.constexpr, BM: tl.constexpr,
-                 BN: tl.constexpr, DAC: tl.constexpr, INTERLEAVED: tl.constexpr):
+                 BN: tl.constexpr, DAC: tl.constexpr, INTERLEAVED: tl.constexpr,
+                 LOOP: tl.constexpr = 0):
     """The A item's epilogue for I tile jt (see the module docstring), in column quarters of
     a [BM, BN] tile (two for DAC = BN/2, four for DAC = BN) so its fp32 temporaries fit in
-    registers; ends with the router-gradient partial of the tile."""
+    registers; ends with the router-gradient partial of the tile. LOOP > 0
+    (``bwd_da_epilogue_stages``): the quarters in one loop pipelined LOOP deep, so that the
+    next quarter's gate/up load is in flight while a quarter is worked on (each iteration
+    picks its quarter of the accumulator with selects: register tensors have no dynamic
+    index); the same arithmetic in the same order, so the same gradients."""
     Q: tl.constexpr = BN // 4
     NJ: tl.constexpr = I // DAC
     r = _router_weight(p_base, tab32, rank, t, k, routed, K)
     pre_rows = pre + rows.to(tl.int64) * (2 * I)
     hs_rows = hs + rows.to(tl.int64) * I
     c0 = jt * DAC
-    if DAC == 2 * Q:
+    if LOOP > 0:
+        if DAC == 2 * Q:
+            a0, a1 = tl.split(tl.permute(tl.reshape(acc, (BM, 2, Q)), (0, 2, 1)))
+            a2 = a0
+            a3 = a1
+        else:
+            lo, hi = tl.split(tl.permute(tl.reshape(acc, (BM, 2, 2 * Q)), (0, 2, 1)))
+            a0, a1 = tl.split(tl.permute(tl.reshape(lo, (BM, 2, Q)), (0, 2, 1)))
+            a2, a3 = tl.split(tl.permute(tl.reshape(hi, (BM, 2, Q)), (0, 2, 1)))
+        part = tl.full((BM,), -0.0, dtype=tl.float32)  # x + -0.0 == x, bit for bit
+        for q in tl.range(0, DAC // Q, num_stages=LOOP):
+            da_raw = tl.where(q == 0, a0, tl.where(q == 1, a1, tl.where(q == 2, a2, a3)))
+            part += _swiglu_bwd_half(da_raw, c0 + q * Q, prow, pre_a_desc, pre_rows, hs_rows, r,
+                                     I, BM, Q, INTERLEAVED)
+    elif DAC == 2 * Q:
         a0, a1 = tl.split(tl.permute(tl.reshape(acc, (BM, 2, Q)), (0, 2, 1)))
         part = _swiglu_bwd_half(a0, c0, prow, pre_a_desc, pre_rows, hs_rows, r, I, BM, Q,
                                 INTERLEAVED)
@@ -446,7 +465,7 @@ def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, 
                      RQC: tl.constexpr = 128, POW2: tl.constexpr = False,
                      QBM: tl.constexpr = False, bmax=None, RQT: tl.constexpr = False,
                      hs_a_desc=None, DAQR: tl.constexpr = False, dyqr_ptr=None,
-                     DAPF: tl.constexpr = False):
+                     DAPF: tl.constexpr = False, DAES: tl.constexpr = 0):
     """A item: dA[rows of block b, I tiles jt0*DAT .. of DAC columns] and its epilogue
     (``_da_epilogue``); DAT tiles per item in one flattened loop (the next tile's loads
     overlap a tile's epilogue), and the item signals +DAT. DIRECT: the dY rows are gathered
@@ -456,7 +475,8 @@ def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, 
     [L, NBMAX, 3I]. RQT (``bwd_fp8_requant_tma``): that item's requantisation reads the rows
     through ``pre_a_desc`` as pipelined copies (``_requant_dgu_rows_tma``; with QBM it also
     takes the column maxima there, r h's through ``hs_a_desc``). DAPF
-    (``bwd_da_prefetch``): first an L2 prefetch of the gate/up columns its epilogues read."""
+    (``bwd_da_prefetch``): first an L2 prefetch of the gate/up columns its epilogues read.
+    DAES (``bwd_da_epilogue_stages``): the epilogue's quarters in a pipelined loop."""
     g = tl.load(grp + b)
     rows = b * BM + tl.arange(0, BM)
     valid, rank, t, k, routed = _row_meta(src, rows, T, S, K)
@@ -475,7 +495,7 @@ def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, 
             acc = _da_tile(jt0, prow, valid, dy_rows, d2, w_row0, dyg_a_desc, H, BM, BK, DAC,
                            F32_DOT, DIRECT)
         _da_epilogue(acc, jt0, rows, prow, pre, hs, rank, t, k, routed, p_base, drp_base,
-                     tab32, pre_a_desc, I, K, BM, BN, DAC, INTERLEAVED)
+                     tab32, pre_a_desc, I, K, BM, BN, DAC, INTERLEAVED, DAES)
     else:
         for jj in tl.range(0, DAT, flatten=True):
             jt = jt0 * DAT + jj
@@ -487,7 +507,7 @@ def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, 
                 acc = _da_tile(jt, prow, valid, dy_rows, d2, w_row0, dyg_a_desc, H, BM, BK,
                                DAC, F32_DOT, DIRECT)
             _da_epilogue(acc, jt, rows, prow, pre, hs, rank, t, k, routed, p_base, drp_base,
-                         tab32, pre_a_desc, I, K, BM, BN, DAC, INTERLEAVED)
+                         tab32, pre_a_desc, I, K, BM, BN, DAC, INTERLEAVED, DAES)
     if (withhold != 3) | (b != 0) | (jt0 != 0):
         tl.debug_barrier()
         if FP8DX:  # the item that completes the row block quantises its dG/dU rows
@@ -955,7 +975,7 @@ def mok_backward_kernel(
         PFT: tl.constexpr = False, QI: tl.constexpr = False, DXBAND: tl.constexpr = 0,
         CHM: tl.constexpr = False, DWT: tl.constexpr = 1, DWSC: tl.constexpr = 2,
         DWSD: tl.constexpr = 2, dyqr_ptr=None, DAQR: tl.constexpr = False,
-        DAPF: tl.constexpr = False):
+        DAPF: tl.constexpr = False, DAES: tl.constexpr = 0):
     """One persistent program per SM; see the module docstring for the work order. FENCE:
     rows pulled in this launch (PULL or PA): the C and D items fence the async proxy after
     their group's acquire. FP8DA (``bwd_fp8_da``): the A items' FP8 tiles read dY as FP8
@@ -1105,7 +1125,7 @@ def mok_backward_kernel(
                                              INTERLEAVED, dy_base, tab16, DIRA, DAT, FP8DA,
                                              dyq_base, w2q_desc, ws2q_desc, sw2q_ptr,
                                              sws2q_ptr, FP8DX, gq, GQW, RQC, POW2, QBM,
-                                             bmax_ptr, RQT, hs_a_desc, DAQR, dyqr_ptr, DAPF)
+                                             bmax_ptr, RQT, hs_a_desc, DAQR, dyqr_ptr, DAPF, DAES)
             elif PHASES & 1:
                 b = vt // NA
                 if PULL:  # its rows pulled by an item of this launch (plain stores; TMA here)
@@ -1123,7 +1143,7 @@ def mok_backward_kernel(
                                      DAC, F32_DOT, INTERLEAVED, dy_base, tab16, DIRA, DAT,
                                      FP8DA, dyq_base, w2q_desc, ws2q_desc, sw2q_ptr,
                                      sws2q_ptr, FP8DX, gq, GQW, RQC, POW2, QBM, bmax_ptr,
-                                     RQT, hs_a_desc, DAQR, dyqr_ptr, DAPF)
+                                     RQT, hs_a_desc, DAQR, dyqr_ptr, DAPF, DAES)
         elif vt < end_b:
             i = vt - end_a
             if PA > 0:

@@ -117,7 +117,9 @@ def test_wide_da_items_match_reference(wide):
                                    "bwd_dw_tiles": 4, "bwd_dw_stages": 4,
                                    "bwd_pull_by_token": True},
                                   {"bwd_da_prefetch": True},
-                                  {"bwd_da_prefetch": True, "bwd_da_tiles": 2}])
+                                  {"bwd_da_prefetch": True, "bwd_da_tiles": 2},
+                                  {"bwd_da_epilogue_stages": 3},
+                                  {"bwd_da_epilogue_stages": 3, "bwd_wide_da": True}])
 def test_backward_variants_match_the_default_bitwise(ranks, rows):
     """bwd_fused_pull: the pull items inside the backward megakernel (rows written with plain
     stores, read through TMA after a proxy fence; by every program or by 32 of them),
@@ -130,7 +132,8 @@ def test_backward_variants_match_the_default_bitwise(ranks, rows):
     blocks, the dW_down items H tile outer) and bwd_pull_by_token (the pull token by token,
     then zeros in the padding rows) and bwd_dw_tiles (several weight-gradient tiles per item,
     two or four pipeline stages deep) and bwd_da_prefetch (L2 prefetches of the dA items'
-    gate/up, a hint) give the default backward's gradients (and the
+    gate/up, a hint) and bwd_da_epilogue_stages (the dA items' epilogue quarters in a
+    pipelined loop) give the default backward's gradients (and the
     reference's), bitwise, on a rerun as well."""
     base = dict(gate_up_interleaved=True, minibatch=256, macrobatch=768, tma=True,
                 num_stages=4)
