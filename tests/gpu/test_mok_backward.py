@@ -119,7 +119,8 @@ def test_wide_da_items_match_reference(wide):
                                   {"bwd_da_prefetch": True},
                                   {"bwd_da_prefetch": True, "bwd_da_tiles": 2},
                                   {"bwd_da_epilogue_stages": 3},
-                                  {"bwd_da_epilogue_stages": 3, "bwd_wide_da": True}])
+                                  {"bwd_da_epilogue_stages": 3, "bwd_wide_da": True}],
+                         ids=lambda rows: "+".join(f"{k}={v}" for k, v in rows.items()))
 def test_backward_variants_match_the_default_bitwise(ranks, rows):
     """bwd_fused_pull: the pull items inside the backward megakernel (rows written with plain
     stores, read through TMA after a proxy fence; by every program or by 32 of them),
