@@ -15,7 +15,8 @@
 #                   being filled by `offline_wheels.sh gather batch-N STORE` calls meanwhile; the
 #                   commands and the sweep wait for it, since te / megatron rows need it
 #   --tier S        benchmarks/gpu_tier.sh --workers 4 $TIER_ARGS, stopped after S seconds
-#   --commands FILE each line (blank lines and # comments skipped) run by bash, at most 300 s,
+#   --commands FILE each line (blank lines and # comments skipped) run by bash, at most
+#                   COMMAND_S seconds (default 300),
 #                   PYTHONPATH = the tree and benchmarks/, skipped once less than 60 s is left
 #   --sweep FILE    benchmarks/device_sweep.sh FILE SWEEP_ARGS, its limit the time left less 45 s
 #                   for packing (skipped under 120 s); repeated, the sweeps run one after the
@@ -26,7 +27,8 @@
 #          sweep that has packed its run folder, DIR/run-N.tgz (N = its place on the line).
 #
 # Env: STATE (default /tmp/gpu-session: session.log, te.log, tier.log and tier/, commands.log,
-# sweep-N/, done), TIER_ARGS (pytest arguments for the tier, e.g. -k "not test_baselines_gpu").
+# sweep-N/, done), TIER_ARGS (pytest arguments for the tier, e.g. -k "not test_baselines_gpu"),
+# COMMAND_S (each command's limit, default 300 s; a command stopped by it logs rc=124).
 # The session runs from a copy of the tree taken at the start (benchmarks/tree_snapshot.sh), so
 # a later call that re-sends the tree cannot change what it runs.
 set -uo pipefail
@@ -101,7 +103,8 @@ cmd_run() {
       [[ -z ${line// /} || $line == \#* ]] && continue
       if (($(left) < 60)); then log "command skipped (time): $line"; continue; fi
       echo "== $line" >>"$STATE/commands.log"
-      timeout "$(($(left) < 300 ? $(left) : 300))" bash -c "$line" >>"$STATE/commands.log" 2>&1
+      local cap=${COMMAND_S:-300}
+      timeout "$(($(left) < cap ? $(left) : cap))" bash -c "$line" >>"$STATE/commands.log" 2>&1
       log "command rc=$?: $line"
     done <"$commands"
   fi

@@ -20,8 +20,9 @@ pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("se
                                 reason="needs bash and setsid")
 
 
-def sh(state: Path, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    env = {**os.environ, "STATE": str(state),
+def sh(state: Path, *args: str, timeout: float = 60,
+       env: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "STATE": str(state), **(env or {}),
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True,
                           env=env, timeout=timeout, cwd=REPO)
@@ -60,10 +61,15 @@ def test_a_session_runs_commands_and_a_sweep_then_packs(tmp_path: Path):
     assert runs[0] != runs[1]
 
 
-def test_too_little_time_skips_the_sweep_and_says_so(tmp_path: Path):
+def test_too_little_time_skips_the_sweep_and_a_long_command_is_stopped(tmp_path: Path):
     state = tmp_path / "state"
-    assert sh(state, "start", "--until", "100", "--sweep", "sweeps/quick.toml").returncode == 0
+    commands = tmp_path / "commands.txt"
+    commands.write_text("sleep 30\necho after\n")
+    assert sh(state, "start", "--until", "100", "--commands", str(commands), "--sweep",
+              "sweeps/quick.toml", env={"COMMAND_S": "2"}).returncode == 0
     rep = sh(state, "report", "--wait", "50")
+    assert "command rc=124: sleep 30" in rep.stdout, rep.stdout  # COMMAND_S stops it
+    assert "command rc=0: echo after" in rep.stdout
     assert "sweep-1 skipped" in rep.stdout and "(done)" in rep.stdout, rep.stdout
     assert not (state / "sweep-1").exists()
 
