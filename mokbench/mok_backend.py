@@ -317,6 +317,50 @@ def backward_kind(cfg) -> str:
     return "fp8_" + "_".join(items) if items else "bf16"
 
 
+def variant_text(c, hidden: int, intermediate: int, *, fp8: bool, graphed: bool) -> str:
+    """A row's ``variant``: the knobs the mok backend ran with (config ``c`` at this hidden
+    and intermediate size), those that are off or at their plain value left out."""
+    import mok_kernels
+
+    return (f"comm_sms={c.fwd_comm_sms},minibatch={c.minibatch},"
+            f"macrobatch={c.macrobatch},graph={int(graphed)},"
+            f"tma={int(c.tma)},down_tiles={mok_kernels.down_tiles(c, hidden)},"
+            f"gate_up_tiles={mok_kernels.gate_up_tiles(c, intermediate)},"
+            f"num_stages={c.num_stages},"
+            f"interleaved={int(c.gate_up_interleaved)},"
+            f"prefetch={int(c.prefetch_ticket)},"
+            + ("skew_down=1," if c.skew_down else "") +
+            f"compiled_schedule={int(c.compile_schedule)},"
+            f"fused_sum={int(c.fused_sum)},wide_da={int(c.bwd_wide_da)}"
+            + (",fused_pull=1" if c.bwd_fused_pull else "")
+            + (f",pull_programs={c.bwd_pull_programs}"
+               if c.bwd_pull_programs else "")
+            + (",direct_rows=1" if c.bwd_direct_rows else "")
+            + (f",dx_tiles={c.bwd_dx_tiles}" if c.bwd_dx_tiles > 1 else "")
+            + (f",dx_band={c.bwd_dx_band}" if c.bwd_dx_band > 1 else "")
+            + (",dw_down_h_major=1" if c.bwd_dw_down_h_major else "")
+            + (",pull_by_token=1" if c.bwd_pull_by_token else "")
+            + (f",dw_tiles={c.bwd_dw_tiles}" if c.bwd_dw_tiles > 1 else "")
+            + (f",dw_stages={c.bwd_dw_stages}" if c.bwd_dw_stages != 2 else "")
+            + (f",da_tiles={c.bwd_da_tiles}" if c.bwd_da_tiles > 1 else "")
+            + (",dx_tma=1" if c.bwd_dx_tma else "")
+            + (",da_prefetch=1" if c.bwd_da_prefetch else "")
+            + (f",da_epilogue_stages={c.bwd_da_epilogue_stages}"
+               if c.bwd_da_epilogue_stages else "")
+            + (f",pull_ahead={c.bwd_pull_ahead}" if c.bwd_pull_ahead else "")
+            + (",dispatch_dedup=1" if c.dispatch_dedup else "")
+            + (",pull_dedup=1" if c.bwd_pull_dedup else "")
+            + (f",fp8={c.fp8},block_m={c.block_m},bwd={backward_kind(c)}"
+               if fp8 else "")
+            + (f",bwd={backward_kind(c)}"
+               if backward_kind(c) != "bf16" and not fp8 else "")
+            + (f",bwd_block_m={c.bwd_block_m}" if c.bwd_block_m else "")
+            + (f",bwd_fp8_block_k={c.bwd_fp8_block_k}"
+               if c.bwd_fp8_block_k != 64 and backward_kind(c) != "bf16" else "")
+            + (",block_colmax=1" if c.bwd_fp8_block_colmax else "")
+            + (",da_rows=1" if c.bwd_fp8_da_rows else ""))
+
+
 class _MoKLayer(torch.autograd.Function):
     """y = MoE(x, router weights); backward through the backward megakernel. The weights are
     not autograd inputs: their gradients land in ``backend.grads`` (canonical layout)."""
@@ -386,44 +430,8 @@ class MoKBackend(BackendBase):
         self.grads: dict = {}
         self.graphed = (mok_kernels.GraphedForward(self.config, self.ws, self.w_fwd)
                         if graph_option(options) else None)
-        c = self.config
-        self.variant = (f"comm_sms={c.fwd_comm_sms},minibatch={c.minibatch},"
-                        f"macrobatch={c.macrobatch},graph={int(self.graphed is not None)},"
-                        f"tma={int(c.tma)},down_tiles={mok_kernels.down_tiles(c, s.hidden)},"
-                        f"gate_up_tiles={mok_kernels.gate_up_tiles(c, s.intermediate)},"
-                        f"num_stages={c.num_stages},"
-                        f"interleaved={int(c.gate_up_interleaved)},"
-                        f"prefetch={int(c.prefetch_ticket)},"
-                        + ("skew_down=1," if c.skew_down else "") +
-                        f"compiled_schedule={int(c.compile_schedule)},"
-                        f"fused_sum={int(c.fused_sum)},wide_da={int(c.bwd_wide_da)}"
-                        + (",fused_pull=1" if c.bwd_fused_pull else "")
-                        + (f",pull_programs={c.bwd_pull_programs}"
-                           if c.bwd_pull_programs else "")
-                        + (",direct_rows=1" if c.bwd_direct_rows else "")
-                        + (f",dx_tiles={c.bwd_dx_tiles}" if c.bwd_dx_tiles > 1 else "")
-                        + (f",dx_band={c.bwd_dx_band}" if c.bwd_dx_band > 1 else "")
-                        + (",dw_down_h_major=1" if c.bwd_dw_down_h_major else "")
-                        + (",pull_by_token=1" if c.bwd_pull_by_token else "")
-                        + (f",dw_tiles={c.bwd_dw_tiles}" if c.bwd_dw_tiles > 1 else "")
-                        + (f",dw_stages={c.bwd_dw_stages}" if c.bwd_dw_stages != 2 else "")
-                        + (f",da_tiles={c.bwd_da_tiles}" if c.bwd_da_tiles > 1 else "")
-                        + (",dx_tma=1" if c.bwd_dx_tma else "")
-                        + (",da_prefetch=1" if c.bwd_da_prefetch else "")
-                        + (f",da_epilogue_stages={c.bwd_da_epilogue_stages}"
-                           if c.bwd_da_epilogue_stages else "")
-                        + (f",pull_ahead={c.bwd_pull_ahead}" if c.bwd_pull_ahead else "")
-                        + (",dispatch_dedup=1" if c.dispatch_dedup else "")
-                        + (",pull_dedup=1" if c.bwd_pull_dedup else "")
-                        + (f",fp8={c.fp8},block_m={c.block_m},bwd={backward_kind(c)}"
-                           if fp8 else "")
-                        + (f",bwd={backward_kind(c)}"
-                           if backward_kind(c) != "bf16" and not fp8 else "")
-                        + (f",bwd_block_m={c.bwd_block_m}" if c.bwd_block_m else "")
-                        + (f",bwd_fp8_block_k={c.bwd_fp8_block_k}"
-                           if c.bwd_fp8_block_k != 64 and backward_kind(c) != "bf16" else "")
-                        + (",block_colmax=1" if c.bwd_fp8_block_colmax else "")
-                        + (",da_rows=1" if c.bwd_fp8_da_rows else ""))
+        self.variant = variant_text(self.config, s.hidden, s.intermediate, fp8=fp8,
+                                    graphed=self.graphed is not None)
 
     def validate_options(self, scenario, options: dict) -> None:
         """Build the configuration a variant asks for (``mok@minibatch=512``) on the host, so

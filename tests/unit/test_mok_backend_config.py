@@ -264,3 +264,25 @@ def test_other_pulls_turn_off_the_default_pull_by_token_unless_asked_for(asked):
     assert config_from_env(7168, 2048, d, asked).bwd_pull_by_token is False
     with pytest.raises(MoKConfigError, match=r"^bwd_pull_by_token=True is invalid"):
         config_from_env(7168, 2048, d, {**asked, "bwd_pull_by_token": True})
+
+
+def test_the_row_variant_is_what_the_gpu_run_recorded_and_names_new_knobs(monkeypatch):
+    """``variant_text`` at Kimi K2 48 x 16384 on one H200 (132 SMs, sm_90) gives the variant
+    that the GPU run of results/20261202-051552-h200-bf16-train recorded for plain ``mok``, and
+    names the dA items' knobs when a variant asks for them."""
+    import json
+    from pathlib import Path
+
+    from mokbench.mok_backend import scenario_config, variant_text
+
+    monkeypatch.delenv(CONFIG_ENV, raising=False)
+    run = Path(__file__).resolve().parents[2] / "results" / "20261202-051552-h200-bf16-train"
+    recorded = {json.loads(ln)["variant"] for ln in (run / "rows.jsonl").read_text().splitlines()
+                if '"backend": "mok"' in ln and "kimi-k2-e48-" in ln}
+    assert len(recorded) == 1
+    cell = _scenario("bf16")
+    text = variant_text(scenario_config(cell), 7168, 2048, fp8=False, graphed=False)
+    assert {text} == recorded
+    knobs = {"bwd_da_prefetch": True, "bwd_da_epilogue_stages": 3}
+    text = variant_text(scenario_config(cell, knobs), 7168, 2048, fp8=False, graphed=False)
+    assert text.endswith(",da_prefetch=1,da_epilogue_stages=3"), text
