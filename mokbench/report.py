@@ -247,10 +247,10 @@ def side_by_side(summary: pd.DataFrame, not_run: list[tuple[str, str]] | None = 
     lines = ["| " + " | ".join(_md_escape(h) for h in head) + " |",
              "|---|---|" + "---:|" * (len(head) - 2)]
     by_key = {(r.scenario_id, r.backend, r["pass"]): r for _, r in summary.iterrows()}
-    scenarios = list(pd.unique(summary["scenario_id"]))
-    for s in scenarios:
+    present = {(s, p) for s, _, p in by_key}
+    for s in pd.unique(summary["scenario_id"]):
         for p in tables.ordered_passes(summary):
-            if not ((summary["scenario_id"] == s) & (summary["pass"] == p)).any():
+            if (s, p) not in present:
                 continue
             cells, speedups = [], []
             for b in cols:
@@ -263,7 +263,7 @@ def side_by_side(summary: pd.DataFrame, not_run: list[tuple[str, str]] | None = 
                     cells.append(str(row["status"]))
                 if b in ours:
                     x = None if row is None else row["speedup_vs_best_baseline"]
-                    speedups.append("-" if x is None or x != x else
+                    speedups.append("-" if x is None or pd.isna(x) else
                                     ("~" if row["within_noise"] else "") + f"{x:.3f}x")
             lines.append("| " + " | ".join([_md_escape(s), pass_label(p, summary), *cells,
                                              *speedups]) + " |")

@@ -279,7 +279,8 @@ class MoKConfig:
         slower than the FP8 dX items. Loading the next quarter into registers ahead instead
         spilled (570-750 bytes on sm_90). A hint: the same gradients. Off: not yet timed.
     bwd_da_epilogue_stages: 0, or the dA (A) items' SwiGLU-backward epilogue runs its column
-        quarters as one loop pipelined this many stages deep (2 or 3) instead of one after
+        quarters as one loop pipelined this many stages deep (3 or 4; at 2 Triton issues the
+        next quarter's load after a quarter's math, so nothing overlaps) instead of one after
         the other, so that the next quarter's gate/up tile is being loaded (by TMA, into
         shared memory the K loop no longer uses) while a quarter is worked on: now each
         quarter's load is waited on before its math (see bwd_da_prefetch for why the A

@@ -389,38 +389,31 @@ def _da_epilogue(acc, jt, rows, prow, pre, hs, rank, t, k, routed, p_base, drp_b
     pre_rows = pre + rows.to(tl.int64) * (2 * I)
     hs_rows = hs + rows.to(tl.int64) * I
     c0 = jt * DAC
+    # The accumulator's column quarters (two for DAC = 2Q: a2, a3 repeat them, unused)
+    if DAC == 2 * Q:
+        a0, a1 = tl.split(tl.permute(tl.reshape(acc, (BM, 2, Q)), (0, 2, 1)))
+        a2 = a0
+        a3 = a1
+    else:
+        lo, hi = tl.split(tl.permute(tl.reshape(acc, (BM, 2, 2 * Q)), (0, 2, 1)))
+        a0, a1 = tl.split(tl.permute(tl.reshape(lo, (BM, 2, Q)), (0, 2, 1)))
+        a2, a3 = tl.split(tl.permute(tl.reshape(hi, (BM, 2, Q)), (0, 2, 1)))
     if LOOP > 0:
-        if DAC == 2 * Q:
-            a0, a1 = tl.split(tl.permute(tl.reshape(acc, (BM, 2, Q)), (0, 2, 1)))
-            a2 = a0
-            a3 = a1
-        else:
-            lo, hi = tl.split(tl.permute(tl.reshape(acc, (BM, 2, 2 * Q)), (0, 2, 1)))
-            a0, a1 = tl.split(tl.permute(tl.reshape(lo, (BM, 2, Q)), (0, 2, 1)))
-            a2, a3 = tl.split(tl.permute(tl.reshape(hi, (BM, 2, Q)), (0, 2, 1)))
         part = tl.full((BM,), -0.0, dtype=tl.float32)  # x + -0.0 == x, bit for bit
         for q in tl.range(0, DAC // Q, num_stages=LOOP):
             da_raw = tl.where(q == 0, a0, tl.where(q == 1, a1, tl.where(q == 2, a2, a3)))
             part += _swiglu_bwd_half(da_raw, c0 + q * Q, prow, pre_a_desc, pre_rows, hs_rows, r,
                                      I, BM, Q, INTERLEAVED)
-    elif DAC == 2 * Q:
-        a0, a1 = tl.split(tl.permute(tl.reshape(acc, (BM, 2, Q)), (0, 2, 1)))
-        part = _swiglu_bwd_half(a0, c0, prow, pre_a_desc, pre_rows, hs_rows, r, I, BM, Q,
-                                INTERLEAVED)
-        part += _swiglu_bwd_half(a1, c0 + Q, prow, pre_a_desc, pre_rows, hs_rows, r, I, BM, Q,
-                                 INTERLEAVED)
     else:
-        lo, hi = tl.split(tl.permute(tl.reshape(acc, (BM, 2, 2 * Q)), (0, 2, 1)))
-        a0, a1 = tl.split(tl.permute(tl.reshape(lo, (BM, 2, Q)), (0, 2, 1)))
         part = _swiglu_bwd_half(a0, c0, prow, pre_a_desc, pre_rows, hs_rows, r, I, BM, Q,
                                 INTERLEAVED)
         part += _swiglu_bwd_half(a1, c0 + Q, prow, pre_a_desc, pre_rows, hs_rows, r, I, BM, Q,
                                  INTERLEAVED)
-        a2, a3 = tl.split(tl.permute(tl.reshape(hi, (BM, 2, Q)), (0, 2, 1)))
-        part += _swiglu_bwd_half(a2, c0 + 2 * Q, prow, pre_a_desc, pre_rows, hs_rows, r, I,
-                                 BM, Q, INTERLEAVED)
-        part += _swiglu_bwd_half(a3, c0 + 3 * Q, prow, pre_a_desc, pre_rows, hs_rows, r, I,
-                                 BM, Q, INTERLEAVED)
+        if DAC != 2 * Q:
+            part += _swiglu_bwd_half(a2, c0 + 2 * Q, prow, pre_a_desc, pre_rows, hs_rows, r, I,
+                                     BM, Q, INTERLEAVED)
+            part += _swiglu_bwd_half(a3, c0 + 3 * Q, prow, pre_a_desc, pre_rows, hs_rows, r, I,
+                                     BM, Q, INTERLEAVED)
     # Router-weight gradient: d r = sum_I dA_raw * h, one partial per I tile.
     drp_off = tl.load(tab32 + rank, mask=routed, other=0)
     tl.store(drp_base + drp_off + (t * K + k) * NJ + jt, part, mask=routed)
