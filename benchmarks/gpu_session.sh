@@ -13,7 +13,8 @@
 #          begin with it and the first call that gets a machine starts the work. Steps, in order:
 #   --te STORE      (beside the tier) offline_wheels.sh install --wait until the deadline, STORE
 #                   being filled by `offline_wheels.sh gather batch-N STORE` calls meanwhile; the
-#                   commands and the sweep wait for it, since te / megatron rows need it
+#                   sweeps wait for it, since te / megatron rows need it (the tier and the
+#                   commands run beside it: they time mok and torch only)
 #   --tier S        benchmarks/gpu_tier.sh --workers 4 $TIER_ARGS, stopped after S seconds
 #   --commands FILE each line (blank lines and # comments skipped) run by bash, at most
 #                   COMMAND_S seconds (default 300),
@@ -95,7 +96,6 @@ cmd_run() {
       >"$STATE/tier.log" 2>&1
     log "tier: rc=$? ($(grep -h -E 'passed|failed' "$STATE"/tier/*.log 2>/dev/null | tail -2 | tr '\n' ' '))"
   fi
-  [[ -z $te_pid ]] || wait "$te_pid"
   if [[ -n $commands ]]; then
     export PYTHONPATH=$PWD:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}
     local line
@@ -108,6 +108,7 @@ cmd_run() {
       log "command rc=$?: $line"
     done <"$commands"
   fi
+  [[ -z $te_pid ]] || wait "$te_pid"
   local n=0 sweep limit
   for sweep in "${sweeps[@]}"; do
     n=$((n + 1)) limit=$(($(left) - 45))
