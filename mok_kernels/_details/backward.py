@@ -499,8 +499,7 @@ def backward_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots:
                 PFT=cfg.bwd_prefetch_ticket, QI=cfg.bwd_q_interleave,
                 DXBAND=cfg.bwd_dx_band, CHM=cfg.bwd_dw_down_h_major, DWT=cfg.bwd_dw_tiles,
                 DWSC=3 if cfg.bwd_dw_stages == 4 else 2, DWSD=cfg.bwd_dw_stages,
-                DAQR=cfg.bwd_fp8_da_rows, DAPF=cfg.bwd_da_prefetch,
-                DAES=cfg.bwd_da_epilogue_stages)
+                DAQR=cfg.bwd_fp8_da_rows)
 
 
 def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tensor,

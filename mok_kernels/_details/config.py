@@ -269,23 +269,6 @@ class MoKConfig:
         mok backend sets 4 (with bwd_dw_stages 4) in bf16 cells on one Hopper rank (at Kimi
         K2 384 x 4096 on one H200 its backward took 28.373 ms against 32.197 with two-stage
         loops, which were slower where experts are well loaded; notes/mok-kernel.md).
-    bwd_da_prefetch: each dA (A) item starts with an L2 prefetch (``prefetch.global.L2``,
-        one per 128-byte line) of the gate/up pre-activations its SwiGLU-backward epilogue
-        reads after the K loop, so those reads, one column quarter after another, find L2
-        instead of HBM (128 KB a 128 x 256 tile). Why: at Qwen3.5 on one H200 the A items
-        ran about 490 TFLOP/s-equivalent against 660 for the dX items of the same tile shape,
-        the difference about their epilogue (gate/up read, dG/dU and r h written: 320 KB a
-        tile), and per FLOP the FP8 A items, whose epilogue is the same bf16 one, were 1.6x
-        slower than the FP8 dX items. Loading the next quarter into registers ahead instead
-        spilled (570-750 bytes on sm_90). A hint: the same gradients. Off: not yet timed.
-    bwd_da_epilogue_stages: 0, or the dA (A) items' SwiGLU-backward epilogue runs its column
-        quarters as one loop pipelined this many stages deep (3 or 4; at 2 Triton issues the
-        next quarter's load after a quarter's math, so nothing overlaps) instead of one after
-        the other, so that the next quarter's gate/up tile is being loaded (by TMA, into
-        shared memory the K loop no longer uses) while a quarter is worked on: now each
-        quarter's load is waited on before its math (see bwd_da_prefetch for why the A
-        items' epilogue matters). The same arithmetic in the same order: the same gradients.
-        Off: not yet timed.
     bwd_dw_stages: pipeline stages of the flattened weight-gradient loops (with
         bwd_dw_tiles > 1): 2, or 4 (the dW_gate_up loop at four, the dW_down loop at three).
         Two is what the tiles were first timed with; it loads only one step ahead, too little
@@ -360,8 +343,6 @@ class MoKConfig:
     bwd_pull_by_token: bool = False
     bwd_dw_tiles: int = 1
     bwd_dw_stages: int = 2
-    bwd_da_prefetch: bool = False
-    bwd_da_epilogue_stages: int = 0
     fp8: str = "none"
     fp8_pow2_scales: bool = False
 
@@ -493,11 +474,6 @@ class MoKConfig:
             "separate pull only)")
         _check(isinstance(self.bwd_fp8_requant_tma, bool), "bwd_fp8_requant_tma",
                self.bwd_fp8_requant_tma, "true | false")
-        _check(isinstance(self.bwd_da_prefetch, bool), "bwd_da_prefetch",
-               self.bwd_da_prefetch, "true | false")
-        _check(self.bwd_da_epilogue_stages in (0, 3, 4)
-               and not isinstance(self.bwd_da_epilogue_stages, bool),
-               "bwd_da_epilogue_stages", self.bwd_da_epilogue_stages, "0 | 3 | 4")
         _check(isinstance(self.bwd_fp8_da_rows, bool), "bwd_fp8_da_rows",
                self.bwd_fp8_da_rows, "true | false")
         _check(not self.bwd_fp8_da_rows or self.bwd_fp8_da, "bwd_fp8_da_rows",

@@ -374,74 +374,37 @@ def _dx_tile_fp8(jn, gq_rows16, lr, g, E, w1q_desc, ws1q_desc, sw1q_ptr, sws1q_p
 @triton.jit
 def _da_epilogue(acc, jt, rows, prow, pre, hs, rank, t, k, routed, p_base, drp_base, tab32,
                  pre_a_desc, I: tl.constexpr, K: tl.constexpr, BM: tl.constexpr,
-                 BN: tl.constexpr, DAC: tl.constexpr, INTERLEAVED: tl.constexpr,
-                 LOOP: tl.constexpr = 0):
+                 BN: tl.constexpr, DAC: tl.constexpr, INTERLEAVED: tl.constexpr):
     """The A item's epilogue for I tile jt (see the module docstring), in column quarters of
     a [BM, BN] tile (two for DAC = BN/2, four for DAC = BN) so its fp32 temporaries fit in
-    registers; ends with the router-gradient partial of the tile. LOOP > 0
-    (``bwd_da_epilogue_stages``): the quarters in one loop pipelined LOOP deep, so that the
-    next quarter's gate/up load is in flight while a quarter is worked on (each iteration
-    picks its quarter of the accumulator with selects: register tensors have no dynamic
-    index); the same arithmetic in the same order, so the same gradients."""
+    registers; ends with the router-gradient partial of the tile."""
     Q: tl.constexpr = BN // 4
     NJ: tl.constexpr = I // DAC
     r = _router_weight(p_base, tab32, rank, t, k, routed, K)
     pre_rows = pre + rows.to(tl.int64) * (2 * I)
     hs_rows = hs + rows.to(tl.int64) * I
     c0 = jt * DAC
-    # The accumulator's column quarters (two for DAC = 2Q: a2, a3 repeat them, unused)
-    if DAC == 2 * Q:
+    if DAC == 2 * Q:  # the accumulator's column quarters, one after another
         a0, a1 = tl.split(tl.permute(tl.reshape(acc, (BM, 2, Q)), (0, 2, 1)))
-        a2 = a0
-        a3 = a1
-    else:
-        lo, hi = tl.split(tl.permute(tl.reshape(acc, (BM, 2, 2 * Q)), (0, 2, 1)))
-        a0, a1 = tl.split(tl.permute(tl.reshape(lo, (BM, 2, Q)), (0, 2, 1)))
-        a2, a3 = tl.split(tl.permute(tl.reshape(hi, (BM, 2, Q)), (0, 2, 1)))
-    if LOOP > 0:
-        part = tl.full((BM,), -0.0, dtype=tl.float32)  # x + -0.0 == x, bit for bit
-        for q in tl.range(0, DAC // Q, num_stages=LOOP):
-            da_raw = tl.where(q == 0, a0, tl.where(q == 1, a1, tl.where(q == 2, a2, a3)))
-            part += _swiglu_bwd_half(da_raw, c0 + q * Q, prow, pre_a_desc, pre_rows, hs_rows, r,
-                                     I, BM, Q, INTERLEAVED)
-    else:
         part = _swiglu_bwd_half(a0, c0, prow, pre_a_desc, pre_rows, hs_rows, r, I, BM, Q,
                                 INTERLEAVED)
         part += _swiglu_bwd_half(a1, c0 + Q, prow, pre_a_desc, pre_rows, hs_rows, r, I, BM, Q,
                                  INTERLEAVED)
-        if DAC != 2 * Q:
-            part += _swiglu_bwd_half(a2, c0 + 2 * Q, prow, pre_a_desc, pre_rows, hs_rows, r, I,
-                                     BM, Q, INTERLEAVED)
-            part += _swiglu_bwd_half(a3, c0 + 3 * Q, prow, pre_a_desc, pre_rows, hs_rows, r, I,
-                                     BM, Q, INTERLEAVED)
+    else:
+        lo, hi = tl.split(tl.permute(tl.reshape(acc, (BM, 2, 2 * Q)), (0, 2, 1)))
+        a0, a1 = tl.split(tl.permute(tl.reshape(lo, (BM, 2, Q)), (0, 2, 1)))
+        a2, a3 = tl.split(tl.permute(tl.reshape(hi, (BM, 2, Q)), (0, 2, 1)))
+        part = _swiglu_bwd_half(a0, c0, prow, pre_a_desc, pre_rows, hs_rows, r, I, BM, Q,
+                                INTERLEAVED)
+        part += _swiglu_bwd_half(a1, c0 + Q, prow, pre_a_desc, pre_rows, hs_rows, r, I, BM, Q,
+                                 INTERLEAVED)
+        part += _swiglu_bwd_half(a2, c0 + 2 * Q, prow, pre_a_desc, pre_rows, hs_rows, r, I,
+                                 BM, Q, INTERLEAVED)
+        part += _swiglu_bwd_half(a3, c0 + 3 * Q, prow, pre_a_desc, pre_rows, hs_rows, r, I,
+                                 BM, Q, INTERLEAVED)
     # Router-weight gradient: d r = sum_I dA_raw * h, one partial per I tile.
     drp_off = tl.load(tab32 + rank, mask=routed, other=0)
     tl.store(drp_base + drp_off + (t * K + k) * NJ + jt, part, mask=routed)
-
-
-@triton.jit
-def _prefetch_lines(ptrs0, ELEMS: tl.constexpr):
-    """``prefetch.global.L2`` of ELEMS bf16 from each row pointer in ``ptrs0`` [BM], one
-    instruction per 128-byte line."""
-    ptrs = ptrs0[:, None] + tl.arange(0, ELEMS // 64)[None, :] * 64
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_gate_up(pre_rows, c0, COLS: tl.constexpr, I: tl.constexpr,
-                      INTERLEAVED: tl.constexpr, SKIP: tl.constexpr):
-    """``bwd_da_prefetch``: an L2 prefetch of the gate/up pre-activations of columns
-    c0 .. c0+COLS of each row (``pre_rows``: the rows' [2I] bf16 starts; interleaved, one run
-    of 2*COLS from 2*c0, else COLS from c0 and COLS from I + c0), so that the epilogue's
-    loads, one quarter after another after the K loop, find them in L2 instead of HBM. A
-    hint: no value changes. SKIP under the interpreter (no PTX there)."""
-    if not SKIP:
-        if INTERLEAVED:
-            _prefetch_lines(pre_rows + 2 * c0, 2 * COLS)
-        else:
-            _prefetch_lines(pre_rows + c0, COLS)
-            _prefetch_lines(pre_rows + I + c0, COLS)
 
 
 @triton.jit
@@ -457,8 +420,7 @@ def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, 
                      FP8DX: tl.constexpr = False, gq=None, GQW: tl.constexpr = 0,
                      RQC: tl.constexpr = 128, POW2: tl.constexpr = False,
                      QBM: tl.constexpr = False, bmax=None, RQT: tl.constexpr = False,
-                     hs_a_desc=None, DAQR: tl.constexpr = False, dyqr_ptr=None,
-                     DAPF: tl.constexpr = False, DAES: tl.constexpr = 0):
+                     hs_a_desc=None, DAQR: tl.constexpr = False, dyqr_ptr=None):
     """A item: dA[rows of block b, I tiles jt0*DAT .. of DAC columns] and its epilogue
     (``_da_epilogue``); DAT tiles per item in one flattened loop (the next tile's loads
     overlap a tile's epilogue), and the item signals +DAT. DIRECT: the dY rows are gathered
@@ -467,15 +429,10 @@ def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, 
     completes the block (FP8DX) also stores its column maxima of r h and dG/dU at ``bmax``
     [L, NBMAX, 3I]. RQT (``bwd_fp8_requant_tma``): that item's requantisation reads the rows
     through ``pre_a_desc`` as pipelined copies (``_requant_dgu_rows_tma``; with QBM it also
-    takes the column maxima there, r h's through ``hs_a_desc``). DAPF
-    (``bwd_da_prefetch``): first an L2 prefetch of the gate/up columns its epilogues read.
-    DAES (``bwd_da_epilogue_stages``): the epilogue's quarters in a pipelined loop."""
+    takes the column maxima there, r h's through ``hs_a_desc``)."""
     g = tl.load(grp + b)
     rows = b * BM + tl.arange(0, BM)
     valid, rank, t, k, routed = _row_meta(src, rows, T, S, K)
-    if DAPF:
-        _prefetch_gate_up(pre + rows.to(tl.int64) * (2 * I), jt0 * DAT * DAC, DAT * DAC, I,
-                          INTERLEAVED, F32_DOT)
     d2, w_row0 = _weight_desc(lr, g, E, w2_desc, ws2_desc, I, True, HAS_SHARED)
     prow = lr * P + b * BM
     dy_rows = _home_rows(dy_base, tab16, rank, t, valid, H) if DIRECT else 0
@@ -488,7 +445,7 @@ def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, 
             acc = _da_tile(jt0, prow, valid, dy_rows, d2, w_row0, dyg_a_desc, H, BM, BK, DAC,
                            F32_DOT, DIRECT)
         _da_epilogue(acc, jt0, rows, prow, pre, hs, rank, t, k, routed, p_base, drp_base,
-                     tab32, pre_a_desc, I, K, BM, BN, DAC, INTERLEAVED, DAES)
+                     tab32, pre_a_desc, I, K, BM, BN, DAC, INTERLEAVED)
     else:
         for jj in tl.range(0, DAT, flatten=True):
             jt = jt0 * DAT + jj
@@ -500,7 +457,7 @@ def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, 
                 acc = _da_tile(jt, prow, valid, dy_rows, d2, w_row0, dyg_a_desc, H, BM, BK,
                                DAC, F32_DOT, DIRECT)
             _da_epilogue(acc, jt, rows, prow, pre, hs, rank, t, k, routed, p_base, drp_base,
-                         tab32, pre_a_desc, I, K, BM, BN, DAC, INTERLEAVED, DAES)
+                         tab32, pre_a_desc, I, K, BM, BN, DAC, INTERLEAVED)
     if (withhold != 3) | (b != 0) | (jt0 != 0):
         tl.debug_barrier()
         if FP8DX:  # the item that completes the row block quantises its dG/dU rows
@@ -967,8 +924,7 @@ def mok_backward_kernel(
         hs_a_desc=None, trace_ptr=None, MAXT=0, TRACE: tl.constexpr = False,
         PFT: tl.constexpr = False, QI: tl.constexpr = False, DXBAND: tl.constexpr = 0,
         CHM: tl.constexpr = False, DWT: tl.constexpr = 1, DWSC: tl.constexpr = 2,
-        DWSD: tl.constexpr = 2, dyqr_ptr=None, DAQR: tl.constexpr = False,
-        DAPF: tl.constexpr = False, DAES: tl.constexpr = 0):
+        DWSD: tl.constexpr = 2, dyqr_ptr=None, DAQR: tl.constexpr = False):
     """One persistent program per SM; see the module docstring for the work order. FENCE:
     rows pulled in this launch (PULL or PA): the C and D items fence the async proxy after
     their group's acquire. FP8DA (``bwd_fp8_da``): the A items' FP8 tiles read dY as FP8
@@ -1118,7 +1074,7 @@ def mok_backward_kernel(
                                              INTERLEAVED, dy_base, tab16, DIRA, DAT, FP8DA,
                                              dyq_base, w2q_desc, ws2q_desc, sw2q_ptr,
                                              sws2q_ptr, FP8DX, gq, GQW, RQC, POW2, QBM,
-                                             bmax_ptr, RQT, hs_a_desc, DAQR, dyqr_ptr, DAPF, DAES)
+                                             bmax_ptr, RQT, hs_a_desc, DAQR, dyqr_ptr)
             elif PHASES & 1:
                 b = vt // NA
                 if PULL:  # its rows pulled by an item of this launch (plain stores; TMA here)
@@ -1136,7 +1092,7 @@ def mok_backward_kernel(
                                      DAC, F32_DOT, INTERLEAVED, dy_base, tab16, DIRA, DAT,
                                      FP8DA, dyq_base, w2q_desc, ws2q_desc, sw2q_ptr,
                                      sws2q_ptr, FP8DX, gq, GQW, RQC, POW2, QBM, bmax_ptr,
-                                     RQT, hs_a_desc, DAQR, dyqr_ptr, DAPF, DAES)
+                                     RQT, hs_a_desc, DAQR, dyqr_ptr)
         elif vt < end_b:
             i = vt - end_a
             if PA > 0:

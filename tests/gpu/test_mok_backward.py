@@ -115,11 +115,7 @@ def test_wide_da_items_match_reference(wide):
                                    "bwd_dw_tiles": 4, "bwd_dw_stages": 4},
                                   {"bwd_dx_band": 16, "bwd_dx_tma": True, "bwd_dx_tiles": 4,
                                    "bwd_dw_tiles": 4, "bwd_dw_stages": 4,
-                                   "bwd_pull_by_token": True},
-                                  {"bwd_da_prefetch": True},
-                                  {"bwd_da_prefetch": True, "bwd_da_tiles": 2},
-                                  {"bwd_da_epilogue_stages": 3},
-                                  {"bwd_da_epilogue_stages": 3, "bwd_wide_da": True}],
+                                   "bwd_pull_by_token": True}],
                          ids=lambda rows: "+".join(f"{k}={v}" for k, v in rows.items()))
 def test_backward_variants_match_the_default_bitwise(ranks, rows):
     """bwd_fused_pull: the pull items inside the backward megakernel (rows written with plain
@@ -132,9 +128,7 @@ def test_backward_variants_match_the_default_bitwise(ranks, rows):
     then do not wait for) and bwd_dx_band / bwd_dw_down_h_major (the dX items in bands of row
     blocks, the dW_down items H tile outer) and bwd_pull_by_token (the pull token by token,
     then zeros in the padding rows) and bwd_dw_tiles (several weight-gradient tiles per item,
-    two or four pipeline stages deep) and bwd_da_prefetch (L2 prefetches of the dA items'
-    gate/up, a hint) and bwd_da_epilogue_stages (the dA items' epilogue quarters in a
-    pipelined loop) give the default backward's gradients (and the
+    two or four pipeline stages deep) give the default backward's gradients (and the
     reference's), bitwise, on a rerun as well."""
     base = dict(gate_up_interleaved=True, minibatch=256, macrobatch=768, tma=True,
                 num_stages=4)

@@ -67,9 +67,6 @@ from mok_kernels import MoKConfig, MoKConfigError, plan
     ({"bwd_block_m": True}, "bwd_block_m"),
     ({"block_m": 128, "bwd_block_m": 64}, "bwd_block_m"),
     ({"block_m": 64, "minibatch": 192, "macrobatch": 384, "bwd_block_m": 128}, "bwd_block_m"),
-    ({"bwd_da_prefetch": 1}, "bwd_da_prefetch"),
-    ({"bwd_da_epilogue_stages": 2}, "bwd_da_epilogue_stages"),
-    ({"bwd_da_epilogue_stages": True}, "bwd_da_epilogue_stages"),
 ])
 def test_bad_field_names_field_and_allowed(fields, name):
     with pytest.raises(MoKConfigError) as info:

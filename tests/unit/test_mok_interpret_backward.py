@@ -761,55 +761,6 @@ def test_dx_bands_and_h_major_dw_down_give_the_same_gradients_bitwise():
     _prints(run_interpreted(BAND_SCRIPT), "band ok", 1)
 
 
-DA_PREFETCH_SCRIPT = COMMON + textwrap.dedent("""
-    L, T, E, K, shared, H, I = 2, 13, 3, 2, True, 64, 32
-    x, idx, p, _, W, dy, exact = interleaved_case(L, T, E, K, shared, 43)
-    f8 = dict(bwd_fp8_da=True, bwd_fp8_dx=True, bwd_fp8_wgrad=True)
-    for base in ({}, f8):
-        for i, knobs in enumerate(({}, {"bwd_wide_da": True}, {"bwd_da_tiles": 2})):
-            out = [run_fp8(config(True, **base, **knobs, bwd_da_prefetch=pf), L, T, E, K,
-                           shared, H, I, x, idx, p, W, dy)[0] for pf in (False, True)]
-            assert_bitwise(out[0], out[1], (bool(base), i))
-            assert rel(out[1].dx_TH, exact.dx_TH) < (1e-1 if base else 2e-2)
-    print("da prefetch ok")
-""")
-
-
-def test_da_prefetch_gives_the_same_gradients_bitwise():
-    """``bwd_da_prefetch`` (the dA items' epilogue loads each column quarter's gate/up before
-    working on the quarter ahead): every gradient bitwise the TMA quarter loads', with half-
-    and full-width dA tiles and two dA tiles per item (each against the same tiles without
-    it), bf16 and the whole FP8 backward, two
-    loopback ranks (a quarter read from the wrong columns changes dG/dU, hence dX and
-    dW_gate_up)."""
-    _prints(run_interpreted(DA_PREFETCH_SCRIPT), "da prefetch ok", 1)
-
-
-DA_EPILOGUE_LOOP_SCRIPT = COMMON + textwrap.dedent("""
-    L, T, E, K, shared, H, I = 2, 13, 3, 2, True, 64, 32
-    x, idx, p, _, W, dy, exact = interleaved_case(L, T, E, K, shared, 59)
-    f8 = dict(bwd_fp8_da=True, bwd_fp8_dx=True, bwd_fp8_wgrad=True)
-    for base in ({}, f8):
-        for i, knobs in enumerate(({}, {"bwd_wide_da": True}, {"bwd_da_tiles": 2},
-                                   {"bwd_wide_da": True, "bwd_da_prefetch": True})):
-            out = [run_fp8(config(True, **base, **knobs, bwd_da_epilogue_stages=s), L, T, E, K,
-                           shared, H, I, x, idx, p, W, dy)[0] for s in (0, 3)]
-            assert_bitwise(out[0], out[1], (bool(base), i))
-            assert rel(out[1].dx_TH, exact.dx_TH) < (1e-1 if base else 2e-2)
-    print("da epilogue loop ok")
-""")
-
-
-def test_da_epilogue_loop_gives_the_same_gradients_bitwise():
-    """``bwd_da_epilogue_stages`` (the dA items' epilogue quarters in one pipelined loop, each
-    iteration picking its quarter of the accumulator): every gradient bitwise the quarters one
-    after another, with half- and full-width dA tiles (two and four quarters), two dA tiles
-    per item and with the L2 prefetch, bf16 and the whole FP8 backward, two loopback ranks (a
-    quarter taken from the wrong part of the accumulator or written to the wrong columns
-    changes dG/dU, r h and the router-weight gradient)."""
-    _prints(run_interpreted(DA_EPILOGUE_LOOP_SCRIPT), "da epilogue loop ok", 1)
-
-
 DA_ROWS_SCRIPT = COMMON + textwrap.dedent("""
     H, I = 64, 32
     f8 = dict(bwd_fp8_da=True, bwd_fp8_dx=True, bwd_fp8_wgrad=True)

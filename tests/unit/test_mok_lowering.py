@@ -233,40 +233,6 @@ def test_fp8_da_items_from_copied_rows_load_through_tma():
     assert whole.shared_bytes <= SMEM_LIMIT, whole.shared_bytes
 
 
-def test_da_prefetch_issues_l2_prefetches_of_the_gate_up_lines():
-    """``bwd_da_prefetch``: the dA items alone (phase mask 1) issue one L2 prefetch per
-    128-byte line of their tile's gate/up (none without the knob), and the whole backward at
-    the backend's one-rank defaults still fits and spills nothing (no shared expert)."""
-    base = _defaults()
-    on = mk.MoKConfig.for_shape(H, I, **{**base.__dict__, "bwd_da_prefetch": True})
-    assert "prefetch.global.L2" not in mk.compile_megakernel(base, H, I, kernel="backward",
-                                                              phases=1).ptx
-    a_on = mk.compile_megakernel(on, H, I, kernel="backward", phases=1)
-    assert a_on.ptx.count("prefetch.global.L2") >= 1
-    whole = mk.compile_megakernel(on, H, I, kernel="backward")
-    assert whole.shared_bytes <= SMEM_LIMIT, whole.shared_bytes
-    assert not whole.spills, whole.ptxas_log
-
-
-@pytest.mark.parametrize("stages", [3, 4])
-def test_da_epilogue_loop_loads_quarters_ahead(stages):
-    """``bwd_da_epilogue_stages``: the dA items alone (phase mask 1) load their gate/up
-    quarters in one loop pipelined ``stages`` deep: stages - 1 TMA copies before the loop and
-    one in it, for the four copies one after another without the knob; the whole backward at
-    the backend's one-rank defaults still fits in shared memory (the K loop's buffers are
-    dead by then) and spills little (Triton 3.9: 68 and 80 bytes against none; every quarter
-    of the accumulator stays live through the loop)."""
-    base = _defaults()
-    on = mk.MoKConfig.for_shape(H, I, **{**base.__dict__, "bwd_da_epilogue_stages": stages})
-    copies = "ttng.async_tma_copy_global_to_local"
-    a_off = mk.compile_megakernel(base, H, I, kernel="backward", phases=1).ttgir.count(copies)
-    a_on = mk.compile_megakernel(on, H, I, kernel="backward", phases=1).ttgir.count(copies)
-    assert a_on == a_off - 4 + stages, (a_off, a_on)
-    whole = mk.compile_megakernel(on, H, I, kernel="backward")
-    assert whole.shared_bytes <= SMEM_LIMIT, whole.shared_bytes
-    assert _spill_bytes(whole.ptxas_log) <= 128, whole.ptxas_log
-
-
 @pytest.mark.parametrize("tiles, stages", [(1, 2), (4, 2), (4, 4)])
 def test_weight_gradient_items_fit_at_their_depth(tiles, stages):
     """``bwd_dw_tiles``: one weight-gradient tile per item, or four in flattened loops of
