@@ -585,7 +585,7 @@ def _pull_fp8_copies(ws: Workspace, bb: BackwardBuffers, st: ScheduleTensors,
     passes, a token's first row on this rank from home, then its other rows from it. With
     ``bwd_fused_pull`` (and ``bwd_fp8_da``) the maxima only: the megakernel's pull items
     write the copies."""
-    from mok_kernels._details.tl_backward import global_col_amax_kernel, pull_rows_fp8t_kernel
+    from mok_kernels._details.tl_backward_pull import global_col_amax_kernel, pull_rows_fp8t_kernel
 
     cfg, w8, H = ws.config, sc.wgrad8, ws.H
     ch = min(128, _row_chunk(H))
@@ -613,7 +613,7 @@ def _pull_by_token(ws: Workspace, bb: BackwardBuffers, st: ScheduleTensors,
     """``bwd_pull_by_token``: the x and dY rows of every slot this launch serves, token by
     token over the group's N tokens (``pull_rows_by_token_kernel``), then zeros in the
     padding rows (``zero_padding_rows_kernel``)."""
-    from mok_kernels._details.tl_backward import (
+    from mok_kernels._details.tl_backward_pull import (
         pull_rows_by_token_kernel,
         zero_padding_rows_kernel,
     )
@@ -650,7 +650,7 @@ def _pull_rows(ws: Workspace, bb: BackwardBuffers, st: ScheduleTensors, x_src: t
     per program): the separate pull (``phase`` 0, or 1 then 2 with ``bwd_pull_dedup``) and
     ``bwd_fp8_da_rows``' copy of the FP8 dY rows (``which`` 2). One place for the launch, so
     the two callers cannot drift apart."""
-    from mok_kernels._details.tl_backward import pull_rows_kernel
+    from mok_kernels._details.tl_backward_pull import pull_rows_kernel
 
     br = PULL_ROWS
     pull_rows_kernel[(ws.L, ws.P // br)](st.src_LP, st.total_L, x_src, ws.x_tab_R, dy_src,

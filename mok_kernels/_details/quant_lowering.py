@@ -118,7 +118,7 @@ def compile_pull_kernel(kind: str = "bf16", phase: int = 0, *, hidden: int = 716
     (``bwd_pull_dedup``)."""
     from mok_kernels._details.backward import PULL_ROWS, PULL_TOKENS
     from mok_kernels._details.forward import _row_chunk
-    from mok_kernels._details.tl_backward import (
+    from mok_kernels._details.tl_backward_pull import (
         pull_rows_by_token_kernel,
         pull_rows_fp8t_kernel,
         pull_rows_kernel,

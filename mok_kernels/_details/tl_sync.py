@@ -92,3 +92,15 @@ def record_item(trace, tk, MAXT, t0, t1, program, kind):
         tl.store(rec + 1, t1)
         tl.store(rec + 2, program.to(tl.int64))
         tl.store(rec + 3, kind.to(tl.int64))
+
+
+@triton.jit
+def async_proxy_fence(v, SKIP: tl.constexpr):
+    """``fence.proxy.async.global``: orders this thread's generic-proxy global accesses with
+    async-proxy (TMA) ones, so rows written with plain stores by one program and read with
+    TMA by another (after a release/acquire pair) are seen. SKIP under the interpreter (no
+    PTX there, and no TMA proxy). Returns v (an int32 the asm threads through)."""
+    if SKIP:
+        return v
+    return tl.inline_asm_elementwise("fence.proxy.async.global;\n mov.u32 $0, $1;", "=r,r",
+                                     [v], dtype=tl.int32, is_pure=False, pack=1)
