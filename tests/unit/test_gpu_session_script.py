@@ -74,6 +74,26 @@ def test_too_little_time_skips_the_sweep_and_a_long_command_is_stopped(tmp_path:
     assert not (state / "sweep-1").exists()
 
 
+def test_commands_run_while_te_waits_for_its_batches_and_the_sweep_waits_for_te(tmp_path: Path):
+    """The commands time mok and torch only, so they run beside TE's install; the sweeps (te
+    and megatron rows) wait for it. Here no batch ever comes: the install gives up at the
+    deadline, after the command has run, and no sweep starts."""
+    state, store = tmp_path / "state", tmp_path / "wheels"
+    store.mkdir()
+    commands = tmp_path / "commands.txt"
+    commands.write_text("echo ran\n")
+    assert sh(state, "start", "--until", "65", "--te", str(store), "--commands", str(commands),
+              "--sweep", "sweeps/quick.toml").returncode == 0  # commands need 60 s left
+    rep = sh(state, "report", "--wait", "100", timeout=120)
+    assert "(done)" in rep.stdout, rep.stdout
+    log = (state / "session.log").read_text().splitlines()
+    ran = next(i for i, ln in enumerate(log) if "command rc=0: echo ran" in ln)
+    te = next(i for i, ln in enumerate(log) if "te: rc=" in ln)
+    assert ran < te, log  # the command did not wait for the install
+    assert "te: rc=0" not in log[te] and "sweep-1 skipped" in "\n".join(log[te:]), log
+    assert not (state / "sweep-1").exists()
+
+
 @pytest.mark.parametrize("args, words", [
     (("start", "--until", "soon"), ("--until", "'soon'", "seconds")),
     (("start", "--sweep", "nowhere.toml"), ("--sweep", "nowhere.toml")),
