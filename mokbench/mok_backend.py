@@ -322,6 +322,7 @@ def variant_text(c, hidden: int, intermediate: int, *, fp8: bool, graphed: bool)
     and intermediate size), those that are off or at their plain value left out."""
     import mok_kernels
 
+    bwd = backward_kind(c)
     return (f"comm_sms={c.fwd_comm_sms},minibatch={c.minibatch},"
             f"macrobatch={c.macrobatch},graph={int(graphed)},"
             f"tma={int(c.tma)},down_tiles={mok_kernels.down_tiles(c, hidden)},"
@@ -347,13 +348,11 @@ def variant_text(c, hidden: int, intermediate: int, *, fp8: bool, graphed: bool)
             + (f",pull_ahead={c.bwd_pull_ahead}" if c.bwd_pull_ahead else "")
             + (",dispatch_dedup=1" if c.dispatch_dedup else "")
             + (",pull_dedup=1" if c.bwd_pull_dedup else "")
-            + (f",fp8={c.fp8},block_m={c.block_m},bwd={backward_kind(c)}"
-               if fp8 else "")
-            + (f",bwd={backward_kind(c)}"
-               if backward_kind(c) != "bf16" and not fp8 else "")
+            + (f",fp8={c.fp8},block_m={c.block_m},bwd={bwd}" if fp8 else "")
+            + (f",bwd={bwd}" if bwd != "bf16" and not fp8 else "")
             + (f",bwd_block_m={c.bwd_block_m}" if c.bwd_block_m else "")
             + (f",bwd_fp8_block_k={c.bwd_fp8_block_k}"
-               if c.bwd_fp8_block_k != 64 and backward_kind(c) != "bf16" else "")
+               if c.bwd_fp8_block_k != 64 and bwd != "bf16" else "")
             + (",block_colmax=1" if c.bwd_fp8_block_colmax else "")
             + (",da_rows=1" if c.bwd_fp8_da_rows else ""))
 
