@@ -67,6 +67,19 @@ cmd_start() {
   echo "$PROG: session begun in $STATE (pid $!), every step over $until_s s after now"
 }
 
+# What the tier's pytest logs (-v: one line per test) say: pytest's summary lines, or, for a
+# tier its time limit stopped before any summary, the outcomes counted so far and the tests
+# that failed, so that a stopped tier still names its failures.
+tier_outcome() {
+  local summary
+  summary=$(grep -h -E '^=+ .*[0-9]+ (passed|failed|errors?)' "$@" 2>/dev/null | tr -d '=' \
+            | tr -s ' \n' ' ')
+  if [[ -n $summary ]]; then echo "$summary"; return; fi
+  echo "stopped early: $(grep -h -o -E ' (PASSED|FAILED|ERROR|SKIPPED) ' "$@" 2>/dev/null \
+    | sort | uniq -c | tr -s ' \n' ' ')failures: $(grep -h -o -E '(FAILED|ERROR) tests/[^ ]+' \
+    "$@" 2>/dev/null | cut -d' ' -f2 | tr '\n' ' ')"
+}
+
 # The session itself (start runs it in the background).
 cmd_run() {
   local until_s=$1 te=$2 tier_s=$3 commands=$4 sweeps=(); shift 4
@@ -94,7 +107,7 @@ cmd_run() {
     # shellcheck disable=SC2086  # TIER_ARGS are words
     OUT=$STATE/tier timeout "$tier_s" bash benchmarks/gpu_tier.sh --workers 4 ${TIER_ARGS:-} \
       >"$STATE/tier.log" 2>&1
-    log "tier: rc=$? ($(grep -h -E 'passed|failed' "$STATE"/tier/*.log 2>/dev/null | tail -2 | tr '\n' ' '))"
+    log "tier: rc=$? ($(tier_outcome "$STATE"/tier/*.log))"
   fi
   if [[ -n $commands ]]; then
     export PYTHONPATH=$PWD:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}

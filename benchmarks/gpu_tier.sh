@@ -115,7 +115,7 @@ while read -r w f; do
   load[best]=$((load[best] + w)) assigned[best]+="$f "
 done <<<"$sorted"
 
-common=(-q -m gpu)
+common=(-v -m gpu)  # -v: a line per test, so a tier stopped early still names its failures
 [[ -n $timeout_s ]] && common+=(--timeout "$timeout_s")
 xdist=()
 if ((workers > 0)) && "$PY" -c 'import xdist' >/dev/null 2>&1; then xdist=(-n "$workers"); fi

@@ -108,3 +108,24 @@ def test_bad_arguments_get_one_line(tmp_path: Path, args: tuple, words: tuple):
     assert len(lines) == 1 and "error:" in lines[0], r.stderr
     for w in words:
         assert w in lines[0], lines[0]
+
+
+def test_tier_outcome_names_the_failures_of_a_tier_stopped_early(tmp_path: Path):
+    """A tier its time limit stopped has no pytest summary: the session's log line still counts
+    the outcomes (pytest -v lines) and names each failed test; a finished tier gives pytest's
+    summary."""
+    stopped, finished = tmp_path / "gpu0.log", tmp_path / "gpu1.log"
+    stopped.write_text("[gw0] [  1%] PASSED tests/gpu/test_a.py::test_x[1]\n"
+                       "[gw1] [  2%] FAILED tests/gpu/test_b.py::test_y[2-3]\n"
+                       "[gw2] [  3%] PASSED tests/gpu/test_b.py::test_z\n")
+    func = ("source <(sed -n '/^tier_outcome()/,/^}/p' " + str(SCRIPT) + ")\n"
+            'tier_outcome "$@"')
+    out = subprocess.run(["bash", "-c", func, "x", str(stopped)], capture_output=True,
+                         text=True, check=True).stdout
+    assert "stopped early" in out and "1 FAILED" in out and "2 PASSED" in out, out
+    assert out.rstrip().endswith("failures: tests/gpu/test_b.py::test_y[2-3]"), out
+    finished.write_text("[gw0] [100%] PASSED tests/gpu/test_a.py::test_x[1]\n"
+                        "===== 1 failed, 160 passed, 2 skipped in 120.33s (0:02:00) =====\n")
+    out = subprocess.run(["bash", "-c", func, "x", str(finished)], capture_output=True,
+                         text=True, check=True).stdout
+    assert out.strip() == "1 failed, 160 passed, 2 skipped in 120.33s (0:02:00)", out
