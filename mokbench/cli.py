@@ -230,6 +230,40 @@ def report_cmd(
             console.print(f"wrote {p}")
 
 
+@app.command("compare")
+@_user_errors
+def compare_cmd(
+    run_a: Path = typer.Argument(..., help="the reference run folder (A)"),
+    run_b: Path = typer.Argument(..., help="the run compared with it (B)"),
+    backends: list[str] = typer.Option(None, "--backends", "-b",
+                                       help="only these backend labels (comma list)"),
+    format: str = typer.Option("table", "--format", "-f", help="table|md|csv"),
+) -> None:
+    """Two runs side by side: the rows they share (scenario, backend label, pass), each run's
+    median and spread, and B's speedup over A, marked where it is within noise."""
+    from rich.table import Table
+
+    from mokbench import compare
+
+    formats = ("table", "md", "csv")
+    if format not in formats:
+        _fail(f"format={format!r} is invalid: allowed {' | '.join(formats)}")
+    cmp = compare.compare(run_a, run_b, _split(backends))
+    if format == "md":
+        sys.stdout.write(compare.to_markdown(cmp, run_a, run_b))
+        return
+    if format == "csv":
+        sys.stdout.write(compare.to_csv(cmp))
+        return
+    for line in compare.header_lines(run_a, run_b):
+        console.print(escape(line), highlight=False)
+    table = Table(*compare.HEADERS)
+    for row in compare.table_rows(cmp):
+        table.add_row(*(escape(c) for c in row))
+    console.print(table)
+    console.print(escape(compare.NOTE), highlight=False)
+
+
 @app.command()
 @_user_errors
 def backends(

@@ -204,7 +204,8 @@ def render_rich(summary: pd.DataFrame, console: Console) -> None:
 # ---------------------------------------------------------------- markdown
 
 
-def _md_escape(s: str) -> str:
+def md_escape(s: str) -> str:
+    """A Markdown table cell's text: pipes escaped, newlines as spaces."""
     return str(s).replace("|", "\\|").replace("\n", " ")
 
 
@@ -220,11 +221,11 @@ def _md_table(part: pd.DataFrame, legend: tables.Legend, show: dict[str, bool]) 
     lines = ["| scenario | backend | status | " + " | ".join(h for h, _ in cols) + " |",
              "|---|---|---|" + "---:|" * len(cols)]
     for _, row in part.iterrows():
-        name = _md_escape(tables.backend_cell(row, legend))
+        name = md_escape(tables.backend_cell(row, legend))
         nums = tables.number_cells(row)
-        cells = [_md_escape(legend.scenarios.get(row["scenario_id"], row["scenario_id"])),
+        cells = [md_escape(legend.scenarios.get(row["scenario_id"], row["scenario_id"])),
                  name if row["is_baseline"] else f"**{name}**",
-                 _md_escape(tables.status_cell(row, legend)), *(nums[k] for _, k in cols)]
+                 md_escape(tables.status_cell(row, legend)), *(nums[k] for _, k in cols)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -244,7 +245,7 @@ def side_by_side(summary: pd.DataFrame, not_run: list[tuple[str, str]] | None = 
     cols = sorted(base) + ours
     missing = {(s, b) for s, b in (not_run or [])}
     head = ["scenario", "pass", *(f"{b} ms" for b in cols), *(f"{b} vs best" for b in ours)]
-    lines = ["| " + " | ".join(_md_escape(h) for h in head) + " |",
+    lines = ["| " + " | ".join(md_escape(h) for h in head) + " |",
              "|---|---|" + "---:|" * (len(head) - 2)]
     by_key = {(r.scenario_id, r.backend, r["pass"]): r for _, r in summary.iterrows()}
     present = {(s, p) for s, _, p in by_key}
@@ -265,13 +266,13 @@ def side_by_side(summary: pd.DataFrame, not_run: list[tuple[str, str]] | None = 
                     x = None if row is None else row["speedup_vs_best_baseline"]
                     speedups.append("-" if x is None or pd.isna(x) else
                                     ("~" if row["within_noise"] else "") + f"{x:.3f}x")
-            lines.append("| " + " | ".join([_md_escape(s), pass_label(p, summary), *cells,
+            lines.append("| " + " | ".join([md_escape(s), pass_label(p, summary), *cells,
                                              *speedups]) + " |")
     return "\n".join(lines)
 
 
 def _md_legend(summary: pd.DataFrame, legend: tables.Legend) -> list[str]:
-    lines = [f"- {_md_escape(x)}" for x in tables.legend_lines(legend)]
+    lines = [f"- {md_escape(x)}" for x in tables.legend_lines(legend)]
     if summary["within_noise"].any():
         lines.append(f"- {tables.NOISE_NOTE}")
     return ["## Legend", "", *lines, ""] if lines else []
@@ -329,7 +330,7 @@ def _md_not_run(not_run: list[tuple[str, str]], backends: list[str] | None = Non
              f"{len(not_run)} cells of this run's sweep have no rows: `mokbench sweep --resume "
              "RUN_DIR` runs them all (with `--backends`, those backends only).", "",
              "| scenario | backend | why |", "|---|---|---|"]
-    lines += [f"| {_md_escape(s)} | {_md_escape(b)} | {why(b)} |" for s, b in not_run]
+    lines += [f"| {md_escape(s)} | {md_escape(b)} | {why(b)} |" for s, b in not_run]
     return [*lines, ""]
 
 
