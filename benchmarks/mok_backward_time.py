@@ -35,7 +35,8 @@ def main() -> None:
     ap.add_argument("--options", default="{}", help="JSON MoKConfig overrides")
     ap.add_argument("--phases", default="", help="comma-separated backward item masks to time "
                     "(1 dA, 2 dX, 4 dW_down, 8 dW_gate_up; 0 everything outside the items; "
-                    "masks without 1 end at their first wait; profiling only)")
+                    "+16 the dA items without their epilogue (one dA tile per item); masks "
+                    "without 1 end at their first wait; profiling only)")
     ap.add_argument("--profile", action="store_true",
                     help="also print each kernel's device time over 3 backwards (torch.profiler)")
     ap.add_argument("--passes", default="inference,forward_train,backward",

@@ -233,7 +233,7 @@ def env_overrides() -> dict:
     return over
 
 
-_NO_SEPARATE_PULL = ("bwd_direct_rows", "bwd_fused_pull", "bwd_pull_ahead")
+_NO_SEPARATE_PULL = ("bwd_direct_rows", "bwd_fused_pull")
 """Backward knobs that replace the separate pull, which ``bwd_pull_dedup`` needs (and
 ``bwd_fp8_wgrad``, except under ``bwd_fused_pull`` with ``bwd_fp8_da``, whose pull items write
 its copies): set by the user, they turn those off where only a default set them.
@@ -251,7 +251,7 @@ def config_from_env(hidden: int, intermediate: int, defaults: dict,
     defaults that need it unless they are asked for too (then the conflict is the error; the
     pull by token yields the same way to ``bwd_pull_dedup`` and ``bwd_fp8_wgrad``),
     one ring slot (macrobatch = minibatch) turns off the default ``skew_down`` the same way,
-    ``bwd_pull_ahead`` the default ``bwd_dx_band``, and ``bwd_direct_rows`` or
+    and ``bwd_direct_rows`` or
     ``bwd_direct_da`` the default ``bwd_dw_tiles`` and ``bwd_dx_tiles`` (their row gathers
     beside the deep weight-gradient loops spill on sm_90, more with four dX tiles and the
     shared expert)."""
@@ -266,7 +266,6 @@ def config_from_env(hidden: int, intermediate: int, defaults: dict,
 
     if any(over.get(k) for k in _NO_SEPARATE_PULL):  # asked for: defaults needing it yield
         fp8_pull_items = (over.get("bwd_fused_pull") and not over.get("bwd_direct_rows")
-                          and not over.get("bwd_pull_ahead")
                           and over.get("bwd_fp8_da", fields.get("bwd_fp8_da")))
         yield_defaults(("bwd_pull_dedup",) + (() if fp8_pull_items else ("bwd_fp8_wgrad",)),
                        False)
@@ -279,8 +278,6 @@ def config_from_env(hidden: int, intermediate: int, defaults: dict,
     fields.update(over)
     if fields["macrobatch"] < 2 * fields["minibatch"]:
         yield_defaults(("skew_down",), False)  # one ring slot: the default order needs two
-    if fields.get("bwd_pull_ahead"):
-        yield_defaults(("bwd_dx_band",), 0)  # the pull-ahead order keeps its row blocks' dX
     if fields.get("bwd_direct_rows") or fields.get("bwd_direct_da"):
         yield_defaults(("bwd_dw_tiles", "bwd_dx_tiles"), 1)  # gathers beside them spill more
     return MoKConfig.for_shape(hidden, intermediate, **fields)
@@ -345,7 +342,6 @@ def variant_text(c, hidden: int, intermediate: int, *, fp8: bool, graphed: bool)
             + (f",dw_stages={c.bwd_dw_stages}" if c.bwd_dw_stages != 2 else "")
             + (f",da_tiles={c.bwd_da_tiles}" if c.bwd_da_tiles > 1 else "")
             + (",dx_tma=1" if c.bwd_dx_tma else "")
-            + (f",pull_ahead={c.bwd_pull_ahead}" if c.bwd_pull_ahead else "")
             + (",dispatch_dedup=1" if c.dispatch_dedup else "")
             + (",pull_dedup=1" if c.bwd_pull_dedup else "")
             + (f",fp8={c.fp8},block_m={c.block_m},bwd={bwd}" if fp8 else "")

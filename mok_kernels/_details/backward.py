@@ -269,15 +269,14 @@ def pulls_per_group(cfg: MoKConfig) -> bool:
 
 def counters_per_rank(cfg: MoKConfig, P: int, E: int) -> int:
     """int32 counters of one logical rank (rounded up to 32): the ticket, one per row block,
-    one per group (E + 1 with the shared expert slot); with ``bwd_fused_pull`` or
-    ``bwd_pull_ahead`` also one pulled flag per row block and the pull ticket; with
-    ``bwd_pull_ahead`` (or ``bwd_fused_pull`` with ``bwd_fp8_da`` / ``bwd_direct_da``) then one
-    pulled count per
-    group; with ``bwd_fp8_wgrad`` one Q count per group."""
+    one per group (E + 1 with the shared expert slot); with ``bwd_fused_pull`` also one
+    pulled flag per row block and the pull ticket, and with it and ``bwd_fp8_da`` /
+    ``bwd_direct_da`` then one pulled count per group; with ``bwd_fp8_wgrad`` one Q count per
+    group."""
     n = 1 + P // cfg.bwd_bm + E + 1
-    if cfg.bwd_fused_pull or cfg.bwd_pull_ahead:
+    if cfg.bwd_fused_pull:
         n += P // cfg.bwd_bm + 1
-    if cfg.bwd_pull_ahead or pulls_per_group(cfg):
+    if pulls_per_group(cfg):
         n += E + 1
     if cfg.bwd_fp8_wgrad:  # Q items done per group
         n += E + 1
@@ -487,16 +486,14 @@ def backward_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots:
                 BR=PULL_ROWS, CH=_row_chunk(hidden),
                 PULLERS=min(cfg.bwd_pull_programs or programs, programs),
                 DIRECT=cfg.bwd_direct_rows, DXT=cfg.bwd_dx_tiles, DAT=cfg.bwd_da_tiles,
-                DXTMA=cfg.bwd_dx_tma, PA=cfg.bwd_pull_ahead,
-                FENCE=cfg.bwd_fused_pull or cfg.bwd_pull_ahead > 0, FP8DA=cfg.bwd_fp8_da,
+                DXTMA=cfg.bwd_dx_tma, FENCE=cfg.bwd_fused_pull, FP8DA=cfg.bwd_fp8_da,
                 FP8DX=cfg.bwd_fp8_dx, GQW=dgu_row_elements(intermediate),
                 RQC=min(128, 2 * intermediate), POW2=cfg.fp8_pow2_scales,
                 FP8W=cfg.bwd_fp8_wgrad, BK8=fp8_backward_block_k(cfg),
                 BKW8=fp8_wgrad_rows(cfg), DIRA=cfg.bwd_direct_rows or cfg.bwd_direct_da,
-                PULLG=pulls_per_group(cfg), XWD=cfg.bwd_pull_ahead > 0 or pulls_per_group(cfg),
+                PULLG=pulls_per_group(cfg),
                 PBR=min(wgrad_rows(cfg), cfg.bwd_bm), PCH=min(128, _row_chunk(hidden)),
                 QBM=cfg.bwd_fp8_block_colmax, RQT=cfg.bwd_fp8_requant_tma,
-                PFT=cfg.bwd_prefetch_ticket, QI=cfg.bwd_q_interleave,
                 DXBAND=cfg.bwd_dx_band, CHM=cfg.bwd_dw_down_h_major, DWT=cfg.bwd_dw_tiles,
                 DWSC=3 if cfg.bwd_dw_stages == 4 else 2, DWSD=cfg.bwd_dw_stages,
                 DAQR=cfg.bwd_fp8_da_rows)
@@ -512,12 +509,12 @@ def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tens
     and compile-time constants. The one list of them, for the launch and for
     ``lowering.compile_megakernel`` (which derives the types from it). ``pre_LPF``: the
     training forward's pre-activations; ``programs``: programs per logical rank;
-    ``x_src``: where the x rows are pulled from (``bwd_fused_pull``, ``bwd_pull_ahead``;
+    ``x_src``: where the x rows are pulled from (``bwd_fused_pull``;
     default the workspace's token buffer); ``fp8_weights``: ``bwd_fp8_da``'s W_down copies;
     ``dy_src``: where the dY rows are read from (``_dy_source``; default the carved buffer)."""
     cfg, bb = ws.config, _buffers(ws)
     dy_src = bb.dy_LTH if dy_src is None else dy_src
-    if cfg.bwd_fused_pull or cfg.bwd_direct_rows or cfg.bwd_pull_ahead:
+    if cfg.bwd_fused_pull or cfg.bwd_direct_rows:
         pull = dict(x_base=ws.x_LTH if x_src is None else x_src, x_tab=ws.x_tab_R,
                     dy_base=dy_src, tab16=bb.tab16_R, xg_ptr=sc.xg_LPH, dyg_ptr=sc.dyg_LPH)
     else:  # the pull kernel runs before the launch: constexpr None here
@@ -633,14 +630,14 @@ def _pull_by_token(ws: Workspace, bb: BackwardBuffers, st: ScheduleTensors,
 
 def backward_trace_capacity(ws: Workspace) -> int:
     """Tickets of the backward megakernel's main order per logical rank, at most (every row
-    block in use, PA's pull items included): the rows of a ``backward(_trace=...)`` buffer."""
+    block in use): the rows of a ``backward(_trace=...)`` buffer."""
     cfg = ws.config
     H, I, bn = ws.H, ws.I, cfg.block_n
     nb, ng, half = ws.P // cfg.bwd_bm, ws.E + int(ws.shared), bn // 2
-    na = I // (cfg.da_cols(I) * cfg.bwd_da_tiles) + 1
-    nbx = H // (bn * cfg.bwd_dx_tiles) + 1
+    na = I // (cfg.da_cols(I) * cfg.bwd_da_tiles)
+    nbx = H // (bn * cfg.bwd_dx_tiles)
     per_group = (3 * I // half) + (I // half) * (H // bn) + (H // half) * (2 * I // bn)
-    return (nb + cfg.bwd_pull_ahead) * na + nb * nbx + ng * per_group
+    return nb * na + nb * nbx + ng * per_group
 
 
 def _pull_rows(ws: Workspace, bb: BackwardBuffers, st: ScheduleTensors, x_src: torch.Tensor,
@@ -702,7 +699,7 @@ def backward(config: MoKConfig, ws: Workspace, context: ForwardContext, dy_TH: t
         _pull_fp8_copies(ws, bb, st, sc, x_src, dy_src)
     elif config.bwd_pull_by_token:  # each token's rows read once, written to its slots' rows
         _pull_by_token(ws, bb, st, sc, x_src, dy_src)
-    elif not (config.bwd_fused_pull or config.bwd_direct_rows or config.bwd_pull_ahead):
+    elif not (config.bwd_fused_pull or config.bwd_direct_rows):
         # else the megakernel pulls or gathers the rows itself
         for phase in (1, 2) if config.bwd_pull_dedup else (0,):  # dedup: first rows, then
             # the other rows from them (two launches: no wait inside the kernel)

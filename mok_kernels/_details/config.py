@@ -130,7 +130,7 @@ class MoKConfig:
         With ``bwd_fused_pull`` the pull items then feed only the C and D items, which wait
         for their group's rows, so the pull overlaps the dA and dX items, as with
         ``bwd_fp8_da`` (whose dA items read dY's FP8 rows at home anyway). Not with
-        ``bwd_direct_rows``, ``bwd_fp8_da`` or ``bwd_pull_ahead``. Off by default: no faster
+        ``bwd_direct_rows`` or ``bwd_fp8_da``. Off by default: no faster
         in the profiling script at Kimi K2.7 Code, alone or with the fused pull
         (notes/mok-kernel.md).
     bwd_pull_dedup: the backward's separate pull fetches a token's x and dY rows from its
@@ -138,7 +138,7 @@ class MoKConfig:
         them to the token's other rows from that local row: NVLink bytes of the
         reverse-combine pull go from one row per (token, k) slot to one per (token, rank), as
         ``dispatch_dedup`` does for the forward. Gradients bitwise the plain pull's. Needs
-        the separate pull (not bwd_direct_rows, bwd_fused_pull or bwd_pull_ahead); with
+        the separate pull (not bwd_direct_rows or bwd_fused_pull); with
         ``bwd_fp8_wgrad`` it keeps the first rows' bf16 x and dY as the second pass's
         source (P x H x 2 bytes more scratch). Off here; the mok backend turns it on at EP 2
         and more, where it made the backward faster in every cell timed
@@ -159,13 +159,6 @@ class MoKConfig:
         build of the B items uses 250 of 255 registers by copies). Off in the plain config;
         the mok backend turns it on for Hopper, where it measured faster (its
         ``default_config_fields``).
-    bwd_pull_ahead: 0, or the reverse-combine pull runs as work items in the backward
-        megakernel's own ticket order instead of as a kernel of its own before it: a row
-        block's dY rows are pulled by an item ``bwd_pull_ahead`` row blocks ahead of its dA
-        items, and its x rows by an item after its dX items (only the dW_gate_up items read
-        x, and they come last), so the memory-bound pull runs beside compute items on the
-        other SMs instead of before them. Off by default: slower on one H200 (its pull items
-        take longer per SM than the separate pull kernel saves; notes/mok-kernel.md).
     bwd_block_m: rows per row block of the backward (0 = block_m): a multiple of block_m,
         and the schedule then pads every expert's rows to it (``row_align``), so the forward
         runs its block_m-row tiles on the same schedule and the backward its own. For the FP8
@@ -200,7 +193,7 @@ class MoKConfig:
         and dG/dU: one scale per column over the expert's rows (quantisation items after the
         dX items take each column's max over the expert's rows, then write the transposed
         copies; the weight-gradient items wait for those). Needs the separate pull (not
-        bwd_direct_rows or bwd_pull_ahead), or ``bwd_fused_pull`` with ``bwd_fp8_da`` (the
+        bwd_direct_rows), or ``bwd_fused_pull`` with ``bwd_fp8_da`` (the
         pull items then write the FP8 copies). Third stage of the FP8
         backward; off by default (on in the mok backend's FP8 cells on Hopper).
     bwd_fp8_block_colmax: with ``bwd_fp8_dx`` and ``bwd_fp8_wgrad``: the dA item that
@@ -223,18 +216,6 @@ class MoKConfig:
         so bitwise the same gradients. An experiment (off): per FLOP the FP8 dA items ran
         1.6x slower than the FP8 dX items, which read their block's contiguous rows; this
         says whether the gather is why. The copy costs about 2 x P x 2H bytes.
-    bwd_prefetch_ticket: the backward megakernel claims an item's next ticket when the item
-        starts, so the atomic's round trip to L2 overlaps the item (the forward's
-        ``prefetch_ticket``). The backward's items are short (20-30 us for the B, C and D
-        items at Kimi K2.7 Code in FP8, by the item trace), so the gaps between them add up
-        (the programs were busy 94% of the kernel's span there). Same gradients; off by
-        default: not yet run on a GPU.
-    bwd_q_interleave: with ``bwd_fp8_wgrad``: the weight gradients' quantisation (Q) items
-        are spread evenly among the dX (B) items (ascending groups) instead of a
-        section of their own between B and the weight gradients: the item trace showed that
-        section (2.7 ms of memory-bound work at Kimi K2.7 Code, every program in it) between
-        two compute-bound ones. Q items still wait only for their group's dA items. Same
-        gradients; off by default: not yet run on a GPU.
     bwd_dx_band: the order of the backward's dX (B) items: 0 or 1 row block by row block
         (a row block's H tiles one after another); G > 1 in bands of G row blocks, inside a
         band the H tiles outer and the row blocks inner (the last band may hold fewer). The
@@ -243,7 +224,7 @@ class MoKConfig:
         expert's W_gate_up tiles (58 MB, beyond the H200's 50 MB L2); in bands of 16 about 8
         tiles (16 MB) and 16 row blocks of dG/dU (16 MB). The same items, so the same
         gradients; a B item waits only on its row block's A items, all of which come earlier.
-        Not with bwd_pull_ahead (its x pull items sit between the row blocks' B items). 0 here;
+        0 here;
         the mok backend sets 16 on one Hopper rank, where the profiling script timed the bf16
         backward faster with it (notes/mok-kernel.md).
     bwd_dw_down_h_major: the backward's dW_down (C) items of a group in H-tile-major order
@@ -256,7 +237,7 @@ class MoKConfig:
         schedule order, a token's K slots sit in K experts' row ranges, so its rows are read K
         times from HBM (at Kimi K2 48 x 16384 about 3.8 of the pull's 7.5 GB); token by token
         once (0.5 GB). The same bytes in the same rows, so the same gradients. Needs the bf16
-        separate pull (not bwd_direct_rows, bwd_fused_pull, bwd_pull_ahead, bwd_pull_dedup or
+        separate pull (not bwd_direct_rows, bwd_fused_pull, bwd_pull_dedup or
         bwd_fp8_wgrad). Off by default: no faster on one H200 at Kimi K2 48 x 16384 (the
         profiling script, notes/mok-kernel.md).
     bwd_dw_tiles: adjacent tiles per weight-gradient work item of the backward (a dW_down
@@ -327,7 +308,6 @@ class MoKConfig:
     bwd_dx_tiles: int = 1
     bwd_da_tiles: int = 1
     bwd_dx_tma: bool = False
-    bwd_pull_ahead: int = 0
     bwd_block_m: int = 0
     bwd_fp8_da: bool = False
     bwd_fp8_dx: bool = False
@@ -336,8 +316,6 @@ class MoKConfig:
     bwd_fp8_block_colmax: bool = False
     bwd_fp8_requant_tma: bool = False
     bwd_fp8_da_rows: bool = False
-    bwd_prefetch_ticket: bool = False
-    bwd_q_interleave: bool = False
     bwd_dx_band: int = 0
     bwd_dw_down_h_major: bool = False
     bwd_pull_by_token: bool = False
@@ -406,10 +384,9 @@ class MoKConfig:
                self.bwd_direct_rows, "false when bwd_fused_pull is true (no pull to fuse)")
         _check(isinstance(self.bwd_direct_da, bool), "bwd_direct_da", self.bwd_direct_da,
                "true | false")
-        _check(not (self.bwd_direct_da and (self.bwd_direct_rows or self.bwd_fp8_da
-                                            or self.bwd_pull_ahead)),
-               "bwd_direct_da", self.bwd_direct_da, "false when bwd_direct_rows, bwd_fp8_da "
-               "or bwd_pull_ahead is set (their dA items already read dY their own way)")
+        _check(not (self.bwd_direct_da and (self.bwd_direct_rows or self.bwd_fp8_da)),
+               "bwd_direct_da", self.bwd_direct_da, "false when bwd_direct_rows or bwd_fp8_da "
+               "is set (their dA items already read dY their own way)")
         _check(isinstance(self.bwd_dx_tiles, int) and not isinstance(self.bwd_dx_tiles, bool)
                and 1 <= self.bwd_dx_tiles <= 64, "bwd_dx_tiles", self.bwd_dx_tiles,
                "an integer in 1..64 dividing hidden / block_n")
@@ -418,18 +395,12 @@ class MoKConfig:
                "an integer in 1..64 dividing the dA tiles of the intermediate size")
         _check(isinstance(self.bwd_dx_tma, bool), "bwd_dx_tma", self.bwd_dx_tma,
                "true | false")
-        _check(isinstance(self.bwd_pull_ahead, int) and not isinstance(self.bwd_pull_ahead, bool)
-               and 0 <= self.bwd_pull_ahead <= 1024, "bwd_pull_ahead", self.bwd_pull_ahead,
-               "an integer in 0..1024 (0 = the pull is a kernel of its own)")
         _check(isinstance(self.bwd_block_m, int) and not isinstance(self.bwd_block_m, bool)
                and self.bwd_block_m in (0, 16, 32, 64, 128, 256)
                and self.bwd_block_m % self.block_m == 0
                and self.minibatch % max(self.bwd_block_m, 1) == 0, "bwd_block_m",
                self.bwd_block_m, f"0 | 16 | 32 | 64 | 128 | 256, a multiple of block_m "
                f"({self.block_m}) dividing minibatch ({self.minibatch})")
-        _check(not (self.bwd_pull_ahead and (self.bwd_fused_pull or self.bwd_direct_rows)),
-               "bwd_pull_ahead", self.bwd_pull_ahead,
-               "0 when bwd_fused_pull or bwd_direct_rows is true (one pull at a time)")
         _check(isinstance(self.bwd_fp8_da, bool), "bwd_fp8_da", self.bwd_fp8_da,
                "true | false")
         _check(isinstance(self.bwd_fp8_dx, bool), "bwd_fp8_dx", self.bwd_fp8_dx,
@@ -444,19 +415,9 @@ class MoKConfig:
                "bwd_fp8_block_colmax", self.bwd_fp8_block_colmax,
                "false unless bwd_fp8_dx and bwd_fp8_wgrad are set (it keeps the maxima of "
                "the dX items' requantisation for the weight gradients' Q items)")
-        _check(isinstance(self.bwd_prefetch_ticket, bool), "bwd_prefetch_ticket",
-               self.bwd_prefetch_ticket, "true | false")
-        _check(isinstance(self.bwd_q_interleave, bool), "bwd_q_interleave",
-               self.bwd_q_interleave, "true | false")
-        _check(not self.bwd_q_interleave or self.bwd_fp8_wgrad, "bwd_q_interleave",
-               self.bwd_q_interleave,
-               "false unless bwd_fp8_wgrad is set (only the FP8 weight gradients have Q items)")
         _check(isinstance(self.bwd_dx_band, int) and not isinstance(self.bwd_dx_band, bool)
                and 0 <= self.bwd_dx_band <= 1024, "bwd_dx_band", self.bwd_dx_band,
                "an integer in 0..1024 (0 or 1 = row block by row block)")
-        _check(self.bwd_dx_band <= 1 or not self.bwd_pull_ahead, "bwd_dx_band",
-               self.bwd_dx_band, "0 or 1 when bwd_pull_ahead is set (its pull items sit "
-               "between the row blocks' dX items)")
         _check(isinstance(self.bwd_dw_down_h_major, bool), "bwd_dw_down_h_major",
                self.bwd_dw_down_h_major, "true | false")
         _check(isinstance(self.bwd_dw_tiles, int) and not isinstance(self.bwd_dw_tiles, bool)
@@ -467,11 +428,10 @@ class MoKConfig:
         _check(isinstance(self.bwd_pull_by_token, bool), "bwd_pull_by_token",
                self.bwd_pull_by_token, "true | false")
         _check(not self.bwd_pull_by_token or not (
-            self.bwd_direct_rows or self.bwd_fused_pull or self.bwd_pull_ahead
-            or self.bwd_pull_dedup or self.bwd_fp8_wgrad), "bwd_pull_by_token",
+            self.bwd_direct_rows or self.bwd_fused_pull or self.bwd_pull_dedup
+            or self.bwd_fp8_wgrad), "bwd_pull_by_token",
             self.bwd_pull_by_token, "false when bwd_direct_rows, bwd_fused_pull, "
-            "bwd_pull_ahead, bwd_pull_dedup or bwd_fp8_wgrad is set (it replaces the bf16 "
-            "separate pull only)")
+            "bwd_pull_dedup or bwd_fp8_wgrad is set (it replaces the bf16 separate pull only)")
         _check(isinstance(self.bwd_fp8_requant_tma, bool), "bwd_fp8_requant_tma",
                self.bwd_fp8_requant_tma, "true | false")
         _check(isinstance(self.bwd_fp8_da_rows, bool), "bwd_fp8_da_rows",
@@ -484,14 +444,13 @@ class MoKConfig:
                "false unless bwd_fp8_dx is set (it serves the dX items' requantisation)")
         _check(isinstance(self.bwd_pull_dedup, bool), "bwd_pull_dedup", self.bwd_pull_dedup,
                "true | false")
-        _check(not (self.bwd_pull_dedup and (self.bwd_direct_rows or self.bwd_fused_pull
-                                             or self.bwd_pull_ahead)),
-               "bwd_pull_dedup", self.bwd_pull_dedup, "false when bwd_direct_rows, "
-               "bwd_fused_pull or bwd_pull_ahead is set (it dedupes the separate pull)")
-        _check(not (self.bwd_fp8_wgrad and (self.bwd_direct_rows or self.bwd_pull_ahead
+        _check(not (self.bwd_pull_dedup and (self.bwd_direct_rows or self.bwd_fused_pull)),
+               "bwd_pull_dedup", self.bwd_pull_dedup, "false when bwd_direct_rows or "
+               "bwd_fused_pull is set (it dedupes the separate pull)")
+        _check(not (self.bwd_fp8_wgrad and (self.bwd_direct_rows
                                             or (self.bwd_fused_pull and not self.bwd_fp8_da))),
-               "bwd_fp8_wgrad", self.bwd_fp8_wgrad, "false when bwd_direct_rows or "
-               "bwd_pull_ahead is set, or bwd_fused_pull without bwd_fp8_da (its FP8 copies "
+               "bwd_fp8_wgrad", self.bwd_fp8_wgrad, "false when bwd_direct_rows is set, or "
+               "bwd_fused_pull without bwd_fp8_da (its FP8 copies "
                "of x and dY come from the separate pull, or from pull items the dA items do "
                "not wait for)")
         _check(self.fp8 in FP8_MODES, "fp8", self.fp8, " | ".join(FP8_MODES))

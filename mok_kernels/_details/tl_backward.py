@@ -13,17 +13,13 @@ every GEMM operand below is a TMA tile. With ``PULL`` (``bwd_fused_pull``) the m
 that itself: the first PULLERS programs of each logical rank (all of them by default) first
 claim pull items (one row block each) from a ticket counter of their own, and an A item waits
 for its row block's flag; the rows are written with plain stores and read through TMA, so
-writers and readers fence the async proxy. With ``PA`` (``bwd_pull_ahead``) the pull runs as
-items of the main ticket order instead: section A is one slot per row block s, a pull item of
-block s's dY rows followed by the A items of block s - PA; section B holds, per row block, its
-B items followed by a pull item of its x rows (only the D items read x); the D items also
-wait for their group's x-pulled count. With ``DIRECT`` (``bwd_direct_rows``) nothing is
+writers and readers fence the async proxy. With ``DIRECT`` (``bwd_direct_rows``) nothing is
 pulled: the A, C and D items gather the dY and x rows they need from the tokens' home ranks
 (peer memory) with plain loads, as the forward's GEMM programs do.
 
 Work items, claimed from one ticket counter per logical rank in the global order A, B, Q
-(FP8W only), C, D (``PHASES``, a bit mask, skips kinds for profiling; 15 runs all; ``QI``
-merges B and Q into one section, the Q items spread evenly among the B items):
+(FP8W only), C, D (``PHASES``, a bit mask, skips kinds for profiling; 15 runs all; bit 16
+runs the one-tile A items without their epilogue, to time their K loop alone):
     A  dgrad down, one per (row block b, DAT I tiles of DAC = BN/2 or BN columns):
        dA = dY @ W_down^T (``FP8DA``: FP8 tiles on the dY rows quantised at their home
        ranks, gathered from there, and W_down's e4m3 rows, row-wise scales); epilogue: SwiGLU
@@ -57,9 +53,9 @@ Counters of one logical rank (int32, zeroed before the launch):
     [0]            ticket
     [1 + b]        rowblock_ready[b]  (+1 per A item of block b; complete at I / DAC)
     [1 + NBMAX + g] group_ready[g]    (+1 per A item of group g)
-    PULL, PA: [1 + NBMAX + NG + b] pulled[b] (row block b's rows are in; PA: its dY rows),
-    then the pull ticket [1 + 2*NBMAX + NG] (PULL)
-    PA only: [2 + 2*NBMAX + NG + g] x_pulled[g] (+1 per row block of group g whose x rows
+    PULL: [1 + NBMAX + NG + b] pulled[b] (row block b's rows are in), then the pull ticket
+    [1 + 2*NBMAX + NG]
+    PULLG only: [2 + 2*NBMAX + NG + g] x_pulled[g] (+1 per row block of group g whose rows
     are in)
     FP8W only: [1 + NBMAX + NG + g] q_ready[g] (+1 per Q item of group g)
 """
@@ -71,7 +67,7 @@ import triton.language as tl
 
 from mok_kernels._details import errors
 from mok_kernels._details.tl_backward_dgrad import _dgrad_down_item, _dgrad_gate_up_item
-from mok_kernels._details.tl_backward_pull import _pull_block, _pull_fp8t_rows, _pulled_signal
+from mok_kernels._details.tl_backward_pull import _pull_block, _pull_fp8t_rows
 from mok_kernels._details.tl_backward_wgrad import (
     _wgrad_down_item,
     _wgrad_gate_up_item,
@@ -119,7 +115,7 @@ def mok_backward_kernel(
         INTERLEAVED: tl.constexpr, PHASES: tl.constexpr, PULL: tl.constexpr,
         BR: tl.constexpr, CH: tl.constexpr, PULLERS: tl.constexpr = 0,
         DIRECT: tl.constexpr = False, DXT: tl.constexpr = 1, DAT: tl.constexpr = 1,
-        DXTMA: tl.constexpr = False, PA: tl.constexpr = 0, FENCE: tl.constexpr = False,
+        DXTMA: tl.constexpr = False, FENCE: tl.constexpr = False,
         FP8DA: tl.constexpr = False, dyq_base=None, w2q_desc=None, ws2q_desc=None,
         sw2q_ptr=None, sws2q_ptr=None, FP8DX: tl.constexpr = False, gq_ptr=None,
         w1q_desc=None, ws1q_desc=None, sw1q_ptr=None, sws1q_ptr=None, GQW: tl.constexpr = 0,
@@ -129,13 +125,13 @@ def mok_backward_kernel(
         gdyam_ptr=None, BK8: tl.constexpr = 64, BKW8: tl.constexpr = 64, pre_q_desc=None,
         xqT_ptr=None, dyqT_ptr=None, PULLG: tl.constexpr = False, PBR: tl.constexpr = 16,
         PCH: tl.constexpr = 128, bmax_ptr=None, QBM: tl.constexpr = False,
-        DIRA: tl.constexpr = False, XWD: tl.constexpr = False, RQT: tl.constexpr = False,
+        DIRA: tl.constexpr = False, RQT: tl.constexpr = False,
         hs_a_desc=None, trace_ptr=None, MAXT=0, TRACE: tl.constexpr = False,
-        PFT: tl.constexpr = False, QI: tl.constexpr = False, DXBAND: tl.constexpr = 0,
+        DXBAND: tl.constexpr = 0,
         CHM: tl.constexpr = False, DWT: tl.constexpr = 1, DWSC: tl.constexpr = 2,
         DWSD: tl.constexpr = 2, dyqr_ptr=None, DAQR: tl.constexpr = False):
     """One persistent program per SM; see the module docstring for the work order. FENCE:
-    rows pulled in this launch (PULL or PA): the C and D items fence the async proxy after
+    rows pulled in this launch (PULL): the C and D items fence the async proxy after
     their group's acquire. FP8DA (``bwd_fp8_da``): the A items' FP8 tiles read dY as FP8
     rows at its home ranks (``dyq_base``, same rank offsets ``tab16`` as dY; DAQR,
     ``bwd_fp8_da_rows``: copied to contiguous rows ``dyqr_ptr`` before the launch and read
@@ -150,22 +146,16 @@ def mok_backward_kernel(
     ``hs_c_desc``, dG/dU through ``pre_q_desc``);
     the C and D items run FP8 tiles on those and on the pulled copies of dY and x
     (``dyqT_desc``, ``xqT_desc``, scaled by the global column maxima ``gdyam_ptr`` /
-    ``gxam_ptr`` [H]). XWD: the D items wait for their group's pulled rows (PA or PULLG).
+    ``gxam_ptr`` [H]).
     DIRA: the dA items gather dY's rows at home (``bwd_direct_rows`` or
     ``bwd_direct_da``). PULLG (``bwd_fused_pull`` with ``bwd_fp8_da`` or ``bwd_direct_da``):
     the dA items read dY at home and do not wait for the pull items; each pull item adds 1
-    to its group's count and the C and D items wait for their group's row blocks instead;
+    to its group's count and the C and D items wait for their group's row blocks instead
+    (the D items for their x rows too);
     with FP8W the pull items write the FP8 transposed copies of x and dY (``xqT_ptr``,
     ``dyqT_ptr`` [L, H, P]; PBR rows by PCH columns at a time), as the separate pull kernel
     does. RQT (``bwd_fp8_requant_tma``): the block-completing A item's requantisation of the
     dG/dU rows reads them as pipelined TMA copies (with QBM r h's too, ``hs_a_desc``).
-    PFT (``bwd_prefetch_ticket``): the next ticket is claimed when an item starts, so the
-    atomic's round trip overlaps the item (deadlock free as the forward's PREFETCH: the
-    smallest unfinished ticket is never one only claimed, since its holder is then running
-    a smaller unfinished one). QI (``bwd_q_interleave``, FP8W without PA): the B and Q
-    sections are one, the Q items spread evenly among the B items (in ascending group
-    order, the order the A items finish in), so the memory-bound Q items run beside
-    the B items' GEMMs instead of in a section of their own; Q still waits only on A.
     DXBAND (``bwd_dx_band``) > 1: the B items in bands of DXBAND row blocks, H tiles outer
     (``_banded``); CHM (``bwd_dw_down_h_major``): a group's C items H tile outer, I tile
     inner. Both only reorder items of one section, whose waits all point at earlier ones.
@@ -173,7 +163,7 @@ def mok_backward_kernel(
     flattened loops of DWSC and DWSD pipeline stages (``bwd_dw_stages``).
     TRACE (profiling only): every item of the main ticket order writes (start, end) in
     global-timer nanoseconds, its program within the logical rank and its kind (0 A, 1 B,
-    2 Q, 3 C, 4 D; pull items of PA count with the section they sit in) to ``trace_ptr``
+    2 Q, 3 C, 4 D) to ``trace_ptr``
     [L, MAXT, 4] int64 at its ticket; the start is taken after the ticket is claimed, so a
     wait inside an item counts as the item's time."""
     HALF: tl.constexpr = BN // 2
@@ -186,6 +176,7 @@ def mok_backward_kernel(
     NCJ: tl.constexpr = H // (BN * DWT)  # H tile groups of a C item's I tile
     NDJ: tl.constexpr = 2 * I // (BN * DWT)  # 2I tile groups of a D item's H tile
     NC: tl.constexpr = (I // HALF) * NCJ  # C items per group
+    NOEPI: tl.constexpr = (PHASES & 16) != 0  # profiling: the A items without their epilogue
     ND: tl.constexpr = (H // HALF) * NDJ  # D items per group
     pid = tl.program_id(0)
     lr = pid // PROGS
@@ -203,23 +194,17 @@ def mok_backward_kernel(
     gqT = gqT_ptr + lr.to(tl.int64) * (2 * I) * P if FP8W else gqT_ptr
     srh = srh_ptr + lr * NG * I if FP8W else srh_ptr
     srg = srg_ptr + lr * NG * (2 * I) if FP8W else srg_ptr
-    qready = ctr + 1 + NBMAX + NG  # FP8W: [NG] Q items done per group, after PULLG's counters
+    qready = ctr + 1 + NBMAX + NG  # FP8W: [NG] Q items done per group, after PULL's counters
     if PULLG:
         qready = qready + NBMAX + 1 + NG
     nb = total // BM
-    if PA > 0:  # a dY pull item (block s) then the A items of block s - PA, per slot s
-        end_a = (nb + PA) * (NA + 1)
-        end_b = end_a + nb * (NB + 1)  # the B items of a block, then its x pull item
-    else:
-        end_a = nb * NA
-        end_b = end_a + nb * NB
-    pulled = ctr + 1 + NBMAX + NG  # PULL, PA: [NBMAX] flags, a pull ticket, PA: [NG] counts
+    end_a = nb * NA
+    end_b = end_a + nb * NB
+    pulled = ctr + 1 + NBMAX + NG  # PULL: [NBMAX] flags, a pull ticket, PULLG: [NG] counts
     xgrp = pulled + NBMAX + 1
     end_q = end_b + NG * NQ
     end_c = end_q + NG * NC
     n_items = end_c + NG * ND
-    n_q = NG * NQ  # QI: the B and Q sections merged, n_bq items
-    n_bq = tl.maximum(end_q - end_a, 1)
     ok = no_error(err)
     if PULL:  # pull items first (the first PULLERS programs), from their own ticket counter
         # they wait on nothing, so the programs that skip them to wait on row blocks
@@ -249,43 +234,9 @@ def mok_backward_kernel(
     while (tk < n_items) & (ok != 0):
         if TRACE:
             t0 = globaltimer(tk, F32_DOT)
-        if PFT:  # the next ticket's round trip to L2 overlaps this item
-            tk_next = tl.atomic_add(ctr, 1, sem="relaxed", scope="gpu")
-        vt = tk  # the item this ticket stands for (QI: B and Q items interleaved)
-        if QI:  # position i of the merged section holds a Q item where the count of Q
-            # items before it, floor(i * n_q / n_bq), steps up: the Q items spread evenly
-            if (tk >= end_a) & (tk < end_q):
-                i = (tk - end_a).to(tl.int64)
-                q_before = (i * n_q // n_bq).to(tl.int32)
-                if ((i + 1) * n_q // n_bq).to(tl.int32) > q_before:
-                    vt = end_b + q_before  # Q item q_before
-                else:
-                    vt = tk - q_before  # B item i - q_before
-        if vt < end_a:
-            if PA > 0:
-                slot = vt // (NA + 1)
-                j = vt % (NA + 1)
-                if j == 0:  # pull item: block slot's dY rows (needed by its A items)
-                    if slot < nb:
-                        _pull_block(slot, lr, src, x_base, x_tab, dy_base, tab16, xg_ptr,
-                                    dyg_ptr, T, P, H, S, BM, BR, CH, 2)
-                        _pulled_signal(pulled + slot, slot, F32_DOT)
-                elif PHASES & 1:
-                    b = slot - PA
-                    if b >= 0:
-                        ok = wait_geq(pulled + b, 1, err, budget, _E_BWD_PULLED, b)
-                        if ok != 0:
-                            async_proxy_fence(ok, F32_DOT)
-                            _dgrad_down_item(b, j - 1, lr, src, grp, P, pre, hs, ctr,
-                                             dyg_a_desc, p_base, drp_base, tab32, w2_desc,
-                                             ws2_desc, pre_a_desc, T, E, NBMAX, withhold, H,
-                                             I, S, K, HAS_SHARED, BM, BN, BKA, DAC, F32_DOT,
-                                             INTERLEAVED, dy_base, tab16, DIRA, DAT, FP8DA,
-                                             dyq_base, w2q_desc, ws2q_desc, sw2q_ptr,
-                                             sws2q_ptr, FP8DX, gq, GQW, RQC, POW2, QBM,
-                                             bmax_ptr, RQT, hs_a_desc, DAQR, dyqr_ptr)
-            elif PHASES & 1:
-                b = vt // NA
+        if tk < end_a:
+            if PHASES & 1:
+                b = tk // NA
                 if PULL:  # its rows pulled by an item of this launch (plain stores; TMA here)
                     if PULLG:  # dY's rows read at home: nothing to wait for
                         pass
@@ -295,30 +246,16 @@ def mok_backward_kernel(
                         if ok != 0:
                             async_proxy_fence(ok, F32_DOT)
                 if ok != 0:
-                    _dgrad_down_item(b, vt % NA, lr, src, grp, P, pre, hs, ctr, dyg_a_desc,
+                    _dgrad_down_item(b, tk % NA, lr, src, grp, P, pre, hs, ctr, dyg_a_desc,
                                      p_base, drp_base, tab32, w2_desc, ws2_desc, pre_a_desc, T,
                                      E, NBMAX, withhold, H, I, S, K, HAS_SHARED, BM, BN, BKA,
                                      DAC, F32_DOT, INTERLEAVED, dy_base, tab16, DIRA, DAT,
                                      FP8DA, dyq_base, w2q_desc, ws2q_desc, sw2q_ptr,
                                      sws2q_ptr, FP8DX, gq, GQW, RQC, POW2, QBM, bmax_ptr,
-                                     RQT, hs_a_desc, DAQR, dyqr_ptr)
-        elif vt < end_b:
-            i = vt - end_a
-            if PA > 0:
-                b = i // (NB + 1)
-                j = i % (NB + 1)
-                if j == NB:  # pull item: block b's x rows (read by the D items only)
-                    _pull_block(b, lr, src, x_base, x_tab, dy_base, tab16, xg_ptr, dyg_ptr,
-                                T, P, H, S, BM, BR, CH, 1)
-                    _pulled_signal(xgrp + tl.load(grp + b), b, F32_DOT)
-                elif PHASES & 2:
-                    ok = _dgrad_gate_up_item(b, j, lr, src, grp, pre, ctr, err, comb_base,
-                                             comb_tab, w1_desc, ws1_desc, T, E, budget, H, I,
-                                             S, HAS_SHARED, BM, BN, BKX, DAC, F32_DOT, DXT,
-                                             pre_b_desc, P, DXTMA,
-                                             FP8DX, gq, GQW, w1q_desc, ws1q_desc, sw1q_ptr,
-                                             sws1q_ptr)
-            elif PHASES & 2:
+                                     RQT, hs_a_desc, DAQR, dyqr_ptr, NOEPI)
+        elif tk < end_b:
+            i = tk - end_a
+            if PHASES & 2:
                 bx = i // NB
                 jx = i % NB
                 if DXBAND > 1:
@@ -329,18 +266,18 @@ def mok_backward_kernel(
                                          pre_b_desc, P, DXTMA,
                                          FP8DX, gq, GQW, w1q_desc, ws1q_desc, sw1q_ptr,
                                          sws1q_ptr)
-        elif vt < end_q:
-            if FP8W:  # Q items (none otherwise), largest group first (QI: ascending)
+        elif tk < end_q:
+            if FP8W:  # Q items (none otherwise), largest group first
                 if PHASES & 12:
-                    i = vt - end_b
-                    gq_i = i // NQ if QI else NG - 1 - i // NQ  # QI: ascending groups
+                    i = tk - end_b
+                    gq_i = NG - 1 - i // NQ
                     ok = _wgrad_quant_item(gq_i, i % NQ, lr, gst, total, src, P,
                                            hs_c_desc, pre_q_desc, hqT, gqT, srh, srg, ctr,
                                            err, qready, NBMAX, budget, withhold, NG, I, BM,
                                            BN, BKW, DAC, F32_DOT, POW2, QBM, bmax_ptr)
-        elif vt < end_c:
+        elif tk < end_c:
             if PHASES & 4:
-                i = vt - end_q
+                i = tk - end_q
                 g = NG - 1 - i // NC
                 c = i % NC
                 ic = c // NCJ  # I tile, then H tile (group)
@@ -356,24 +293,21 @@ def mok_backward_kernel(
                                       POW2, PULLG, xgrp, DWT, DWSC)
         else:
             if PHASES & 8:
-                i = vt - end_c
+                i = tk - end_c
                 g = NG - 1 - i // ND
                 d = i % ND
                 ok = _wgrad_gate_up_item(g, d // NDJ, d % NDJ, lr, gst,
                                          total, P, pre_d_desc, xg_d_desc, ctr, err, dw1_ptr,
                                          dws1_ptr, T, E, NBMAX, budget, H, I, S, K, HAS_SHARED,
                                          BM, BN, BKWF, DAC, F32_DOT, INTERLEAVED, FENCE, src,
-                                         x_base, x_tab, DIRECT, xgrp, XWD, FP8W, qready,
+                                         x_base, x_tab, DIRECT, xgrp, PULLG, FP8W, qready,
                                          NQ, xqT_desc, gqT_desc, srg, gxam_ptr, POW2, DWT,
                                          DWSD)
         if TRACE:
-            kind = tl.where(vt < end_a, 0, tl.where(vt < end_b, 1, tl.where(
-                vt < end_q, 2, tl.where(vt < end_c, 3, 4))))
+            kind = tl.where(tk < end_a, 0, tl.where(tk < end_b, 1, tl.where(
+                tk < end_q, 2, tl.where(tk < end_c, 3, 4))))
             record_item(trace_ptr + lr.to(tl.int64) * MAXT * 4, tk, MAXT, t0,
                         globaltimer(tk, F32_DOT), pid - lr * PROGS, kind)
-        if PFT:
-            tk = tk_next
-        else:
-            tk = tl.atomic_add(ctr, 1, sem="relaxed", scope="gpu")
+        tk = tl.atomic_add(ctr, 1, sem="relaxed", scope="gpu")
 
 

@@ -243,6 +243,17 @@ def _da_epilogue(acc, jt, rows, prow, pre, hs, rank, t, k, routed, p_base, drp_b
 
 
 @triton.jit
+def _da_sums_only(acc, jt, rank, t, k, routed, drp_base, tab32, I: tl.constexpr,
+                  K: tl.constexpr, DAC: tl.constexpr):
+    """Profiling only (``NOEPI``): instead of the epilogue, each row's sum of the dA tile
+    stored where its router-gradient partial goes, so the K loop is kept and nothing else
+    runs: the K loop's time alone (the gradients are then wrong)."""
+    NJ: tl.constexpr = I // DAC
+    drp_off = tl.load(tab32 + rank, mask=routed, other=0)
+    tl.store(drp_base + drp_off + (t * K + k) * NJ + jt, tl.sum(acc, axis=1), mask=routed)
+
+
+@triton.jit
 def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, drp_base,
                      tab32, w2_desc, ws2_desc, pre_a_desc, T, E, NBMAX, withhold,
                      H: tl.constexpr, I: tl.constexpr, S: tl.constexpr, K: tl.constexpr,
@@ -255,7 +266,8 @@ def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, 
                      FP8DX: tl.constexpr = False, gq=None, GQW: tl.constexpr = 0,
                      RQC: tl.constexpr = 128, POW2: tl.constexpr = False,
                      QBM: tl.constexpr = False, bmax=None, RQT: tl.constexpr = False,
-                     hs_a_desc=None, DAQR: tl.constexpr = False, dyqr_ptr=None):
+                     hs_a_desc=None, DAQR: tl.constexpr = False, dyqr_ptr=None,
+                     NOEPI: tl.constexpr = False):
     """A item: dA[rows of block b, I tiles jt0*DAT .. of DAC columns] and its epilogue
     (``_da_epilogue``); DAT tiles per item in one flattened loop (the next tile's loads
     overlap a tile's epilogue), and the item signals +DAT. DIRECT: the dY rows are gathered
@@ -264,7 +276,8 @@ def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, 
     completes the block (FP8DX) also stores its column maxima of r h and dG/dU at ``bmax``
     [L, NBMAX, 3I]. RQT (``bwd_fp8_requant_tma``): that item's requantisation reads the rows
     through ``pre_a_desc`` as pipelined copies (``_requant_dgu_rows_tma``; with QBM it also
-    takes the column maxima there, r h's through ``hs_a_desc``)."""
+    takes the column maxima there, r h's through ``hs_a_desc``). NOEPI (profiling only, phase
+    bit 16): the one-tile item skips its epilogue (``_da_sums_only``)."""
     g = tl.load(grp + b)
     rows = b * BM + tl.arange(0, BM)
     valid, rank, t, k, routed = _row_meta(src, rows, T, S, K)
@@ -279,8 +292,11 @@ def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, 
         else:
             acc = _da_tile(jt0, prow, valid, dy_rows, d2, w_row0, dyg_a_desc, H, BM, BK, DAC,
                            F32_DOT, DIRECT)
-        _da_epilogue(acc, jt0, rows, prow, pre, hs, rank, t, k, routed, p_base, drp_base,
-                     tab32, pre_a_desc, I, K, BM, BN, DAC, INTERLEAVED)
+        if NOEPI:
+            _da_sums_only(acc, jt0, rank, t, k, routed, drp_base, tab32, I, K, DAC)
+        else:
+            _da_epilogue(acc, jt0, rows, prow, pre, hs, rank, t, k, routed, p_base, drp_base,
+                         tab32, pre_a_desc, I, K, BM, BN, DAC, INTERLEAVED)
     else:
         for jj in tl.range(0, DAT, flatten=True):
             jt = jt0 * DAT + jj

@@ -1,7 +1,7 @@
 """The backward's reverse-combine pull (see tl_backward's module docstring): the x and dY rows
 of every schedule row from the tokens' home ranks into contiguous [L, P, H] rows, as separate
 kernels before the megakernel (row by row, token by token, the FP8 weight gradients' transposed
-copies) or as the megakernel's pull items (``bwd_fused_pull``, ``bwd_pull_ahead``)."""
+copies) or as the megakernel's pull items (``bwd_fused_pull``)."""
 
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ def _row_sources(rows, lr, src, first, x_base, x_tab, dy_base, tab16, xg_ptr, dy
 def _pull_block(b, lr, src, x_base, x_tab, dy_base, tab16, xg_ptr, dyg_ptr, T, P,
                 H: tl.constexpr, S: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr,
                 CH: tl.constexpr, WHICH: tl.constexpr = 0):
-    """In-kernel reverse-combine pull (``bwd_fused_pull``, ``bwd_pull_ahead``): row block b
+    """In-kernel reverse-combine pull (``bwd_fused_pull``): row block b
     (in use, so every row is below the rank's total, which is a multiple of BM), BR rows at
     a time, as ``pull_rows_kernel`` does (WHICH as ``_pull_rows``)."""
     for r0 in range(0, BM, BR):

@@ -271,8 +271,8 @@ def _wgrad_gate_up_item(g, it, jn, lr, gst, total, P, pre_d_desc, xg_d_desc, ctr
     """D item: dW_gate_up[g][H tile it, 2I tiles jn * DWT ..] = sum over g's rows of
     x^T [dG dU], DWT tiles in one flattened loop (as the C items). DIRECT: the x rows are
     gathered from the tokens' home ranks instead of the pulled rows.
-    XW (``bwd_pull_ahead``, or ``bwd_fused_pull`` with dA items that do not wait for the
-    pull): also waits until every row block of g has its rows pulled (``_pulled_rows``).
+    XW (``bwd_fused_pull`` with dA items that do not wait for the pull): also waits until
+    every row block of g has its rows pulled (``_pulled_rows``).
     FP8W: e4m3 tiles of the transposed copies (``xqT_desc`` [L*H, P], ``gqT_desc``
     [L*2I, P]), then the column scales (x's from the global column max ``gxam``, dG/dU's
     of group g in ``srg``); waits for g's Q items instead."""

@@ -99,8 +99,6 @@ def test_wide_da_items_match_reference(wide):
                                   {"bwd_da_tiles": 4},
                                   {"bwd_dx_tma": True},
                                   {"bwd_dx_tma": True, "bwd_dx_tiles": 4},
-                                  {"bwd_pull_ahead": 8},
-                                  {"bwd_pull_ahead": 2, "bwd_dx_tma": True},
                                   {"bwd_pull_dedup": True},
                                   {"bwd_direct_da": True},
                                   {"bwd_direct_da": True, "bwd_fused_pull": True,
@@ -121,8 +119,7 @@ def test_backward_variants_match_the_default_bitwise(ranks, rows):
     """bwd_fused_pull: the pull items inside the backward megakernel (rows written with plain
     stores, read through TMA after a proxy fence; by every program or by 32 of them),
     bwd_direct_rows (no pull: the items gather the rows), bwd_dx_tiles / bwd_da_tiles
-    (several dX or dA tiles per item), bwd_dx_tma (dGU rows through TMA) and bwd_pull_ahead
-    (the pull as items in the ticket order, rows read through TMA after a fence) and
+    (several dX or dA tiles per item), bwd_dx_tma (dGU rows through TMA) and
     bwd_pull_dedup (a token's rows pulled once per rank, the others copied from it in a second
     pass) and bwd_direct_da (the dA items gather dY at home; with the pull items, which they
     then do not wait for) and bwd_dx_band / bwd_dw_down_h_major (the dX items in bands of row
@@ -433,13 +430,10 @@ def test_block_column_maxima_give_the_two_pass_gradients_bitwise(ranks, shared):
 
 
 @pytest.mark.parametrize("ranks, shared, knobs", [
-    (1, True, {"bwd_prefetch_ticket": True}), (2, False, {"bwd_q_interleave": True}),
-    (1, True, {"bwd_prefetch_ticket": True, "bwd_q_interleave": True}),
     (2, True, {"bwd_dx_band": 16, "bwd_dw_down_h_major": True}),
     (1, True, {"bwd_dw_tiles": 4})])
 def test_ticket_order_knobs_give_the_same_gradients_bitwise(ranks, shared, knobs):
-    """``bwd_prefetch_ticket`` (the next ticket claimed when an item starts),
-    ``bwd_q_interleave`` (the Q items among the dX items) and ``bwd_dx_band`` with
+    """``bwd_dx_band`` with
     ``bwd_dw_down_h_major`` (the dX and dW_down items reordered) and ``bwd_dw_tiles`` (four
     weight-gradient tiles per item) on the whole FP8 backward:
     every gradient bitwise the default order's, reruns bitwise equal."""

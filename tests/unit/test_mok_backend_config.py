@@ -63,17 +63,6 @@ def test_defaults_follow_two_waves_and_cap_at_rows():
     assert ep2["bwd_pull_by_token"] is False
 
 
-def test_pull_ahead_turns_off_the_default_dx_bands_unless_asked_for():
-    """``bwd_pull_ahead`` keeps each row block's dX items together (its x pull items sit
-    between them): a variant asking for it turns the default ``bwd_dx_band`` off; asking for
-    both is the one-line error naming the knob."""
-    d = default_config_fields(7168, 2048, 16384, 8, 132, local_experts=48)
-    assert config_from_env(7168, 2048, d).bwd_dx_band == 16
-    assert config_from_env(7168, 2048, d, {"bwd_pull_ahead": 8}).bwd_dx_band == 0
-    with pytest.raises(MoKConfigError, match="bwd_dx_band"):
-        config_from_env(7168, 2048, d, {"bwd_pull_ahead": 8, "bwd_dx_band": 4})
-
-
 def test_one_ring_slot_turns_off_the_default_skew_unless_asked_for():
     """``skew_down`` needs two ring slots: a variant asking for one (macrobatch = minibatch)
     turns the default off; asking for both is the one-line error naming the knob."""
@@ -87,7 +76,7 @@ def test_one_ring_slot_turns_off_the_default_skew_unless_asked_for():
 
 
 def test_a_pull_knob_turns_off_the_defaults_that_need_the_separate_pull(monkeypatch):
-    """``bwd_direct_rows`` (or fused_pull, pull_ahead) asked for at EP 2 or in an FP8 cell
+    """``bwd_direct_rows`` (or fused_pull) asked for at EP 2 or in an FP8 cell
     turns off the default ``bwd_pull_dedup`` / ``bwd_fp8_wgrad`` instead of failing (the
     fused pull keeps ``bwd_fp8_wgrad`` where the dA items are FP8: its pull items write the
     FP8 copies); asked for together, the conflict is the one-line error."""
@@ -255,7 +244,7 @@ def test_row_gathers_turn_off_the_default_weight_gradient_tiles_unless_asked_for
 
 
 @pytest.mark.parametrize("asked", [{"bwd_direct_rows": True}, {"bwd_fused_pull": True},
-                                   {"bwd_pull_ahead": 8}, {"bwd_pull_dedup": True}])
+                                   {"bwd_pull_dedup": True}])
 def test_other_pulls_turn_off_the_default_pull_by_token_unless_asked_for(asked):
     """The pull by token replaces only the bf16 separate row pull: a variant asking for
     another pull gets a valid config without it; asking for both is the one-line error."""

@@ -120,6 +120,20 @@ def test_each_backward_item_kind_builds_without_spills(phases, wide):
         assert lw.mma_instructions == ["wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16"]
 
 
+def test_da_items_without_epilogue_keep_their_k_loop_only():
+    """Phase bit 16 (profiling: the dA items' K loop alone): the dA-only build keeps its
+    m64n256 MMAs but loses the SwiGLU backward's exponentials and the epilogue's stores of
+    r h and dG/dU; with bit 16 off the same build has them."""
+    cfg = _defaults()
+    full = mk.compile_megakernel(cfg, H, I, shared=True, kernel="backward", phases=1)
+    bare = mk.compile_megakernel(cfg, H, I, shared=True, kernel="backward", phases=17)
+    for lw in (full, bare):
+        assert lw.mma_instructions == ["wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16"]
+        assert not lw.spills, lw.ptxas_log
+    assert full.ptx.count("ex2.approx") >= 4 and "ex2.approx" not in bare.ptx
+    assert bare.ptx.count("st.global") < full.ptx.count("st.global") // 4
+
+
 def test_dx_bands_and_h_major_dw_down_build_as_the_default_order():
     """``bwd_dx_band`` and ``bwd_dw_down_h_major`` change only index arithmetic: against the
     row-block-major order, the whole backward with both (bf16 defaults, shared expert) fits,
@@ -149,19 +163,6 @@ def test_fused_pull_backward_builds_with_async_proxy_fences(pullers):
     assert lw.shared_bytes <= SMEM_LIMIT
     assert not lw.spills, lw.ptxas_log
     assert lw.ptx.count("fence.proxy.async.global") >= 4
-
-
-@pytest.mark.parametrize("shared", [False, True])
-def test_pull_ahead_backward_builds_with_async_proxy_fences(shared):
-    """``bwd_pull_ahead``: the dY and x pull items in the backward's ticket order; the build
-    fits, spills nothing, and fences the async proxy after each pull item and before each
-    TMA read of pulled rows (dA, dW_down, dW_gate_up), beside the dX items' fence."""
-    cfg = mk.MoKConfig.for_shape(H, I, **{**_defaults().__dict__, "bwd_pull_ahead": 8,
-                                          "bwd_dx_band": 0})
-    lw = mk.compile_megakernel(cfg, H, I, shared=shared, kernel="backward")
-    assert lw.shared_bytes <= SMEM_LIMIT
-    assert not lw.spills, lw.ptxas_log
-    assert lw.ptx.count("fence.proxy.async.global") >= 6
 
 
 def test_direct_rows_backward_gathers_rows_by_asynchronous_copies():
@@ -364,17 +365,14 @@ def test_whole_fp8_backward_builds_with_128_deep_steps(fp8_forward):
                                    {"bwd_fused_pull": True, "bwd_pull_programs": 32},
                                    {"bwd_fp8_block_colmax": True},
                                    {"bwd_fp8_requant_tma": True},
-                                   {"bwd_fp8_requant_tma": True, "bwd_fp8_block_colmax": True},
-                                   {"bwd_prefetch_ticket": True, "bwd_q_interleave": True}])
+                                   {"bwd_fp8_requant_tma": True, "bwd_fp8_block_colmax": True}])
 def test_whole_fp8_backward_builds_with_pull_items_or_block_maxima(knobs):
     """The whole FP8 backward with ``bwd_fused_pull`` (the pull items write the FP8
     transposed copies of x and dY; every program pulls first, or 32 of them while the rest
     start on the dA items), or with ``bwd_fp8_block_colmax``, or with ``bwd_fp8_requant_tma``
-    (with and without the block maxima), or with ``bwd_prefetch_ticket`` and
-    ``bwd_q_interleave``: e4m3 MMAs only, within sm_90's shared memory, small spills (Triton
-    3.9: 324 bytes with the pull items, 340 with the block maxima, 352 and 396 with the TMA
-    requantisation, 336 with the ticket order knobs, 320 with none; Triton 3.6: 92, 468,
-    400 with none), and the
+    (with and without the block maxima): e4m3 MMAs only, within sm_90's shared memory, small
+    spills (Triton 3.9: 324 bytes with the pull items, 340 with the block maxima, 352 and 396
+    with the TMA requantisation, 320 with none; Triton 3.6: 92, 468, 400 with none), and the
     async proxy fenced after each pull item and before the weight-gradient items read TMA
     copies."""
     from mokbench.mok_backend import fp8_config_fields
