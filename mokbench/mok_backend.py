@@ -233,7 +233,7 @@ def env_overrides() -> dict:
     return over
 
 
-_NO_SEPARATE_PULL = ("bwd_direct_rows", "bwd_fused_pull")
+_NO_SEPARATE_PULL = ("bwd_fused_pull",)
 """Backward knobs that replace the separate pull, which ``bwd_pull_dedup`` needs (and
 ``bwd_fp8_wgrad``, except under ``bwd_fused_pull`` with ``bwd_fp8_da``, whose pull items write
 its copies): set by the user, they turn those off where only a default set them.
@@ -250,11 +250,8 @@ def config_from_env(hidden: int, intermediate: int, defaults: dict,
     a knob that replaces the backward's separate pull (``_NO_SEPARATE_PULL``) turns off the
     defaults that need it unless they are asked for too (then the conflict is the error; the
     pull by token yields the same way to ``bwd_pull_dedup`` and ``bwd_fp8_wgrad``),
-    one ring slot (macrobatch = minibatch) turns off the default ``skew_down`` the same way,
-    and ``bwd_direct_rows`` or
-    ``bwd_direct_da`` the default ``bwd_dw_tiles`` and ``bwd_dx_tiles`` (their row gathers
-    beside the deep weight-gradient loops spill on sm_90, more with four dX tiles and the
-    shared expert)."""
+    and one ring slot (macrobatch = minibatch) turns off the default ``skew_down`` the same
+    way."""
     from mok_kernels import MoKConfig
 
     fields = dict(defaults)
@@ -265,7 +262,7 @@ def config_from_env(hidden: int, intermediate: int, defaults: dict,
         fields.update({k: value for k in keys if k not in over})
 
     if any(over.get(k) for k in _NO_SEPARATE_PULL):  # asked for: defaults needing it yield
-        fp8_pull_items = (over.get("bwd_fused_pull") and not over.get("bwd_direct_rows")
+        fp8_pull_items = (over.get("bwd_fused_pull")
                           and over.get("bwd_fp8_da", fields.get("bwd_fp8_da")))
         yield_defaults(("bwd_pull_dedup",) + (() if fp8_pull_items else ("bwd_fp8_wgrad",)),
                        False)
@@ -278,8 +275,6 @@ def config_from_env(hidden: int, intermediate: int, defaults: dict,
     fields.update(over)
     if fields["macrobatch"] < 2 * fields["minibatch"]:
         yield_defaults(("skew_down",), False)  # one ring slot: the default order needs two
-    if fields.get("bwd_direct_rows") or fields.get("bwd_direct_da"):
-        yield_defaults(("bwd_dw_tiles", "bwd_dx_tiles"), 1)  # gathers beside them spill more
     return MoKConfig.for_shape(hidden, intermediate, **fields)
 
 
@@ -333,7 +328,6 @@ def variant_text(c, hidden: int, intermediate: int, *, fp8: bool, graphed: bool)
             + (",fused_pull=1" if c.bwd_fused_pull else "")
             + (f",pull_programs={c.bwd_pull_programs}"
                if c.bwd_pull_programs else "")
-            + (",direct_rows=1" if c.bwd_direct_rows else "")
             + (f",dx_tiles={c.bwd_dx_tiles}" if c.bwd_dx_tiles > 1 else "")
             + (f",dx_band={c.bwd_dx_band}" if c.bwd_dx_band > 1 else "")
             + (",dw_down_h_major=1" if c.bwd_dw_down_h_major else "")

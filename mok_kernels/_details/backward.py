@@ -138,8 +138,8 @@ class BackwardScratch:
     dws1_LHF: torch.Tensor  # [L, H, 2I] bf16: each logical rank's share
     dws2_LIH: torch.Tensor  # [L, I, H] bf16
     hs_LPI: torch.Tensor  # r * h of every schedule row
-    xg_LPH: torch.Tensor | None  # pulled x rows (None with bwd_direct_rows)
-    dyg_LPH: torch.Tensor | None  # pulled dY rows (None with bwd_direct_rows)
+    xg_LPH: torch.Tensor | None  # pulled x rows (None when only FP8 copies are read)
+    dyg_LPH: torch.Tensor | None  # pulled dY rows (likewise)
     gq_LPG: torch.Tensor | None = None  # bwd_fp8_dx: dG/dU as FP8 rows (2I e4m3, a scale)
     wgrad8: Fp8WgradScratch | None = None  # bwd_fp8_wgrad
     dyqr_LPH: torch.Tensor | None = None  # bwd_fp8_da_rows: FP8 dY rows (bf16-row bytes)
@@ -185,7 +185,6 @@ def backward_scratch(ws: Workspace) -> BackwardScratch:
     cfg = ws.config
     L, H, I, P, dev = ws.L, ws.H, ws.I, ws.P, ws.device
     bf = torch.bfloat16
-    pulled = not cfg.bwd_direct_rows
     w8, dedup = cfg.bwd_fp8_wgrad, cfg.bwd_pull_dedup
     return BackwardScratch(
         dw1_EHF=torch.empty(L * ws.E, H, 2 * I, dtype=bf, device=dev),
@@ -193,10 +192,9 @@ def backward_scratch(ws: Workspace) -> BackwardScratch:
         dws1_LHF=torch.empty((L, H, 2 * I) if ws.shared else (1,), dtype=bf, device=dev),
         dws2_LIH=torch.empty((L, I, H) if ws.shared else (1,), dtype=bf, device=dev),
         hs_LPI=torch.empty(L, P, I, dtype=bf, device=dev),
-        xg_LPH=(torch.empty(L, P, H, dtype=bf, device=dev)
-                if pulled and (dedup or not w8) else None),
+        xg_LPH=(torch.empty(L, P, H, dtype=bf, device=dev) if dedup or not w8 else None),
         dyg_LPH=(torch.empty(L, P, H, dtype=bf, device=dev)
-                 if pulled and (dedup or not (w8 and cfg.bwd_fp8_da)) else None),
+                 if dedup or not (w8 and cfg.bwd_fp8_da) else None),
         gq_LPG=(torch.empty(L, P, dgu_row_elements(I), dtype=bf, device=dev)
                 if cfg.bwd_fp8_dx else None),
         wgrad8=(Fp8WgradScratch.empty(L, H, I, P, ws.E + int(ws.shared), dev,
@@ -262,16 +260,16 @@ def _buffers(ws: Workspace) -> BackwardBuffers:
 
 def pulls_per_group(cfg: MoKConfig) -> bool:
     """In-kernel pull items the dA items do not wait for (``bwd_fused_pull`` with dA items
-    that read dY at home: ``bwd_fp8_da`` or ``bwd_direct_da``): counted per expert group,
-    and the weight-gradient items wait for their group's rows."""
-    return cfg.bwd_fused_pull and (cfg.bwd_fp8_da or cfg.bwd_direct_da)
+    that read dY at home: ``bwd_fp8_da``): counted per expert group, and the weight-gradient
+    items wait for their group's rows."""
+    return cfg.bwd_fused_pull and cfg.bwd_fp8_da
 
 
 def counters_per_rank(cfg: MoKConfig, P: int, E: int) -> int:
     """int32 counters of one logical rank (rounded up to 32): the ticket, one per row block,
     one per group (E + 1 with the shared expert slot); with ``bwd_fused_pull`` also one
-    pulled flag per row block and the pull ticket, and with it and ``bwd_fp8_da`` /
-    ``bwd_direct_da`` then one pulled count per group; with ``bwd_fp8_wgrad`` one Q count per
+    pulled flag per row block and the pull ticket, and with it and ``bwd_fp8_da`` then one
+    pulled count per group; with ``bwd_fp8_wgrad`` one Q count per
     group."""
     n = 1 + P // cfg.bwd_bm + E + 1
     if cfg.bwd_fused_pull:
@@ -414,7 +412,7 @@ def _activation_descriptors(cfg: MoKConfig, pre_LPF: torch.Tensor, hs_LPI: torch
                             xg_LPH: torch.Tensor | None, dyg_LPH: torch.Tensor | None) -> tuple:
     """(pre for the dA epilogue, r*h for dW_down, dGU for dW_gate_up, dGU for dX: boxes
     [BM, BK], used with ``bwd_dx_tma``), then the pulled rows (dY for dA, dY for dW_down, x for
-    dW_gate_up; None with ``bwd_direct_rows``, whose items gather the rows themselves), over
+    dW_gate_up; None where those rows are not pulled), over
     [L*P, cols] views: the epilogue box covers a quarter tile of I columns (interleaved
     gate/up: both of its halves), the weight-gradient boxes BKW rows."""
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -485,12 +483,12 @@ def backward_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots:
                 INTERLEAVED=cfg.gate_up_interleaved, PHASES=phases, PULL=cfg.bwd_fused_pull,
                 BR=PULL_ROWS, CH=_row_chunk(hidden),
                 PULLERS=min(cfg.bwd_pull_programs or programs, programs),
-                DIRECT=cfg.bwd_direct_rows, DXT=cfg.bwd_dx_tiles, DAT=cfg.bwd_da_tiles,
+                DXT=cfg.bwd_dx_tiles, DAT=cfg.bwd_da_tiles,
                 DXTMA=cfg.bwd_dx_tma, FENCE=cfg.bwd_fused_pull, FP8DA=cfg.bwd_fp8_da,
                 FP8DX=cfg.bwd_fp8_dx, GQW=dgu_row_elements(intermediate),
                 RQC=min(128, 2 * intermediate), POW2=cfg.fp8_pow2_scales,
                 FP8W=cfg.bwd_fp8_wgrad, BK8=fp8_backward_block_k(cfg),
-                BKW8=fp8_wgrad_rows(cfg), DIRA=cfg.bwd_direct_rows or cfg.bwd_direct_da,
+                BKW8=fp8_wgrad_rows(cfg),
                 PULLG=pulls_per_group(cfg),
                 PBR=min(wgrad_rows(cfg), cfg.bwd_bm), PCH=min(128, _row_chunk(hidden)),
                 QBM=cfg.bwd_fp8_block_colmax, RQT=cfg.bwd_fp8_requant_tma,
@@ -514,15 +512,13 @@ def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tens
     ``dy_src``: where the dY rows are read from (``_dy_source``; default the carved buffer)."""
     cfg, bb = ws.config, _buffers(ws)
     dy_src = bb.dy_LTH if dy_src is None else dy_src
-    if cfg.bwd_fused_pull or cfg.bwd_direct_rows:
+    if cfg.bwd_fused_pull:
         pull = dict(x_base=ws.x_LTH if x_src is None else x_src, x_tab=ws.x_tab_R,
                     dy_base=dy_src, tab16=bb.tab16_R, xg_ptr=sc.xg_LPH, dyg_ptr=sc.dyg_LPH)
     else:  # the pull kernel runs before the launch: constexpr None here
         pull = dict.fromkeys(("x_base", "x_tab", "dy_base", "tab16", "xg_ptr", "dyg_ptr"))
-        if cfg.bwd_fp8_da or cfg.bwd_direct_da:  # the dA items gather dY's (FP8) rows at
-            pull["tab16"] = bb.tab16_R  # the home ranks
-        if cfg.bwd_direct_da:
-            pull["dy_base"] = dy_src
+        if cfg.bwd_fp8_da:  # the dA items gather dY's FP8 rows at the home ranks
+            pull["tab16"] = bb.tab16_R
     descs = _descriptors(ws, weights) + _activation_descriptors(cfg, pre_LPF, sc.hs_LPI,
                                                                 sc.xg_LPH, sc.dyg_LPH)
     names = ("w1_desc", "w2_desc", "ws1_desc", "ws2_desc", "pre_a_desc", "hs_c_desc",
@@ -699,8 +695,8 @@ def backward(config: MoKConfig, ws: Workspace, context: ForwardContext, dy_TH: t
         _pull_fp8_copies(ws, bb, st, sc, x_src, dy_src)
     elif config.bwd_pull_by_token:  # each token's rows read once, written to its slots' rows
         _pull_by_token(ws, bb, st, sc, x_src, dy_src)
-    elif not (config.bwd_fused_pull or config.bwd_direct_rows):
-        # else the megakernel pulls or gathers the rows itself
+    elif not config.bwd_fused_pull:
+        # else the megakernel pulls the rows itself
         for phase in (1, 2) if config.bwd_pull_dedup else (0,):  # dedup: first rows, then
             # the other rows from them (two launches: no wait inside the kernel)
             _pull_rows(ws, bb, st, x_src, dy_src, sc.xg_LPH, sc.dyg_LPH, phase=phase)

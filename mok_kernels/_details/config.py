@@ -119,34 +119,20 @@ class MoKConfig:
         the dA and dX items (with ``bwd_fp8_wgrad`` the pull items write the FP8 transposed
         copies of x and dY). Slower than the separate pull in three of four FP8 scenarios
         with 32 pulling programs (results/20261201-123141-h200-fp8-backward).
-    bwd_direct_rows: the backward reads the dY and x rows of its GEMMs straight from the
-        tokens' home ranks (peer memory) by row gathers inside the work items, as the forward's
-        GEMM programs do without communication programs, instead of pulling them first into
-        contiguous buffers (read through TMA): no pull pass, and 2 * rows * H * 2 bytes less
-        scratch. Off by default: far slower on one H200 (the gathers inside the K loops;
-        benchmarks/mok_backward_time.py, notes/mok-kernel.md).
-    bwd_direct_da: only the dA items read dY's rows at their home ranks by row gathers (as
-        ``bwd_direct_rows`` does for every item); the C and D items still read pulled rows.
-        With ``bwd_fused_pull`` the pull items then feed only the C and D items, which wait
-        for their group's rows, so the pull overlaps the dA and dX items, as with
-        ``bwd_fp8_da`` (whose dA items read dY's FP8 rows at home anyway). Not with
-        ``bwd_direct_rows`` or ``bwd_fp8_da``. Off by default: no faster
-        in the profiling script at Kimi K2.7 Code, alone or with the fused pull
-        (notes/mok-kernel.md).
     bwd_pull_dedup: the backward's separate pull fetches a token's x and dY rows from its
         home rank once per rank, for its first schedule row there, and a second pass copies
         them to the token's other rows from that local row: NVLink bytes of the
         reverse-combine pull go from one row per (token, k) slot to one per (token, rank), as
         ``dispatch_dedup`` does for the forward. Gradients bitwise the plain pull's. Needs
-        the separate pull (not bwd_direct_rows or bwd_fused_pull); with
+        the separate pull (not bwd_fused_pull); with
         ``bwd_fp8_wgrad`` it keeps the first rows' bf16 x and dY as the second pass's
         source (P x H x 2 bytes more scratch). Off here; the mok backend turns it on at EP 2
         and more, where it made the backward faster in every cell timed
         (``mokbench.mok_backend.default_config_fields``).
     bwd_dx_tiles: H tiles of block_n columns per dX (B) work item of the backward, in one
         flattened loop (the next tile's loads overlap a tile's store, as gate_up_tiles and
-        down_tiles do in the forward); must divide hidden / block_n. 1 by default: not
-        timed apart from bwd_direct_rows yet.
+        down_tiles do in the forward); must divide hidden / block_n. 1 here; the mok backend
+        sets 4 in bf16 cells on one Hopper rank (notes/mok-kernel.md).
     bwd_da_tiles: I tiles per dA (A) work item of the backward, in one flattened loop (the
         next tile's loads overlap a tile's SwiGLU-backward epilogue); must divide the number
         of dA tiles (intermediate / (block_n / 2), or / block_n with bwd_wide_da). 1 by
@@ -192,10 +178,10 @@ class MoKConfig:
         the pull kernel writes their FP8 transposed copies instead of the bf16 x rows; r h
         and dG/dU: one scale per column over the expert's rows (quantisation items after the
         dX items take each column's max over the expert's rows, then write the transposed
-        copies; the weight-gradient items wait for those). Needs the separate pull (not
-        bwd_direct_rows), or ``bwd_fused_pull`` with ``bwd_fp8_da`` (the
-        pull items then write the FP8 copies). Third stage of the FP8
-        backward; off by default (on in the mok backend's FP8 cells on Hopper).
+        copies; the weight-gradient items wait for those). Needs the separate pull, or
+        ``bwd_fused_pull`` with ``bwd_fp8_da`` (the pull items then write the FP8 copies).
+        Third stage of the FP8 backward; off by default (on in the mok backend's FP8 cells
+        on Hopper).
     bwd_fp8_block_colmax: with ``bwd_fp8_dx`` and ``bwd_fp8_wgrad``: the dA item that
         completes a row block (and requantises its dG/dU rows) also stores the block's column
         maxima of r h and dG/dU (fp32, P / block_m x 3I per rank; the rows are in L2 then),
@@ -237,8 +223,8 @@ class MoKConfig:
         schedule order, a token's K slots sit in K experts' row ranges, so its rows are read K
         times from HBM (at Kimi K2 48 x 16384 about 3.8 of the pull's 7.5 GB); token by token
         once (0.5 GB). The same bytes in the same rows, so the same gradients. Needs the bf16
-        separate pull (not bwd_direct_rows, bwd_fused_pull, bwd_pull_dedup or
-        bwd_fp8_wgrad). Off by default: no faster on one H200 at Kimi K2 48 x 16384 (the
+        separate pull (not bwd_fused_pull, bwd_pull_dedup or bwd_fp8_wgrad). Off by default:
+        no faster on one H200 at Kimi K2 48 x 16384 (the
         profiling script, notes/mok-kernel.md).
     bwd_dw_tiles: adjacent tiles per weight-gradient work item of the backward (a dW_down
         item's H tiles, a dW_gate_up item's 2I tiles), in one flattened loop, so the software
@@ -302,8 +288,6 @@ class MoKConfig:
     bwd_wide_da: bool = False
     bwd_fused_pull: bool = False
     bwd_pull_programs: int = 0
-    bwd_direct_rows: bool = False
-    bwd_direct_da: bool = False
     bwd_pull_dedup: bool = False
     bwd_dx_tiles: int = 1
     bwd_da_tiles: int = 1
@@ -378,15 +362,6 @@ class MoKConfig:
                self.bwd_pull_programs, "an integer in 0..1024 (0 = every program)")
         _check(self.bwd_fused_pull or self.bwd_pull_programs == 0, "bwd_pull_programs",
                self.bwd_pull_programs, "0 unless bwd_fused_pull is true")
-        _check(isinstance(self.bwd_direct_rows, bool), "bwd_direct_rows", self.bwd_direct_rows,
-               "true | false")
-        _check(not (self.bwd_direct_rows and self.bwd_fused_pull), "bwd_direct_rows",
-               self.bwd_direct_rows, "false when bwd_fused_pull is true (no pull to fuse)")
-        _check(isinstance(self.bwd_direct_da, bool), "bwd_direct_da", self.bwd_direct_da,
-               "true | false")
-        _check(not (self.bwd_direct_da and (self.bwd_direct_rows or self.bwd_fp8_da)),
-               "bwd_direct_da", self.bwd_direct_da, "false when bwd_direct_rows or bwd_fp8_da "
-               "is set (their dA items already read dY their own way)")
         _check(isinstance(self.bwd_dx_tiles, int) and not isinstance(self.bwd_dx_tiles, bool)
                and 1 <= self.bwd_dx_tiles <= 64, "bwd_dx_tiles", self.bwd_dx_tiles,
                "an integer in 1..64 dividing hidden / block_n")
@@ -428,9 +403,8 @@ class MoKConfig:
         _check(isinstance(self.bwd_pull_by_token, bool), "bwd_pull_by_token",
                self.bwd_pull_by_token, "true | false")
         _check(not self.bwd_pull_by_token or not (
-            self.bwd_direct_rows or self.bwd_fused_pull or self.bwd_pull_dedup
-            or self.bwd_fp8_wgrad), "bwd_pull_by_token",
-            self.bwd_pull_by_token, "false when bwd_direct_rows, bwd_fused_pull, "
+            self.bwd_fused_pull or self.bwd_pull_dedup or self.bwd_fp8_wgrad),
+            "bwd_pull_by_token", self.bwd_pull_by_token, "false when bwd_fused_pull, "
             "bwd_pull_dedup or bwd_fp8_wgrad is set (it replaces the bf16 separate pull only)")
         _check(isinstance(self.bwd_fp8_requant_tma, bool), "bwd_fp8_requant_tma",
                self.bwd_fp8_requant_tma, "true | false")
@@ -444,13 +418,12 @@ class MoKConfig:
                "false unless bwd_fp8_dx is set (it serves the dX items' requantisation)")
         _check(isinstance(self.bwd_pull_dedup, bool), "bwd_pull_dedup", self.bwd_pull_dedup,
                "true | false")
-        _check(not (self.bwd_pull_dedup and (self.bwd_direct_rows or self.bwd_fused_pull)),
-               "bwd_pull_dedup", self.bwd_pull_dedup, "false when bwd_direct_rows or "
-               "bwd_fused_pull is set (it dedupes the separate pull)")
-        _check(not (self.bwd_fp8_wgrad and (self.bwd_direct_rows
-                                            or (self.bwd_fused_pull and not self.bwd_fp8_da))),
-               "bwd_fp8_wgrad", self.bwd_fp8_wgrad, "false when bwd_direct_rows is set, or "
-               "bwd_fused_pull without bwd_fp8_da (its FP8 copies "
+        _check(not (self.bwd_pull_dedup and self.bwd_fused_pull),
+               "bwd_pull_dedup", self.bwd_pull_dedup, "false when bwd_fused_pull is set (it "
+               "dedupes the separate pull)")
+        _check(not (self.bwd_fp8_wgrad and self.bwd_fused_pull and not self.bwd_fp8_da),
+               "bwd_fp8_wgrad", self.bwd_fp8_wgrad, "false with bwd_fused_pull but without "
+               "bwd_fp8_da (its FP8 copies "
                "of x and dY come from the separate pull, or from pull items the dA items do "
                "not wait for)")
         _check(self.fp8 in FP8_MODES, "fp8", self.fp8, " | ".join(FP8_MODES))

@@ -27,7 +27,7 @@ from mok_kernels._details.workspace import Workspace
 # Test-only switch: withhold one signal so a bounded wait must expire (0 = off;
 # WITHHOLD_WGRAD_QUANT: the first Q item of the backward with ``bwd_fp8_wgrad``;
 # WITHHOLD_PULLED: the pull item of row block 0 with ``bwd_fused_pull`` and dA items that do not
-# wait for the pull, ``bwd_fp8_da`` or ``bwd_direct_da``).
+# wait for the pull, ``bwd_fp8_da``).
 WITHHOLD_NONE, WITHHOLD_DISPATCH, WITHHOLD_ROWBLOCK, WITHHOLD_DGRAD = 0, 1, 2, 3
 WITHHOLD_WGRAD_QUANT, WITHHOLD_PULLED = 4, 5
 

@@ -13,9 +13,7 @@ every GEMM operand below is a TMA tile. With ``PULL`` (``bwd_fused_pull``) the m
 that itself: the first PULLERS programs of each logical rank (all of them by default) first
 claim pull items (one row block each) from a ticket counter of their own, and an A item waits
 for its row block's flag; the rows are written with plain stores and read through TMA, so
-writers and readers fence the async proxy. With ``DIRECT`` (``bwd_direct_rows``) nothing is
-pulled: the A, C and D items gather the dY and x rows they need from the tokens' home ranks
-(peer memory) with plain loads, as the forward's GEMM programs do.
+writers and readers fence the async proxy.
 
 Work items, claimed from one ticket counter per logical rank in the global order A, B, Q
 (FP8W only), C, D (``PHASES``, a bit mask, skips kinds for profiling; 15 runs all; bit 16
@@ -107,14 +105,14 @@ def mok_backward_kernel(
         w1_desc, w2_desc, ws1_desc, ws2_desc,  # weight descriptors ([BN, BK] / [BN/2, BK])
         pre_a_desc, hs_c_desc, pre_d_desc, pre_b_desc,  # activation descriptors (see host)
         dyg_a_desc, dyg_c_desc, xg_d_desc,  # pulled dY and x rows [L*P, H] (see host)
-        x_base, x_tab, dy_base, tab16, xg_ptr, dyg_ptr,  # PULL / DIRECT: the rows' sources
+        x_base, x_tab, dy_base, tab16, xg_ptr, dyg_ptr,  # PULL: the rows' sources
         T, E, NG, P, NCTR, budget, withhold,
         H: tl.constexpr, I: tl.constexpr, S: tl.constexpr, K: tl.constexpr,
         PROGS: tl.constexpr, HAS_SHARED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
         BK: tl.constexpr, BKW: tl.constexpr, DAC: tl.constexpr, F32_DOT: tl.constexpr,
         INTERLEAVED: tl.constexpr, PHASES: tl.constexpr, PULL: tl.constexpr,
         BR: tl.constexpr, CH: tl.constexpr, PULLERS: tl.constexpr = 0,
-        DIRECT: tl.constexpr = False, DXT: tl.constexpr = 1, DAT: tl.constexpr = 1,
+        DXT: tl.constexpr = 1, DAT: tl.constexpr = 1,
         DXTMA: tl.constexpr = False, FENCE: tl.constexpr = False,
         FP8DA: tl.constexpr = False, dyq_base=None, w2q_desc=None, ws2q_desc=None,
         sw2q_ptr=None, sws2q_ptr=None, FP8DX: tl.constexpr = False, gq_ptr=None,
@@ -125,7 +123,7 @@ def mok_backward_kernel(
         gdyam_ptr=None, BK8: tl.constexpr = 64, BKW8: tl.constexpr = 64, pre_q_desc=None,
         xqT_ptr=None, dyqT_ptr=None, PULLG: tl.constexpr = False, PBR: tl.constexpr = 16,
         PCH: tl.constexpr = 128, bmax_ptr=None, QBM: tl.constexpr = False,
-        DIRA: tl.constexpr = False, RQT: tl.constexpr = False,
+        RQT: tl.constexpr = False,
         hs_a_desc=None, trace_ptr=None, MAXT=0, TRACE: tl.constexpr = False,
         DXBAND: tl.constexpr = 0,
         CHM: tl.constexpr = False, DWT: tl.constexpr = 1, DWSC: tl.constexpr = 2,
@@ -147,8 +145,7 @@ def mok_backward_kernel(
     the C and D items run FP8 tiles on those and on the pulled copies of dY and x
     (``dyqT_desc``, ``xqT_desc``, scaled by the global column maxima ``gdyam_ptr`` /
     ``gxam_ptr`` [H]).
-    DIRA: the dA items gather dY's rows at home (``bwd_direct_rows`` or
-    ``bwd_direct_da``). PULLG (``bwd_fused_pull`` with ``bwd_fp8_da`` or ``bwd_direct_da``):
+    PULLG (``bwd_fused_pull`` with ``bwd_fp8_da``):
     the dA items read dY at home and do not wait for the pull items; each pull item adds 1
     to its group's count and the C and D items wait for their group's row blocks instead
     (the D items for their x rows too);
@@ -249,7 +246,7 @@ def mok_backward_kernel(
                     _dgrad_down_item(b, tk % NA, lr, src, grp, P, pre, hs, ctr, dyg_a_desc,
                                      p_base, drp_base, tab32, w2_desc, ws2_desc, pre_a_desc, T,
                                      E, NBMAX, withhold, H, I, S, K, HAS_SHARED, BM, BN, BKA,
-                                     DAC, F32_DOT, INTERLEAVED, dy_base, tab16, DIRA, DAT,
+                                     DAC, F32_DOT, INTERLEAVED, tab16, DAT,
                                      FP8DA, dyq_base, w2q_desc, ws2q_desc, sw2q_ptr,
                                      sws2q_ptr, FP8DX, gq, GQW, RQC, POW2, QBM, bmax_ptr,
                                      RQT, hs_a_desc, DAQR, dyqr_ptr, NOEPI)
@@ -288,7 +285,7 @@ def mok_backward_kernel(
                 ok = _wgrad_down_item(g, ic, jc, lr, gst, total, P,
                                       hs_c_desc, dyg_c_desc, ctr, err, dw2_ptr, dws2_ptr, T,
                                       E, NBMAX, budget, H, I, S, K, HAS_SHARED, BM, BN, BKWF,
-                                      DAC, F32_DOT, FENCE, src, dy_base, tab16, DIRECT,
+                                      DAC, F32_DOT, FENCE,
                                       FP8W, qready, NQ, hqT_desc, dyqT_desc, srh, gdyam_ptr,
                                       POW2, PULLG, xgrp, DWT, DWSC)
         else:
@@ -299,10 +296,9 @@ def mok_backward_kernel(
                 ok = _wgrad_gate_up_item(g, d // NDJ, d % NDJ, lr, gst,
                                          total, P, pre_d_desc, xg_d_desc, ctr, err, dw1_ptr,
                                          dws1_ptr, T, E, NBMAX, budget, H, I, S, K, HAS_SHARED,
-                                         BM, BN, BKWF, DAC, F32_DOT, INTERLEAVED, FENCE, src,
-                                         x_base, x_tab, DIRECT, xgrp, PULLG, FP8W, qready,
-                                         NQ, xqT_desc, gqT_desc, srg, gxam_ptr, POW2, DWT,
-                                         DWSD)
+                                         BM, BN, BKWF, DAC, F32_DOT, INTERLEAVED, FENCE,
+                                         xgrp, PULLG, FP8W, qready, NQ, xqT_desc, gqT_desc,
+                                         srg, gxam_ptr, POW2, DWT, DWSD)
         if TRACE:
             kind = tl.where(tk < end_a, 0, tl.where(tk < end_b, 1, tl.where(
                 tk < end_q, 2, tl.where(tk < end_c, 3, 4))))

@@ -42,7 +42,7 @@ def _home_rows(base, tab, rank, t, valid, H: tl.constexpr):
     """Pointers to the [H]-wide rows of tokens t at their home ranks (``tab``: each rank's
     element offset from ``base``, peer memory in EP; a multiple of 8 elements, since buffers
     are carved at 1 KiB, which lets the gathers become 16-byte asynchronous copies); padding
-    rows point at row 0 of this rank and are masked by the caller (``bwd_direct_rows``)."""
+    rows point at row 0 of this rank and are masked by the caller (``bwd_fp8_da``)."""
     return base + tl.multiple_of(tl.load(tab + rank, mask=valid, other=0), 8) + t * H
 
 
@@ -81,19 +81,13 @@ def _swiglu_bwd_half(da_raw, c0, prow, pre_desc, pre_rows, hs_rows, r, I: tl.con
 
 
 @triton.jit
-def _da_tile(jt, prow, valid, dy_rows, d2, w_row0, dyg_a_desc, H: tl.constexpr,
-             BM: tl.constexpr, BK: tl.constexpr, DAC: tl.constexpr, F32_DOT: tl.constexpr,
-             DIRECT: tl.constexpr):
-    """dA_raw [BM, DAC] = dY[rows] @ W_down[I tile jt]^T: dY rows pulled (through
-    ``dyg_a_desc`` from row ``prow``) or, DIRECT, gathered from ``dy_rows``."""
+def _da_tile(jt, prow, d2, w_row0, dyg_a_desc, H: tl.constexpr, BM: tl.constexpr,
+             BK: tl.constexpr, DAC: tl.constexpr, F32_DOT: tl.constexpr):
+    """dA_raw [BM, DAC] = dY[rows] @ W_down[I tile jt]^T, the dY rows pulled (through
+    ``dyg_a_desc`` from row ``prow``)."""
     acc = tl.zeros((BM, DAC), dtype=tl.float32)
-    offs_k = tl.arange(0, BK)
     for kk in range(0, H, BK):
-        if DIRECT:  # dY rows [BM, BK] from the home ranks; padding rows read 0
-            a = tl.load(dy_rows[:, None] + (kk + offs_k)[None, :], mask=valid[:, None],
-                        other=0.0)
-        else:
-            a = dyg_a_desc.load([prow, kk])  # pulled dY rows [BM, BK]
+        a = dyg_a_desc.load([prow, kk])  # pulled dY rows [BM, BK]
         bt = d2.load([w_row0 + jt * DAC, kk])  # W_down[I tile, H step]: [DAC, BK]
         acc = mma(a, tl.trans(bt), acc, F32_DOT)
     return acc
@@ -259,8 +253,7 @@ def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, 
                      H: tl.constexpr, I: tl.constexpr, S: tl.constexpr, K: tl.constexpr,
                      HAS_SHARED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                      BK: tl.constexpr, DAC: tl.constexpr, F32_DOT: tl.constexpr,
-                     INTERLEAVED: tl.constexpr, dy_base=None, tab16=None,
-                     DIRECT: tl.constexpr = False, DAT: tl.constexpr = 1,
+                     INTERLEAVED: tl.constexpr, tab16=None, DAT: tl.constexpr = 1,
                      FP8DA: tl.constexpr = False, dyq_base=None, w2q_desc=None,
                      ws2q_desc=None, sw2q_ptr=None, sws2q_ptr=None,
                      FP8DX: tl.constexpr = False, gq=None, GQW: tl.constexpr = 0,
@@ -270,9 +263,9 @@ def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, 
                      NOEPI: tl.constexpr = False):
     """A item: dA[rows of block b, I tiles jt0*DAT .. of DAC columns] and its epilogue
     (``_da_epilogue``); DAT tiles per item in one flattened loop (the next tile's loads
-    overlap a tile's epilogue), and the item signals +DAT. DIRECT: the dY rows are gathered
-    from their home ranks (``dy_base`` + ``tab16``) instead of read from the pulled rows.
-    FP8DA: FP8 tiles (``_da_tile_fp8``) instead of the bf16 ones. QBM: the item that
+    overlap a tile's epilogue), and the item signals +DAT. FP8DA: FP8 tiles
+    (``_da_tile_fp8``, dY's FP8 rows gathered at home through ``tab16``) instead of the bf16
+    ones. QBM: the item that
     completes the block (FP8DX) also stores its column maxima of r h and dG/dU at ``bmax``
     [L, NBMAX, 3I]. RQT (``bwd_fp8_requant_tma``): that item's requantisation reads the rows
     through ``pre_a_desc`` as pipelined copies (``_requant_dgu_rows_tma``; with QBM it also
@@ -283,15 +276,13 @@ def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, 
     valid, rank, t, k, routed = _row_meta(src, rows, T, S, K)
     d2, w_row0 = _weight_desc(lr, g, E, w2_desc, ws2_desc, I, True, HAS_SHARED)
     prow = lr * P + b * BM
-    dy_rows = _home_rows(dy_base, tab16, rank, t, valid, H) if DIRECT else 0
     if DAT == 1:  # one tile, no loop: the instructions of the GPU-tested one-tile item
         if FP8DA:
             acc = _da_tile_fp8(jt0, rank, t, valid, lr, g, E, dyq_base, tab16, w2q_desc,
                                ws2q_desc, sw2q_ptr, sws2q_ptr, H, I, BM, BK, DAC, F32_DOT,
                                HAS_SHARED, prow, dyg_a_desc, dyqr_ptr, DAQR)
         else:
-            acc = _da_tile(jt0, prow, valid, dy_rows, d2, w_row0, dyg_a_desc, H, BM, BK, DAC,
-                           F32_DOT, DIRECT)
+            acc = _da_tile(jt0, prow, d2, w_row0, dyg_a_desc, H, BM, BK, DAC, F32_DOT)
         if NOEPI:
             _da_sums_only(acc, jt0, rank, t, k, routed, drp_base, tab32, I, K, DAC)
         else:
@@ -305,8 +296,7 @@ def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, 
                                    ws2q_desc, sw2q_ptr, sws2q_ptr, H, I, BM, BK, DAC, F32_DOT,
                                    HAS_SHARED, prow, dyg_a_desc, dyqr_ptr, DAQR)
             else:
-                acc = _da_tile(jt, prow, valid, dy_rows, d2, w_row0, dyg_a_desc, H, BM, BK,
-                               DAC, F32_DOT, DIRECT)
+                acc = _da_tile(jt, prow, d2, w_row0, dyg_a_desc, H, BM, BK, DAC, F32_DOT)
             _da_epilogue(acc, jt, rows, prow, pre, hs, rank, t, k, routed, p_base, drp_base,
                          tab32, pre_a_desc, I, K, BM, BN, DAC, INTERLEAVED)
     if (withhold != 3) | (b != 0) | (jt0 != 0):

@@ -8,7 +8,6 @@ import triton
 import triton.language as tl
 
 from mok_kernels._details import errors
-from mok_kernels._details.tl_backward_dgrad import _home_rows, _row_meta
 from mok_kernels._details.tl_backward_pull import _pulled_signal
 from mok_kernels._details.tl_gemm import mma
 from mok_kernels._details.tl_gemm_fp8 import _dot8
@@ -161,22 +160,11 @@ def _fp8_wgrad_tile(a_desc, a_row, b_desc, b_row, start, end, HALF: tl.constexpr
 
 
 @triton.jit
-def _home_tile(src, r0, base, tab, cols, T, S: tl.constexpr, K: tl.constexpr,
-               H: tl.constexpr, BKW: tl.constexpr):
-    """``bwd_direct_rows``: columns ``cols`` of the BKW schedule rows from r0, gathered from
-    their tokens' home ranks (``base`` + ``tab``); padding rows read 0."""
-    valid, rank, t, k, routed = _row_meta(src, r0 + tl.arange(0, BKW), T, S, K)
-    rows = _home_rows(base, tab, rank, t, valid, H)
-    return tl.load(rows[:, None] + cols[None, :], mask=valid[:, None], other=0.0)
-
-
-@triton.jit
 def _wgrad_down_item(g, it, jn, lr, gst, total, P, hs_c_desc, dyg_c_desc, ctr, err,
                      dw2, dws2, T, E, NBMAX, budget, H: tl.constexpr, I: tl.constexpr,
                      S: tl.constexpr, K: tl.constexpr, HAS_SHARED: tl.constexpr, BM: tl.constexpr,
                      BN: tl.constexpr, BKW: tl.constexpr, DAC: tl.constexpr,
-                     F32_DOT: tl.constexpr, PULL: tl.constexpr = False, src=None,
-                     dy_base=None, tab16=None, DIRECT: tl.constexpr = False,
+                     F32_DOT: tl.constexpr, PULL: tl.constexpr = False,
                      FP8W: tl.constexpr = False, qready=None, NQ: tl.constexpr = 0,
                      hqT_desc=None, dyqT_desc=None, srh=None, gdyam=None,
                      POW2: tl.constexpr = False, XW: tl.constexpr = False, xgrp=None,
@@ -185,8 +173,7 @@ def _wgrad_down_item(g, it, jn, lr, gst, total, P, hs_c_desc, dyg_c_desc, ctr, e
     waits for every A item of g (they write r h). DWT tiles (``bwd_dw_tiles``) in one
     flattened loop of DWS pipeline stages, so the software pipeline loads a tile's first rows
     during the store of the one before (the K loops are short where experts are small).
-    DIRECT: the dY rows
-    are gathered from their home ranks instead of read from the pulled rows. FP8W: e4m3
+    FP8W: e4m3
     tiles of the transposed copies (``hqT_desc`` [L*I, P], ``dyqT_desc`` [L*H, P]: K-major,
     a pure FP8 K loop), then the column scales (r h's of group g in ``srh``, dY's from the
     global column max ``gdyam``); waits for g's Q items instead. XW: also for g's pulled
@@ -200,8 +187,8 @@ def _wgrad_down_item(g, it, jn, lr, gst, total, P, hs_c_desc, dyg_c_desc, ctr, e
         icols = it * HALF + tl.arange(0, HALF)
         if DWT == 1:  # one tile, no loop; the output rows after the GEMM (fewer live values)
             acc = _wgrad_down_tile(jn, it, icols, g, lr, start, end, P, hs_c_desc, dyg_c_desc,
-                                   T, H, I, S, K, BN, BKW, F32_DOT, src, dy_base, tab16,
-                                   DIRECT, FP8W, hqT_desc, dyqT_desc, srh, gdyam, POW2)
+                                   H, I, BN, BKW, F32_DOT, FP8W, hqT_desc, dyqT_desc, srh,
+                                   gdyam, POW2)
             out_rows = _dw_rows(dw2, dws2, lr, g, E, icols, I * H, H, HAS_SHARED)
             tl.store(out_rows + (jn * BN + tl.arange(0, BN))[None, :], acc.to(tl.bfloat16))
         else:  # one flattened loop: the next tile's loads overlap a tile's store
@@ -209,9 +196,8 @@ def _wgrad_down_item(g, it, jn, lr, gst, total, P, hs_c_desc, dyg_c_desc, ctr, e
             for jj in tl.range(0, DWT, flatten=True, num_stages=DWS):
                 jt = jn * DWT + jj
                 acc = _wgrad_down_tile(jt, it, icols, g, lr, start, end, P, hs_c_desc,
-                                       dyg_c_desc, T, H, I, S, K, BN, BKW, F32_DOT, src,
-                                       dy_base, tab16, DIRECT, FP8W, hqT_desc, dyqT_desc, srh,
-                                       gdyam, POW2)
+                                       dyg_c_desc, H, I, BN, BKW, F32_DOT, FP8W, hqT_desc,
+                                       dyqT_desc, srh, gdyam, POW2)
                 tl.store(out_rows + (jt * BN + tl.arange(0, BN))[None, :],
                          acc.to(tl.bfloat16))
     return ok
@@ -230,10 +216,9 @@ def _dw_rows(dw, dws, lr, g, E, rows, SIZE: tl.constexpr, ROW: tl.constexpr,
 
 
 @triton.jit
-def _wgrad_down_tile(jn, it, icols, g, lr, start, end, P, hs_c_desc, dyg_c_desc, T,
-                     H: tl.constexpr, I: tl.constexpr, S: tl.constexpr, K: tl.constexpr,
-                     BN: tl.constexpr, BKW: tl.constexpr, F32_DOT: tl.constexpr, src, dy_base,
-                     tab16, DIRECT: tl.constexpr, FP8W: tl.constexpr, hqT_desc, dyqT_desc, srh,
+def _wgrad_down_tile(jn, it, icols, g, lr, start, end, P, hs_c_desc, dyg_c_desc,
+                     H: tl.constexpr, I: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr,
+                     F32_DOT: tl.constexpr, FP8W: tl.constexpr, hqT_desc, dyqT_desc, srh,
                      gdyam, POW2: tl.constexpr):
     """dW_down[g][I tile it, H tile jn] as fp32 [BN / 2, BN]: the sum over rows start..end
     of (r h)^T dY (see ``_wgrad_down_item``)."""
@@ -248,10 +233,7 @@ def _wgrad_down_tile(jn, it, icols, g, lr, start, end, P, hs_c_desc, dyg_c_desc,
         acc = tl.zeros((HALF, BN), dtype=tl.float32)
         for r0 in range(start, end, BKW):
             h = hs_c_desc.load([lr * P + r0, it * HALF])  # [BKW, HALF]
-            if DIRECT:
-                dy = _home_tile(src, r0, dy_base, tab16, hcols, T, S, K, H, BKW)
-            else:
-                dy = dyg_c_desc.load([lr * P + r0, jn * BN])  # [BKW, BN]
+            dy = dyg_c_desc.load([lr * P + r0, jn * BN])  # [BKW, BN]
             acc = mma(tl.trans(h), dy, acc, F32_DOT)
     return acc
 
@@ -262,15 +244,13 @@ def _wgrad_gate_up_item(g, it, jn, lr, gst, total, P, pre_d_desc, xg_d_desc, ctr
                         S: tl.constexpr, K: tl.constexpr, HAS_SHARED: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr,
                         DAC: tl.constexpr, F32_DOT: tl.constexpr, INTERLEAVED: tl.constexpr,
-                        PULL: tl.constexpr = False, src=None, x_base=None, x_tab=None,
-                        DIRECT: tl.constexpr = False, xgrp=None, XW: tl.constexpr = False,
+                        PULL: tl.constexpr = False, xgrp=None, XW: tl.constexpr = False,
                         FP8W: tl.constexpr = False, qready=None, NQ: tl.constexpr = 0,
                         xqT_desc=None, gqT_desc=None, srg=None, gxam=None,
                         POW2: tl.constexpr = False, DWT: tl.constexpr = 1,
                         DWS: tl.constexpr = 2):
     """D item: dW_gate_up[g][H tile it, 2I tiles jn * DWT ..] = sum over g's rows of
-    x^T [dG dU], DWT tiles in one flattened loop (as the C items). DIRECT: the x rows are
-    gathered from the tokens' home ranks instead of the pulled rows.
+    x^T [dG dU], DWT tiles in one flattened loop (as the C items).
     XW (``bwd_fused_pull`` with dA items that do not wait for the pull): also waits until
     every row block of g has its rows pulled (``_pulled_rows``).
     FP8W: e4m3 tiles of the transposed copies (``xqT_desc`` [L*H, P], ``gqT_desc``
@@ -285,8 +265,8 @@ def _wgrad_gate_up_item(g, it, jn, lr, gst, total, P, pre_d_desc, xg_d_desc, ctr
         hcols = it * HALF + tl.arange(0, HALF)
         if DWT == 1:  # one tile, no loop; the output rows after the GEMM (fewer live values)
             acc = _wgrad_gate_up_tile(jn, it, hcols, g, lr, start, end, P, pre_d_desc,
-                                      xg_d_desc, T, H, I, S, K, BN, BKW, F32_DOT, src, x_base,
-                                      x_tab, DIRECT, FP8W, xqT_desc, gqT_desc, srg, gxam, POW2)
+                                      xg_d_desc, H, I, BN, BKW, F32_DOT, FP8W, xqT_desc,
+                                      gqT_desc, srg, gxam, POW2)
             out_rows = _dw_rows(dw1, dws1, lr, g, E, hcols, H * 2 * I, 2 * I, HAS_SHARED)
             _store_dw_gate_up(out_rows, acc, jn, I, BN, INTERLEAVED)
         else:  # one flattened loop: the next tile's loads overlap a tile's store
@@ -294,19 +274,17 @@ def _wgrad_gate_up_item(g, it, jn, lr, gst, total, P, pre_d_desc, xg_d_desc, ctr
             for jj in tl.range(0, DWT, flatten=True, num_stages=DWS):
                 jt = jn * DWT + jj
                 acc = _wgrad_gate_up_tile(jt, it, hcols, g, lr, start, end, P, pre_d_desc,
-                                          xg_d_desc, T, H, I, S, K, BN, BKW, F32_DOT, src,
-                                          x_base, x_tab, DIRECT, FP8W, xqT_desc, gqT_desc, srg,
-                                          gxam, POW2)
+                                          xg_d_desc, H, I, BN, BKW, F32_DOT, FP8W, xqT_desc,
+                                          gqT_desc, srg, gxam, POW2)
                 _store_dw_gate_up(out_rows, acc, jt, I, BN, INTERLEAVED)
     return ok
 
 
 @triton.jit
-def _wgrad_gate_up_tile(jn, it, hcols, g, lr, start, end, P, pre_d_desc, xg_d_desc, T,
-                        H: tl.constexpr, I: tl.constexpr, S: tl.constexpr, K: tl.constexpr,
-                        BN: tl.constexpr, BKW: tl.constexpr, F32_DOT: tl.constexpr, src,
-                        x_base, x_tab, DIRECT: tl.constexpr, FP8W: tl.constexpr, xqT_desc,
-                        gqT_desc, srg, gxam, POW2: tl.constexpr):
+def _wgrad_gate_up_tile(jn, it, hcols, g, lr, start, end, P, pre_d_desc, xg_d_desc,
+                        H: tl.constexpr, I: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr,
+                        F32_DOT: tl.constexpr, FP8W: tl.constexpr, xqT_desc, gqT_desc, srg,
+                        gxam, POW2: tl.constexpr):
     """dW_gate_up[g][H tile it, 2I tile jn] as fp32 [BN / 2, BN]: the sum over rows
     start..end of x^T [dG dU] (see ``_wgrad_gate_up_item``)."""
     HALF: tl.constexpr = BN // 2
@@ -319,10 +297,7 @@ def _wgrad_gate_up_tile(jn, it, hcols, g, lr, start, end, P, pre_d_desc, xg_d_de
     else:
         acc = tl.zeros((HALF, BN), dtype=tl.float32)
         for r0 in range(start, end, BKW):
-            if DIRECT:
-                x = _home_tile(src, r0, x_base, x_tab, hcols, T, S, K, H, BKW)
-            else:
-                x = xg_d_desc.load([lr * P + r0, it * HALF])  # pulled x rows [BKW, HALF]
+            x = xg_d_desc.load([lr * P + r0, it * HALF])  # pulled x rows [BKW, HALF]
             dgu = pre_d_desc.load([lr * P + r0, jn * BN])  # [BKW, BN]
             acc = mma(tl.trans(x), dgu, acc, F32_DOT)
     return acc

@@ -94,15 +94,10 @@ def test_wide_da_items_match_reference(wide):
 @pytest.mark.parametrize("ranks", [1, 2])
 @pytest.mark.parametrize("rows", [{"bwd_fused_pull": True},
                                   {"bwd_fused_pull": True, "bwd_pull_programs": 32},
-                                  {"bwd_direct_rows": True},
-                                  {"bwd_direct_rows": True, "bwd_dx_tiles": 4},
                                   {"bwd_da_tiles": 4},
                                   {"bwd_dx_tma": True},
                                   {"bwd_dx_tma": True, "bwd_dx_tiles": 4},
                                   {"bwd_pull_dedup": True},
-                                  {"bwd_direct_da": True},
-                                  {"bwd_direct_da": True, "bwd_fused_pull": True,
-                                   "bwd_pull_programs": 32},
                                   {"bwd_dx_band": 16, "bwd_dx_tma": True},
                                   {"bwd_dx_band": 3, "bwd_dw_down_h_major": True},
                                   {"bwd_pull_by_token": True},
@@ -118,11 +113,9 @@ def test_wide_da_items_match_reference(wide):
 def test_backward_variants_match_the_default_bitwise(ranks, rows):
     """bwd_fused_pull: the pull items inside the backward megakernel (rows written with plain
     stores, read through TMA after a proxy fence; by every program or by 32 of them),
-    bwd_direct_rows (no pull: the items gather the rows), bwd_dx_tiles / bwd_da_tiles
-    (several dX or dA tiles per item), bwd_dx_tma (dGU rows through TMA) and
-    bwd_pull_dedup (a token's rows pulled once per rank, the others copied from it in a second
-    pass) and bwd_direct_da (the dA items gather dY at home; with the pull items, which they
-    then do not wait for) and bwd_dx_band / bwd_dw_down_h_major (the dX items in bands of row
+    bwd_dx_tiles / bwd_da_tiles (several dX or dA tiles per item), bwd_dx_tma (dGU rows
+    through TMA) and bwd_pull_dedup (a token's rows pulled once per rank, the others copied
+    from it in a second pass) and bwd_dx_band / bwd_dw_down_h_major (the dX items in bands of row
     blocks, the dW_down items H tile outer) and bwd_pull_by_token (the pull token by token,
     then zeros in the padding rows) and bwd_dw_tiles (several weight-gradient tiles per item,
     two or four pipeline stages deep) give the default backward's gradients (and the
@@ -469,19 +462,18 @@ gen = torch.Generator("cuda").manual_seed(1)
 dy = torch.randn(R * T, H, device="cuda", generator=gen).bfloat16()
 ref = reference_grads(x, idx, p, w, dy)
 mine = slice(rank * T, (rank + 1) * T)
-for comm, direct, fp8da, w8, items in ((0, False, False, False, False),
-                                       (8, False, False, False, False),
-                                       (0, True, False, False, False),
-                                       (8, "token", False, False, False),
-                                       (8, False, True, False, False),
-                                       (8, False, True, True, False),
-                                       (8, False, True, True, True)):
+for comm, by_token, fp8da, w8, items in ((0, False, False, False, False),
+                                         (8, False, False, False, False),
+                                         (8, True, False, False, False),
+                                         (8, False, True, False, False),
+                                         (8, False, True, True, False),
+                                         (8, False, True, True, True)):
     # items: the pull as items inside the megakernel (bwd_fused_pull, 8 pulling programs),
-    # reading the peer's rows while the dA items run; direct "token": bwd_pull_by_token (the
+    # reading the peer's rows while the dA items run; by_token: bwd_pull_by_token (the
     # peer's tokens read once each, over NVLink)
     cfg = mk.MoKConfig.for_shape(H, I, minibatch=256, macrobatch=768, tma=True,
-                                 fwd_comm_sms=comm, bwd_direct_rows=direct is True,
-                                 bwd_pull_by_token=direct == "token", bwd_fp8_da=fp8da,
+                                 fwd_comm_sms=comm, bwd_pull_by_token=by_token,
+                                 bwd_fp8_da=fp8da,
                                  bwd_fp8_dx=fp8da, dispatch_dedup=fp8da, bwd_fp8_wgrad=w8,
                                  bwd_pull_dedup=fp8da and not items, bwd_fused_pull=items,
                                  bwd_pull_programs=8 if items else 0)
@@ -509,8 +501,8 @@ for comm, direct, fp8da, w8, items in ((0, False, False, False, False),
         # x and dY scaled by both ranks' column maxima: the FP8 bound
         tol = (1e-1 if (fp8da and name in ("dx", "dp", "dw1", "dws1"))
                or (w8 and name.startswith("dw")) else 1e-2)
-        assert err < tol, (rank, comm, direct, fp8da, w8, name, err)
-    print("rank", rank, "comm", comm, "direct", direct, "fp8da", fp8da, "wgrad8", w8, "items",
+        assert err < tol, (rank, comm, by_token, fp8da, w8, name, err)
+    print("rank", rank, "comm", comm, "by_token", by_token, "fp8da", fp8da, "wgrad8", w8, "items",
           items, "ok")
 dist.destroy_process_group()
 """

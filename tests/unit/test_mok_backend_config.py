@@ -76,10 +76,10 @@ def test_one_ring_slot_turns_off_the_default_skew_unless_asked_for():
 
 
 def test_a_pull_knob_turns_off_the_defaults_that_need_the_separate_pull(monkeypatch):
-    """``bwd_direct_rows`` (or fused_pull) asked for at EP 2 or in an FP8 cell
-    turns off the default ``bwd_pull_dedup`` / ``bwd_fp8_wgrad`` instead of failing (the
-    fused pull keeps ``bwd_fp8_wgrad`` where the dA items are FP8: its pull items write the
-    FP8 copies); asked for together, the conflict is the one-line error."""
+    """``bwd_fused_pull`` asked for at EP 2 or in an FP8 cell turns off the default
+    ``bwd_pull_dedup`` (and ``bwd_fp8_wgrad`` where the dA items are bf16) instead of failing
+    (it keeps ``bwd_fp8_wgrad`` where the dA items are FP8: its pull items write the FP8
+    copies); asked for together, the conflict is the one-line error."""
     from mokbench.mok_backend import scenario_config
     from mokbench.scenario import ModelShape, Scenario
 
@@ -87,16 +87,13 @@ def test_a_pull_knob_turns_off_the_defaults_that_need_the_separate_pull(monkeypa
     ep2 = Scenario(ModelShape("kimi", 48, 7168, 2048, 8), tokens_per_rank=8192, world_size=2,
                    precision="fp8")
     assert scenario_config(ep2).bwd_pull_dedup and scenario_config(ep2).bwd_fp8_wgrad
-    cfg = scenario_config(ep2, {"bwd_direct_rows": True})
-    assert cfg.bwd_direct_rows and not cfg.bwd_pull_dedup and not cfg.bwd_fp8_wgrad
-    assert cfg.bwd_fp8_da  # the dgrad items do not need the separate pull
     items = scenario_config(ep2, {"bwd_fused_pull": True, "bwd_pull_programs": 32})
     assert items.bwd_fused_pull and items.bwd_fp8_wgrad and not items.bwd_pull_dedup
     bf16_dx = scenario_config(ep2, {"bwd_fused_pull": True, "bwd_fp8_da": False})
     assert not bf16_dx.bwd_fp8_wgrad  # bf16 dA items wait for the pull: no FP8 copies
     with pytest.raises(MoKConfigError, match=r"^bwd_pull_dedup=True is invalid: allowed false "
-                                             r"when bwd_direct_rows"):
-        scenario_config(ep2, {"bwd_direct_rows": True, "bwd_pull_dedup": True})
+                                             r"when bwd_fused_pull"):
+        scenario_config(ep2, {"bwd_fused_pull": True, "bwd_pull_dedup": True})
 
 
 def test_env_override(monkeypatch):
@@ -192,8 +189,9 @@ def test_fp8_backward_knobs_name_the_row_variant(monkeypatch):
                          "fp8_da_dx_wgrad")):
         assert backward_kind(scenario_config(_scenario("fp8"), knobs)) == kind
     with pytest.raises(MoKConfigError, match=r"^bwd_fp8_wgrad=True is invalid: allowed false "
-                                             r"when bwd_direct_rows"):
-        scenario_config(_scenario("bf16"), {"bwd_fp8_wgrad": True, "bwd_direct_rows": True})
+                                             r"with bwd_fused_pull but without bwd_fp8_da"):
+        scenario_config(_scenario("bf16"), {"bwd_fp8_wgrad": True, "bwd_fused_pull": True,
+                                            "bwd_fp8_da": False})
 
 
 def test_fp8_backward_block_k_comes_through_the_variant_syntax(monkeypatch):
@@ -226,25 +224,7 @@ def test_pull_by_token_turns_off_the_default_pull_dedup_unless_asked_for():
         config_from_env(7168, 2048, d, {"bwd_pull_by_token": True, "bwd_pull_dedup": True})
 
 
-def test_row_gathers_turn_off_the_default_weight_gradient_tiles_unless_asked_for():
-    """``bwd_direct_rows`` and ``bwd_direct_da`` gather rows through registers; beside the
-    deep weight-gradient loops their sm_90 build spills, so a variant asking for either runs
-    one weight-gradient tile per item unless it asks for tiles too."""
-    d = default_config_fields(7168, 2048, 16384, 8, 132, local_experts=48)
-    assert config_from_env(7168, 2048, d).bwd_dw_tiles == 4
-    assert config_from_env(7168, 2048, d, {"bwd_direct_rows": True}).bwd_dw_tiles == 1
-    assert config_from_env(7168, 2048, d, {"bwd_direct_da": True}).bwd_dw_tiles == 1
-    assert config_from_env(7168, 2048, d, {"bwd_direct_da": True,
-                                           "bwd_dw_tiles": 2}).bwd_dw_tiles == 2
-    # and the default four dX tiles (with the shared expert they spill more beside the gathers)
-    assert config_from_env(7168, 2048, d).bwd_dx_tiles == 4
-    assert config_from_env(7168, 2048, d, {"bwd_direct_rows": True}).bwd_dx_tiles == 1
-    assert config_from_env(7168, 2048, d, {"bwd_direct_rows": True,
-                                           "bwd_dx_tiles": 4}).bwd_dx_tiles == 4
-
-
-@pytest.mark.parametrize("asked", [{"bwd_direct_rows": True}, {"bwd_fused_pull": True},
-                                   {"bwd_pull_dedup": True}])
+@pytest.mark.parametrize("asked", [{"bwd_fused_pull": True}, {"bwd_pull_dedup": True}])
 def test_other_pulls_turn_off_the_default_pull_by_token_unless_asked_for(asked):
     """The pull by token replaces only the bf16 separate row pull: a variant asking for
     another pull gets a valid config without it; asking for both is the one-line error."""

@@ -111,22 +111,17 @@ SCRIPT = COMMON + textwrap.dedent("""
         print("ok", L, T, E, K, shared, il, wide)
 
     # bwd_fused_pull: the pull inside the megakernel gives bitwise the same gradients, with
-    # every program pulling first or only the first one (bwd_pull_programs); so do the row
-    # gathers of bwd_direct_rows (no pull at all), two dX or dA tiles per item
-    # (bwd_dx_tiles, bwd_da_tiles), the dX items' dGU rows through TMA (bwd_dx_tma), and
-    # the dA items gathering dY at home (bwd_direct_da), alone and with the pull items, which
-    # the dA items then do not wait for (the weight-gradient items wait per group)
+    # every program pulling first or only the first one (bwd_pull_programs); so do two dX or
+    # dA tiles per item (bwd_dx_tiles, bwd_da_tiles) and the dX items' dGU rows through TMA
+    # (bwd_dx_tma)
     for L, T, E, K, shared in [(1, 24, 4, 2, True), (2, 13, 3, 2, False)]:
         torch.manual_seed(7 + L)
         H, I = 64, 32
         out = []
         for pull in ({}, {"bwd_fused_pull": True},
                      {"bwd_fused_pull": True, "bwd_pull_programs": 1},
-                     {"bwd_direct_rows": True}, {"bwd_dx_tiles": 2}, {"bwd_da_tiles": 2},
-                     {"bwd_dx_tma": True}, {"bwd_dx_tma": True, "bwd_dx_tiles": 2},
-                     {"bwd_direct_da": True}, {"bwd_direct_da": True, "bwd_fused_pull": True},
-                     {"bwd_direct_da": True, "bwd_fused_pull": True,
-                      "bwd_pull_programs": 1}):
+                     {"bwd_dx_tiles": 2}, {"bwd_da_tiles": 2},
+                     {"bwd_dx_tma": True}, {"bwd_dx_tma": True, "bwd_dx_tiles": 2}):
             cfg = config(True, **pull)
             ws = mk.get_workspace(cfg, tokens=T, hidden=H, intermediate=I, local_experts=E,
                                   topk=K, shared=shared, device="cpu", loopback_ranks=L)

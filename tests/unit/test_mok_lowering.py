@@ -165,49 +165,12 @@ def test_fused_pull_backward_builds_with_async_proxy_fences(pullers):
     assert lw.ptx.count("fence.proxy.async.global") >= 4
 
 
-def test_direct_rows_backward_gathers_rows_by_asynchronous_copies():
-    """``bwd_direct_rows``: no pulled-row descriptors; the dY and x rows the A, C and D items
-    gather from their home ranks reach shared memory by 16-byte asynchronous copies (the
-    row offsets are known multiples of 8 elements), never staged through registers; the
-    build fits and spills nothing (no shared expert; one weight-gradient and one dX tile per
-    item, as the backend runs it: the gathers beside the deep weight-gradient loops spill)."""
-    cfg = mk.MoKConfig.for_shape(H, I, **{**_defaults().__dict__, "bwd_direct_rows": True,
-                                          "bwd_dw_tiles": 1, "bwd_dx_tiles": 1})
-    lw = mk.compile_megakernel(cfg, H, I, kernel="backward")
-    assert lw.shared_bytes <= SMEM_LIMIT
-    assert not lw.spills, lw.ptxas_log
-    assert not re.search(r"ttg\.local_alloc %\S+ : \(tensor<", lw.ttgir)
-    assert lw.ttgir.count("ttg.async_copy_global_to_local") >= 3
-
-
-@pytest.mark.parametrize("pullers", [0, 32])
-def test_direct_da_with_pull_items_gathers_dy_and_fences(pullers):
-    """``bwd_direct_da`` with ``bwd_fused_pull``: the dA items gather dY's rows at home by
-    16-byte asynchronous copies (never staged through registers) while pull items feed the
-    weight-gradient items, whose TMA reads of the pulled rows follow an async-proxy fence;
-    the build fits and spills nothing (with the shared expert; one weight-gradient and one dX
-    tile per item, as the backend runs it)."""
-    cfg = mk.MoKConfig.for_shape(H, I, **{**_defaults().__dict__, "bwd_direct_da": True,
-                                          "bwd_fused_pull": True, "bwd_dw_tiles": 1,
-                                          "bwd_dx_tiles": 1, "bwd_pull_programs": pullers})
-    lw = mk.compile_megakernel(cfg, H, I, shared=True, kernel="backward")
-    assert lw.shared_bytes <= SMEM_LIMIT
-    assert not lw.spills, lw.ptxas_log
-    assert not re.search(r"ttg\.local_alloc %\S+ : \(tensor<", lw.ttgir)
-    assert lw.ttgir.count("ttg.async_copy_global_to_local") >= 1
-    assert lw.ptx.count("fence.proxy.async.global") >= 4
-
-
-@pytest.mark.parametrize("knobs", [{"bwd_dx_tiles": 4}, {"bwd_dx_tiles": 4,
-                                                         "bwd_direct_rows": True,
-                                                         "bwd_dw_tiles": 1},
+@pytest.mark.parametrize("knobs", [{"bwd_dx_tiles": 4},
                                    {"bwd_da_tiles": 4, "bwd_wide_da": False,
                                     "bwd_dx_tiles": 1}])
 def test_tiles_per_item_backward_fits(knobs):
     """``bwd_dx_tiles`` / ``bwd_da_tiles``: four dX or dA tiles per item in one flattened
-    loop (dX also with the direct row gathers, there with one weight-gradient tile per item:
-    the gathers beside the deep weight-gradient loops spill; dA with one dX tile: four of
-    each spill); it fits in shared memory and
+    loop (dA with one dX tile: four of each spill); it fits in shared memory and
     spills nothing (no shared expert; with it the sm_90 build spills 96-180 bytes)."""
     cfg = mk.MoKConfig.for_shape(H, I, **{**_defaults().__dict__, **knobs})
     lw = mk.compile_megakernel(cfg, H, I, kernel="backward")
