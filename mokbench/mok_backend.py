@@ -330,7 +330,6 @@ def variant_text(c, hidden: int, intermediate: int, *, fp8: bool, graphed: bool)
                if c.bwd_pull_programs else "")
             + (f",dx_tiles={c.bwd_dx_tiles}" if c.bwd_dx_tiles > 1 else "")
             + (f",dx_band={c.bwd_dx_band}" if c.bwd_dx_band > 1 else "")
-            + (",dw_down_h_major=1" if c.bwd_dw_down_h_major else "")
             + (",pull_by_token=1" if c.bwd_pull_by_token else "")
             + (f",dw_tiles={c.bwd_dw_tiles}" if c.bwd_dw_tiles > 1 else "")
             + (f",dw_stages={c.bwd_dw_stages}" if c.bwd_dw_stages != 2 else "")
@@ -343,8 +342,7 @@ def variant_text(c, hidden: int, intermediate: int, *, fp8: bool, graphed: bool)
             + (f",bwd_block_m={c.bwd_block_m}" if c.bwd_block_m else "")
             + (f",bwd_fp8_block_k={c.bwd_fp8_block_k}"
                if c.bwd_fp8_block_k != 64 and bwd != "bf16" else "")
-            + (",block_colmax=1" if c.bwd_fp8_block_colmax else "")
-            + (",da_rows=1" if c.bwd_fp8_da_rows else ""))
+            + (",block_colmax=1" if c.bwd_fp8_block_colmax else ""))
 
 
 class _MoKLayer(torch.autograd.Function):

@@ -142,7 +142,6 @@ class BackwardScratch:
     dyg_LPH: torch.Tensor | None  # pulled dY rows (likewise)
     gq_LPG: torch.Tensor | None = None  # bwd_fp8_dx: dG/dU as FP8 rows (2I e4m3, a scale)
     wgrad8: Fp8WgradScratch | None = None  # bwd_fp8_wgrad
-    dyqr_LPH: torch.Tensor | None = None  # bwd_fp8_da_rows: FP8 dY rows (bf16-row bytes)
 
 
 @dataclass
@@ -199,9 +198,7 @@ def backward_scratch(ws: Workspace) -> BackwardScratch:
                 if cfg.bwd_fp8_dx else None),
         wgrad8=(Fp8WgradScratch.empty(L, H, I, P, ws.E + int(ws.shared), dev,
                                       P // cfg.bwd_bm if cfg.bwd_fp8_block_colmax else 0)
-                if w8 else None),
-        dyqr_LPH=(torch.empty(L, P, H, dtype=bf, device=dev) if cfg.bwd_fp8_da_rows
-                  else None))
+                if w8 else None))
 
 
 def dgu_row_elements(intermediate: int) -> int:
@@ -492,9 +489,8 @@ def backward_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots:
                 PULLG=pulls_per_group(cfg),
                 PBR=min(wgrad_rows(cfg), cfg.bwd_bm), PCH=min(128, _row_chunk(hidden)),
                 QBM=cfg.bwd_fp8_block_colmax, RQT=cfg.bwd_fp8_requant_tma,
-                DXBAND=cfg.bwd_dx_band, CHM=cfg.bwd_dw_down_h_major, DWT=cfg.bwd_dw_tiles,
-                DWSC=3 if cfg.bwd_dw_stages == 4 else 2, DWSD=cfg.bwd_dw_stages,
-                DAQR=cfg.bwd_fp8_da_rows)
+                DXBAND=cfg.bwd_dx_band, DWT=cfg.bwd_dw_tiles,
+                DWSC=3 if cfg.bwd_dw_stages == 4 else 2, DWSD=cfg.bwd_dw_stages)
 
 
 def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tensor,
@@ -524,12 +520,6 @@ def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tens
     names = ("w1_desc", "w2_desc", "ws1_desc", "ws2_desc", "pre_a_desc", "hs_c_desc",
              "pre_d_desc", "pre_b_desc", "dyg_a_desc", "dyg_c_desc", "xg_d_desc")
     descs = dict(zip(names, descs, strict=True))
-    if cfg.bwd_fp8_da_rows:  # the FP8 dA items' A tiles: [BM, BK8] boxes of the copied rows
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        rows8 = sc.dyqr_LPH.view(-1, ws.H).view(torch.float8_e4m3fn)  # [L*P, 2H] bytes
-        descs["dyg_a_desc"] = TensorDescriptor.from_tensor(
-            rows8, [cfg.bwd_bm, fp8_backward_block_k(cfg)])
     args = dict(
         p_base=bb.p_LTK,
         drp_base=bb.drp_LTKJ, tab32=bb.tab32_R, comb_base=ws.comb_LTSH, comb_tab=ws.comb_tab_R,
@@ -538,7 +528,6 @@ def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tens
         pre_ptr=pre_LPF, hs_ptr=sc.hs_LPI, ctr_ptr=bb.counters_LC, err_ptr=ws.errors_L4,
         dw1_ptr=sc.dw1_EHF, dw2_ptr=sc.dw2_EIH, dws1_ptr=sc.dws1_LHF, dws2_ptr=sc.dws2_LIH,
         **descs, **pull, **_fp8_da_args(ws, bb, fp8_weights),
-        dyqr_ptr=sc.dyqr_LPH,
         **_fp8_dx_args(ws, sc, fp8_weights), **_fp8_wgrad_args(cfg, sc, pre_LPF),
         T=ws.T, E=ws.E, NG=ws.E + int(ws.shared), P=ws.P, NCTR=bb.counters_LC.shape[1],
         budget=cfg.spin_budget, withhold=withhold, trace_ptr=None, MAXT=0, TRACE=False,
@@ -638,18 +627,16 @@ def backward_trace_capacity(ws: Workspace) -> int:
 
 def _pull_rows(ws: Workspace, bb: BackwardBuffers, st: ScheduleTensors, x_src: torch.Tensor,
                dy_src: torch.Tensor, xg_LPH: torch.Tensor, dyg_LPH: torch.Tensor, *,
-               phase: int = 0, which: int = 0) -> None:
+               phase: int = 0) -> None:
     """One launch of ``pull_rows_kernel`` over every logical rank's schedule rows (PULL_ROWS
-    per program): the separate pull (``phase`` 0, or 1 then 2 with ``bwd_pull_dedup``) and
-    ``bwd_fp8_da_rows``' copy of the FP8 dY rows (``which`` 2). One place for the launch, so
-    the two callers cannot drift apart."""
+    per program): the separate pull (``phase`` 0, or 1 then 2 with ``bwd_pull_dedup``)."""
     from mok_kernels._details.tl_backward_pull import pull_rows_kernel
 
     br = PULL_ROWS
     pull_rows_kernel[(ws.L, ws.P // br)](st.src_LP, st.total_L, x_src, ws.x_tab_R, dy_src,
                                          bb.tab16_R, xg_LPH, dyg_LPH, ws.T, ws.P, H=ws.H,
                                          S=ws.S, BR=br, CH=_row_chunk(ws.H),
-                                         first_ptr=st.first_LP, PHASE=phase, WHICH=which,
+                                         first_ptr=st.first_LP, PHASE=phase,
                                          num_warps=4)
 
 
@@ -700,8 +687,6 @@ def backward(config: MoKConfig, ws: Workspace, context: ForwardContext, dy_TH: t
         for phase in (1, 2) if config.bwd_pull_dedup else (0,):  # dedup: first rows, then
             # the other rows from them (two launches: no wait inside the kernel)
             _pull_rows(ws, bb, st, x_src, dy_src, sc.xg_LPH, sc.dyg_LPH, phase=phase)
-    if config.bwd_fp8_da_rows:  # the FP8 dY rows, contiguous per schedule row (padding 0)
-        _pull_rows(ws, bb, st, x_src, bb.dyq_LTH, sc.dyqr_LPH, sc.dyqr_LPH, which=2)
     progs, _ = _programs(ws)
     extra = {} if _interpreting() else {"launch_cooperative_grid": True}
     args = backward_kernel_args(ws, st, context.pre_LPF, weights, sc,

@@ -195,13 +195,6 @@ class MoKConfig:
         sits on the dA items' time. The same bytes; off by default: the profiling script at
         Kimi K2.7 Code timed no gain (notes/mok-kernel.md), so those loads were not what the
         dA items wait on.
-    bwd_fp8_da_rows: with ``bwd_fp8_da``: before the launch, a copy kernel gathers every
-        schedule row's FP8 dY row (its H e4m3 values and scale, in the bytes of a bf16 row)
-        from the home ranks into contiguous [P, H] rows, and the dA items load their A tiles
-        from those through TMA instead of gathering them by pointer loads; the same values,
-        so bitwise the same gradients. An experiment (off): per FLOP the FP8 dA items ran
-        1.6x slower than the FP8 dX items, which read their block's contiguous rows; this
-        says whether the gather is why. The copy costs about 2 x P x 2H bytes.
     bwd_dx_band: the order of the backward's dX (B) items: 0 or 1 row block by row block
         (a row block's H tiles one after another); G > 1 in bands of G row blocks, inside a
         band the H tiles outer and the row blocks inner (the last band may hold fewer). The
@@ -213,10 +206,6 @@ class MoKConfig:
         0 here;
         the mok backend sets 16 on one Hopper rank, where the profiling script timed the bf16
         backward faster with it (notes/mok-kernel.md).
-    bwd_dw_down_h_major: the backward's dW_down (C) items of a group in H-tile-major order
-        (the I tiles inner) instead of I-tile-major: the items in flight then read fewer dY
-        column tiles and all of the group's r h (at Kimi K2 48 x 16384 about 23 MB against
-        42 MB). Same gradients; off by default: no faster in the profiling script.
     bwd_pull_by_token: the backward's separate pull goes token by token: each token's x and
         dY rows are read once from home and written to every schedule row that serves one of
         its slots (the schedule then also keeps the row of every slot). Row by row, in
@@ -299,9 +288,7 @@ class MoKConfig:
     bwd_fp8_block_k: int = 64
     bwd_fp8_block_colmax: bool = False
     bwd_fp8_requant_tma: bool = False
-    bwd_fp8_da_rows: bool = False
     bwd_dx_band: int = 0
-    bwd_dw_down_h_major: bool = False
     bwd_pull_by_token: bool = False
     bwd_dw_tiles: int = 1
     bwd_dw_stages: int = 2
@@ -393,8 +380,6 @@ class MoKConfig:
         _check(isinstance(self.bwd_dx_band, int) and not isinstance(self.bwd_dx_band, bool)
                and 0 <= self.bwd_dx_band <= 1024, "bwd_dx_band", self.bwd_dx_band,
                "an integer in 0..1024 (0 or 1 = row block by row block)")
-        _check(isinstance(self.bwd_dw_down_h_major, bool), "bwd_dw_down_h_major",
-               self.bwd_dw_down_h_major, "true | false")
         _check(isinstance(self.bwd_dw_tiles, int) and not isinstance(self.bwd_dw_tiles, bool)
                and 1 <= self.bwd_dw_tiles <= 64, "bwd_dw_tiles", self.bwd_dw_tiles,
                "an integer in 1..64 (a divisor of the weight gradients' tiles per row)")
@@ -408,11 +393,6 @@ class MoKConfig:
             "bwd_pull_dedup or bwd_fp8_wgrad is set (it replaces the bf16 separate pull only)")
         _check(isinstance(self.bwd_fp8_requant_tma, bool), "bwd_fp8_requant_tma",
                self.bwd_fp8_requant_tma, "true | false")
-        _check(isinstance(self.bwd_fp8_da_rows, bool), "bwd_fp8_da_rows",
-               self.bwd_fp8_da_rows, "true | false")
-        _check(not self.bwd_fp8_da_rows or self.bwd_fp8_da, "bwd_fp8_da_rows",
-               self.bwd_fp8_da_rows, "false unless bwd_fp8_da is set (it serves the FP8 dA "
-               "items)")
         _check(not self.bwd_fp8_requant_tma or self.bwd_fp8_dx, "bwd_fp8_requant_tma",
                self.bwd_fp8_requant_tma,
                "false unless bwd_fp8_dx is set (it serves the dX items' requantisation)")

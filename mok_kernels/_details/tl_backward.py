@@ -126,14 +126,11 @@ def mok_backward_kernel(
         RQT: tl.constexpr = False,
         hs_a_desc=None, trace_ptr=None, MAXT=0, TRACE: tl.constexpr = False,
         DXBAND: tl.constexpr = 0,
-        CHM: tl.constexpr = False, DWT: tl.constexpr = 1, DWSC: tl.constexpr = 2,
-        DWSD: tl.constexpr = 2, dyqr_ptr=None, DAQR: tl.constexpr = False):
+        DWT: tl.constexpr = 1, DWSC: tl.constexpr = 2, DWSD: tl.constexpr = 2):
     """One persistent program per SM; see the module docstring for the work order. FENCE:
     rows pulled in this launch (PULL): the C and D items fence the async proxy after
     their group's acquire. FP8DA (``bwd_fp8_da``): the A items' FP8 tiles read dY as FP8
-    rows at its home ranks (``dyq_base``, same rank offsets ``tab16`` as dY; DAQR,
-    ``bwd_fp8_da_rows``: copied to contiguous rows ``dyqr_ptr`` before the launch and read
-    through ``dyg_a_desc`` as TMA tiles) and W_down's
+    rows at its home ranks (``dyq_base``, same rank offsets ``tab16`` as dY) and W_down's
     e4m3 rows (``w2q_desc`` / ``ws2q_desc``) with their fp32 scales (``sw2q_ptr`` /
     ``sws2q_ptr``). FP8DX (``bwd_fp8_dx``): the B items' FP8 tiles on the FP8 dG/dU rows
     (``gq_ptr`` [L, P, GQW], quantised by the A item that completes a row block, RQC columns
@@ -154,8 +151,8 @@ def mok_backward_kernel(
     does. RQT (``bwd_fp8_requant_tma``): the block-completing A item's requantisation of the
     dG/dU rows reads them as pipelined TMA copies (with QBM r h's too, ``hs_a_desc``).
     DXBAND (``bwd_dx_band``) > 1: the B items in bands of DXBAND row blocks, H tiles outer
-    (``_banded``); CHM (``bwd_dw_down_h_major``): a group's C items H tile outer, I tile
-    inner. Both only reorder items of one section, whose waits all point at earlier ones.
+    (``_banded``): it only reorders items of one section, whose waits all point at earlier
+    ones.
     DWT (``bwd_dw_tiles``): each C and D item covers DWT adjacent H (C) or 2I (D) tiles, in
     flattened loops of DWSC and DWSD pipeline stages (``bwd_dw_stages``).
     TRACE (profiling only): every item of the main ticket order writes (start, end) in
@@ -249,7 +246,7 @@ def mok_backward_kernel(
                                      DAC, F32_DOT, INTERLEAVED, tab16, DAT,
                                      FP8DA, dyq_base, w2q_desc, ws2q_desc, sw2q_ptr,
                                      sws2q_ptr, FP8DX, gq, GQW, RQC, POW2, QBM, bmax_ptr,
-                                     RQT, hs_a_desc, DAQR, dyqr_ptr, NOEPI)
+                                     RQT, hs_a_desc, NOEPI)
         elif tk < end_b:
             i = tk - end_a
             if PHASES & 2:
@@ -279,9 +276,6 @@ def mok_backward_kernel(
                 c = i % NC
                 ic = c // NCJ  # I tile, then H tile (group)
                 jc = c % NCJ
-                if CHM:  # H tile outer, I tile inner
-                    ic = c % (I // HALF)
-                    jc = c // (I // HALF)
                 ok = _wgrad_down_item(g, ic, jc, lr, gst, total, P,
                                       hs_c_desc, dyg_c_desc, ctr, err, dw2_ptr, dws2_ptr, T,
                                       E, NBMAX, budget, H, I, S, K, HAS_SHARED, BM, BN, BKWF,

@@ -97,27 +97,20 @@ def _da_tile(jt, prow, d2, w_row0, dyg_a_desc, H: tl.constexpr, BM: tl.constexpr
 def _da_tile_fp8(jt, rank, t, valid, lr, g, E, dyq_base, tab16, w2q_desc, ws2q_desc, sw2q_ptr,
                  sws2q_ptr, H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr,
                  BK: tl.constexpr, DAC: tl.constexpr, F32_DOT: tl.constexpr,
-                 HAS_SHARED: tl.constexpr, prow=0, dyqr_desc=None, dyqr_ptr=None,
-                 DAQR: tl.constexpr = False):
+                 HAS_SHARED: tl.constexpr):
     """``FP8DA``: dA_raw [BM, DAC] of I tile jt from the FP8 dY rows of the rows' tokens at
     their home ranks (``dyq_base`` + ``tab16``: H e4m3 values, then one fp32 scale per row)
     and group g's e4m3 W_down rows (through ``w2q_desc`` / ``ws2q_desc``, one fp32 scale per
     row of W_down): a pure FP8 K loop over H, both scales applied after it (``fp8_tile``,
-    ROWWISE). Padding rows read 0. DAQR (``bwd_fp8_da_rows``): the same rows, copied before
-    the launch into contiguous rows of this rank's schedule (``dyqr_ptr``, row ``prow`` on),
-    as TMA tiles through ``dyqr_desc``."""
-    if DAQR:
-        a_rows, sa_rows = fp8_row_views(
-            dyqr_ptr + (prow + tl.arange(0, BM)).to(tl.int64) * H, H, 2)
-    else:
-        a_rows, sa_rows = fp8_row_views(_home_rows(dyq_base, tab16, rank, t, valid, H), H, 2)
+    ROWWISE). Padding rows read 0."""
+    a_rows, sa_rows = fp8_row_views(_home_rows(dyq_base, tab16, rank, t, valid, H), H, 2)
     d, w_row0 = _weight_desc(lr, g, E, w2q_desc, ws2q_desc, I, True, HAS_SHARED)
     sw = sw2q_ptr + (lr * E + g).to(tl.int64) * I
     if HAS_SHARED:
         if g == E:
             sw = sws2q_ptr
     return fp8_tile(a_rows, valid, sa_rows, 0, sw, jt * DAC, H, I, BM, DAC, BK, 2, F32_DOT,
-                    d, w_row0, True, dyqr_desc, prow, DAQR)
+                    d, w_row0, True)
 
 
 @triton.jit
@@ -259,8 +252,7 @@ def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, 
                      FP8DX: tl.constexpr = False, gq=None, GQW: tl.constexpr = 0,
                      RQC: tl.constexpr = 128, POW2: tl.constexpr = False,
                      QBM: tl.constexpr = False, bmax=None, RQT: tl.constexpr = False,
-                     hs_a_desc=None, DAQR: tl.constexpr = False, dyqr_ptr=None,
-                     NOEPI: tl.constexpr = False):
+                     hs_a_desc=None, NOEPI: tl.constexpr = False):
     """A item: dA[rows of block b, I tiles jt0*DAT .. of DAC columns] and its epilogue
     (``_da_epilogue``); DAT tiles per item in one flattened loop (the next tile's loads
     overlap a tile's epilogue), and the item signals +DAT. FP8DA: FP8 tiles
@@ -280,7 +272,7 @@ def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, 
         if FP8DA:
             acc = _da_tile_fp8(jt0, rank, t, valid, lr, g, E, dyq_base, tab16, w2q_desc,
                                ws2q_desc, sw2q_ptr, sws2q_ptr, H, I, BM, BK, DAC, F32_DOT,
-                               HAS_SHARED, prow, dyg_a_desc, dyqr_ptr, DAQR)
+                               HAS_SHARED)
         else:
             acc = _da_tile(jt0, prow, d2, w_row0, dyg_a_desc, H, BM, BK, DAC, F32_DOT)
         if NOEPI:
@@ -294,7 +286,7 @@ def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, 
             if FP8DA:
                 acc = _da_tile_fp8(jt, rank, t, valid, lr, g, E, dyq_base, tab16, w2q_desc,
                                    ws2q_desc, sw2q_ptr, sws2q_ptr, H, I, BM, BK, DAC, F32_DOT,
-                                   HAS_SHARED, prow, dyg_a_desc, dyqr_ptr, DAQR)
+                                   HAS_SHARED)
             else:
                 acc = _da_tile(jt, prow, d2, w_row0, dyg_a_desc, H, BM, BK, DAC, F32_DOT)
             _da_epilogue(acc, jt, rows, prow, pre, hs, rank, t, k, routed, p_base, drp_base,

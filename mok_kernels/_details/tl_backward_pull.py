@@ -14,31 +14,27 @@ from mok_kernels._details.tl_sync import async_proxy_fence
 
 @triton.jit
 def _pull_rows(rows, lr, src, x_base, x_tab, dy_base, tab16, xg_ptr, dyg_ptr, T, P,
-               H: tl.constexpr, S: tl.constexpr, CH: tl.constexpr, WHICH: tl.constexpr = 0):
+               H: tl.constexpr, S: tl.constexpr, CH: tl.constexpr):
     """Reverse-combine pull of the schedule rows ``rows`` of logical rank lr (all below the
-    rank's total; ``src`` is its row of the schedule): their x and dY rows (WHICH 0; 1 x
-    only, 2 dY only), from the tokens' home ranks (peer memory), into the contiguous
-    [L, P, H] buffers; zeros for padding rows."""
+    rank's total; ``src`` is its row of the schedule): their x and dY rows, from the tokens'
+    home ranks (peer memory), into the contiguous [L, P, H] buffers; zeros for padding
+    rows."""
     s = tl.load(src + rows)
     valid = s >= 0
     tok = (tl.maximum(s, 0) // S).to(tl.int64)
     rank, t = tok // T, tok % T
     out = (lr.to(tl.int64) * P + rows) * H
-    if WHICH != 2:  # rows start 16-byte aligned: 16-byte vector loads (see _row_sources)
-        x_rows = x_base + tl.multiple_of(tl.load(x_tab + rank, mask=valid, other=0) + t * H, 8)
-    if WHICH != 1:
-        dy_rows = dy_base + tl.multiple_of(tl.load(tab16 + rank, mask=valid, other=0) + t * H,
-                                           8)
+    # rows start 16-byte aligned: 16-byte vector loads (see _row_sources)
+    x_rows = x_base + tl.multiple_of(tl.load(x_tab + rank, mask=valid, other=0) + t * H, 8)
+    dy_rows = dy_base + tl.multiple_of(tl.load(tab16 + rank, mask=valid, other=0) + t * H, 8)
     for h0 in range(0, H, CH):
         cols = h0 + tl.arange(0, CH)
         cm = cols < H
         m = valid[:, None] & cm[None, :]
-        if WHICH != 2:
-            v = tl.load(x_rows[:, None] + cols[None, :], mask=m, other=0.0)
-            tl.store(xg_ptr + out[:, None] + cols[None, :], v, mask=cm[None, :])
-        if WHICH != 1:
-            v = tl.load(dy_rows[:, None] + cols[None, :], mask=m, other=0.0)
-            tl.store(dyg_ptr + out[:, None] + cols[None, :], v, mask=cm[None, :])
+        v = tl.load(x_rows[:, None] + cols[None, :], mask=m, other=0.0)
+        tl.store(xg_ptr + out[:, None] + cols[None, :], v, mask=cm[None, :])
+        v = tl.load(dy_rows[:, None] + cols[None, :], mask=m, other=0.0)
+        tl.store(dyg_ptr + out[:, None] + cols[None, :], v, mask=cm[None, :])
 
 
 @triton.jit
@@ -82,13 +78,13 @@ def _row_sources(rows, lr, src, first, x_base, x_tab, dy_base, tab16, xg_ptr, dy
 @triton.jit
 def _pull_block(b, lr, src, x_base, x_tab, dy_base, tab16, xg_ptr, dyg_ptr, T, P,
                 H: tl.constexpr, S: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr,
-                CH: tl.constexpr, WHICH: tl.constexpr = 0):
+                CH: tl.constexpr):
     """In-kernel reverse-combine pull (``bwd_fused_pull``): row block b
     (in use, so every row is below the rank's total, which is a multiple of BM), BR rows at
-    a time, as ``pull_rows_kernel`` does (WHICH as ``_pull_rows``)."""
+    a time, as ``pull_rows_kernel`` does."""
     for r0 in range(0, BM, BR):
         _pull_rows(b * BM + r0 + tl.arange(0, BR), lr, src, x_base, x_tab, dy_base, tab16,
-                   xg_ptr, dyg_ptr, T, P, H, S, CH, WHICH)
+                   xg_ptr, dyg_ptr, T, P, H, S, CH)
 
 
 @triton.jit
@@ -104,22 +100,20 @@ def _pulled_signal(flag, v, F32_DOT: tl.constexpr):
 @triton.jit
 def pull_rows_kernel(src_ptr, total_ptr, x_base, x_tab, dy_base, tab16, xg_ptr, dyg_ptr, T, P,
                      H: tl.constexpr, S: tl.constexpr, BR: tl.constexpr, CH: tl.constexpr,
-                     first_ptr=None, PHASE: tl.constexpr = 0, WHICH: tl.constexpr = 0):
+                     first_ptr=None, PHASE: tl.constexpr = 0):
     """Reverse-combine pull: the x and dY rows of BR schedule rows, from the tokens' home
     ranks (peer memory), into contiguous [L, P, H] buffers (zeros for padding rows), so every
     backward GEMM reads its row operands as plain tiles. Program (l, i) does rows i*BR.. of
     logical rank l; rows past the rank's total are left alone. PHASE 1 and 2
     (``bwd_pull_dedup``, two launches; ``first_ptr`` the schedule's first_LP): a token's
-    first row on this rank from home, then its other rows from that row (``_row_sources``).
-    WHICH (PHASE 0, as ``_pull_rows``): 2 copies the dY rows only (``bwd_fp8_da_rows``: the
-    FP8 dY rows, kept in the bytes of bf16 rows, into ``dyg_ptr``)."""
+    first row on this rank from home, then its other rows from that row (``_row_sources``)."""
     lr = tl.program_id(0)
     rows = tl.program_id(1) * BR + tl.arange(0, BR)
     total = tl.load(total_ptr + lr)
     if tl.program_id(1) * BR < total:
         if PHASE == 0:
             _pull_rows(rows, lr, src_ptr + lr.to(tl.int64) * P, x_base, x_tab, dy_base, tab16,
-                       xg_ptr, dyg_ptr, T, P, H, S, CH, WHICH)
+                       xg_ptr, dyg_ptr, T, P, H, S, CH)
         else:
             x_rows, dy_rows, ld, wr = _row_sources(
                 rows, lr, src_ptr + lr.to(tl.int64) * P, first_ptr + lr.to(tl.int64) * P,

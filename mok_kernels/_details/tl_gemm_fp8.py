@@ -75,8 +75,7 @@ def _dot8(a, b, acc, F32_DOT: tl.constexpr):
 @triton.jit
 def fp8_tile(a_rows, a_mask, sa_rows, w_ptr, sw_ptr, n0, K: tl.constexpr, N: tl.constexpr,
              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, RECIPE: tl.constexpr,
-             F32_DOT: tl.constexpr, w_desc=None, w_row0=0, TMA: tl.constexpr = False,
-             a_desc=None, a_row0=0, A_TMA: tl.constexpr = False):
+             F32_DOT: tl.constexpr, w_desc=None, w_row0=0, TMA: tl.constexpr = False):
     """The [BM, BN] fp32 tile dequant(A)[rows, :] @ dequant(W)[:, n0:n0+BN] of one expert.
 
     a_rows: [BM] pointers to e4m3 A rows (K elements); a_mask: [BM] rows to read (the others
@@ -89,18 +88,12 @@ def fp8_tile(a_rows, a_mask, sa_rows, w_ptr, sw_ptr, n0, K: tl.constexpr, N: tl.
     ``tl.dot_scaled`` takes).
     TMA: the [BN, BK] weight tiles come through ``w_desc`` (the e4m3 W^T of all experts as
     [experts*N, K], this expert's rows from ``w_row0``) instead of pointer loads.
-    A_TMA: the [BM, BK] A tiles come through ``a_desc`` from row ``a_row0`` (contiguous rows,
-    padding rows holding 0) instead of the row pointers; the scales still from ``sa_rows``.
     """
     offs_k = tl.arange(0, BK)
     cols = n0 + tl.arange(0, BN)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k in range(0, K, BK):
-        if A_TMA:
-            a = a_desc.load([a_row0, k])
-        else:
-            a = tl.load(a_rows[:, None] + (k + offs_k)[None, :], mask=a_mask[:, None],
-                        other=0.0)
+        a = tl.load(a_rows[:, None] + (k + offs_k)[None, :], mask=a_mask[:, None], other=0.0)
         if TMA:
             w_t = w_desc.load([w_row0 + n0, k])
         else:

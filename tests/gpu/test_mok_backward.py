@@ -99,10 +99,10 @@ def test_wide_da_items_match_reference(wide):
                                   {"bwd_dx_tma": True, "bwd_dx_tiles": 4},
                                   {"bwd_pull_dedup": True},
                                   {"bwd_dx_band": 16, "bwd_dx_tma": True},
-                                  {"bwd_dx_band": 3, "bwd_dw_down_h_major": True},
+                                  {"bwd_dx_band": 3},
                                   {"bwd_pull_by_token": True},
                                   {"bwd_dw_tiles": 4},
-                                  {"bwd_dw_tiles": 2, "bwd_dw_down_h_major": True},
+                                  {"bwd_dw_tiles": 2},
                                   {"bwd_dw_tiles": 4, "bwd_dw_stages": 4},
                                   {"bwd_dx_band": 16, "bwd_dx_tma": True, "bwd_dx_tiles": 4,
                                    "bwd_dw_tiles": 4, "bwd_dw_stages": 4},
@@ -115,8 +115,8 @@ def test_backward_variants_match_the_default_bitwise(ranks, rows):
     stores, read through TMA after a proxy fence; by every program or by 32 of them),
     bwd_dx_tiles / bwd_da_tiles (several dX or dA tiles per item), bwd_dx_tma (dGU rows
     through TMA) and bwd_pull_dedup (a token's rows pulled once per rank, the others copied
-    from it in a second pass) and bwd_dx_band / bwd_dw_down_h_major (the dX items in bands of row
-    blocks, the dW_down items H tile outer) and bwd_pull_by_token (the pull token by token,
+    from it in a second pass) and bwd_dx_band (the dX items in bands of row blocks) and
+    bwd_pull_by_token (the pull token by token,
     then zeros in the padding rows) and bwd_dw_tiles (several weight-gradient tiles per item,
     two or four pipeline stages deep) give the default backward's gradients (and the
     reference's), bitwise, on a rerun as well."""
@@ -423,22 +423,13 @@ def test_block_column_maxima_give_the_two_pass_gradients_bitwise(ranks, shared):
 
 
 @pytest.mark.parametrize("ranks, shared, knobs", [
-    (2, True, {"bwd_dx_band": 16, "bwd_dw_down_h_major": True}),
+    (2, True, {"bwd_dx_band": 16}),
     (1, True, {"bwd_dw_tiles": 4})])
 def test_ticket_order_knobs_give_the_same_gradients_bitwise(ranks, shared, knobs):
-    """``bwd_dx_band`` with
-    ``bwd_dw_down_h_major`` (the dX and dW_down items reordered) and ``bwd_dw_tiles`` (four
-    weight-gradient tiles per item) on the whole FP8 backward:
+    """``bwd_dx_band`` (the dX items reordered) and ``bwd_dw_tiles`` (four weight-gradient
+    tiles per item) on the whole FP8 backward:
     every gradient bitwise the default order's, reruns bitwise equal."""
     _fp8_variant_is_bitwise(ranks, shared, knobs, 17)
-
-
-@pytest.mark.parametrize("ranks, shared", [(1, True), (2, False)])
-def test_fp8_da_items_from_copied_rows_give_the_same_gradients_bitwise(ranks, shared):
-    """``bwd_fp8_da_rows`` (the FP8 dY rows copied to contiguous rows before the launch, the
-    dA items' A tiles through TMA): every gradient bitwise the gathering dA items', reruns
-    bitwise equal."""
-    _fp8_variant_is_bitwise(ranks, shared, {"bwd_fp8_da_rows": True}, 19)
 
 
 @pytest.mark.parametrize("ranks, shared, colmax", [(1, True, False), (2, False, True)])

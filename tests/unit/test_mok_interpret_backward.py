@@ -711,9 +711,8 @@ BAND_SCRIPT = COMMON + textwrap.dedent("""
     f8 = dict(bwd_fp8_da=True, bwd_fp8_dx=True, bwd_fp8_wgrad=True)
     for base in ({}, f8):
         out = []
-        for knobs in ({}, {"bwd_dx_band": 2}, {"bwd_dx_band": 3},
-                      {"bwd_dx_band": 1024, "bwd_dw_down_h_major": True},
-                      {"bwd_dw_down_h_major": True}, {"bwd_dx_band": 3, "bwd_dx_tiles": 2}):
+        for knobs in ({}, {"bwd_dx_band": 2}, {"bwd_dx_band": 3}, {"bwd_dx_band": 1024},
+                      {"bwd_dx_band": 3, "bwd_dx_tiles": 2}):
             cfg = config(True, **base, **knobs)
             out.append(run_fp8(cfg, L, T, E, K, shared, H, I, x, idx, p, W, dy)[0])
         for i in range(1, len(out)):
@@ -723,37 +722,14 @@ BAND_SCRIPT = COMMON + textwrap.dedent("""
 """)
 
 
-def test_dx_bands_and_h_major_dw_down_give_the_same_gradients_bitwise():
+def test_dx_bands_give_the_same_gradients_bitwise():
     """``bwd_dx_band`` (the dX items in bands of row blocks, H tiles outer; bands of 2, of
     3 with a shorter last band, one band of all; bands of items of two H tiles each,
-    ``bwd_dx_tiles``, as mok's one-rank Hopper default runs them) and
-    ``bwd_dw_down_h_major`` (a group's dW_down items H tile outer): every gradient bitwise
+    ``bwd_dx_tiles``, as mok's one-rank Hopper default runs them): every gradient bitwise
     the default order's, bf16 and the whole FP8 backward, two loopback ranks (an item left
     out or run twice at the wrong place leaves a dX slot or weight-gradient tile unwritten:
     a mismatch)."""
     _prints(run_interpreted(BAND_SCRIPT), "band ok", 1)
-
-
-DA_ROWS_SCRIPT = COMMON + textwrap.dedent("""
-    H, I = 64, 32
-    f8 = dict(bwd_fp8_da=True, bwd_fp8_dx=True, bwd_fp8_wgrad=True)
-    for L, T, E, K, shared, seed in ((1, 24, 4, 2, True, 47), (2, 13, 3, 2, False, 53)):
-        x, idx, p, _, W, dy, exact = interleaved_case(L, T, E, K, shared, seed, H, I)
-        for base in (f8, dict(bwd_fp8_da=True)):
-            out = [run_fp8(config(True, **base, **knobs), L, T, E, K, shared, H, I, x, idx,
-                           p, W, dy)[0] for knobs in ({}, {"bwd_fp8_da_rows": True})]
-            assert_bitwise(out[0], out[1], (L, len(base)))
-            assert rel(out[1].dx_TH, exact.dx_TH) < 1e-1
-    print("da rows ok")
-""")
-
-
-def test_fp8_da_items_from_copied_rows_give_the_same_gradients_bitwise():
-    """``bwd_fp8_da_rows`` (the FP8 dY rows copied to contiguous rows before the launch, the
-    dA items' A tiles loaded from them through TMA): every gradient bitwise the gathering
-    dA items', with the whole FP8 backward and with FP8 dA items alone, one and two loopback
-    ranks (a wrong row offset or scale would change dx and the weight gradients)."""
-    _prints(run_interpreted(DA_ROWS_SCRIPT), "da rows ok", 1)
 
 
 DW_TILES_SCRIPT = COMMON + textwrap.dedent("""
@@ -767,10 +743,8 @@ DW_TILES_SCRIPT = COMMON + textwrap.dedent("""
         exact = reference_all_experts(x, idx, p, w1, w2, ws1, ws2, dy_NH=dy)
         out = [run_fp8(config(True, **base, **knobs), L, T, E, K, shared, H, I, x, idx, p, W,
                        dy)[0]
-               for knobs in ({}, {"bwd_dw_tiles": 2},
-                             {"bwd_dw_tiles": 2, "bwd_dw_down_h_major": True})]
-        for i in (1, 2):
-            assert_bitwise(out[0], out[i], (bool(base), experts, i))
+               for knobs in ({}, {"bwd_dw_tiles": 2})]
+        assert_bitwise(out[0], out[1], (bool(base), experts))
         tol = 1e-1 if base else 2e-2
         assert rel(out[1].w_gate_up, exact.dweights["w1_EHF"]) < tol
         assert rel(out[1].w_down, exact.dweights["w2_EIH"]) < tol

@@ -134,15 +134,14 @@ def test_da_items_without_epilogue_keep_their_k_loop_only():
     assert bare.ptx.count("st.global") < full.ptx.count("st.global") // 4
 
 
-def test_dx_bands_and_h_major_dw_down_build_as_the_default_order():
-    """``bwd_dx_band`` and ``bwd_dw_down_h_major`` change only index arithmetic: against the
-    row-block-major order, the whole backward with both (bf16 defaults, shared expert) fits,
+def test_dx_bands_build_as_the_default_order():
+    """``bwd_dx_band`` changes only index arithmetic: against the row-block-major order, the
+    whole backward with it (bf16 defaults, shared expert) fits,
     keeps the full-width MMAs and spills within the default build's bound
     (``test_hopper_build_of_the_backward``; a few bytes more than the plain order with
     Triton 3.9)."""
     base = mk.MoKConfig.for_shape(H, I, **{**_defaults().__dict__, "bwd_dx_band": 0})
-    cfg = mk.MoKConfig.for_shape(H, I, **{**base.__dict__, "bwd_dx_band": 16,
-                                          "bwd_dw_down_h_major": True})
+    cfg = mk.MoKConfig.for_shape(H, I, **{**base.__dict__, "bwd_dx_band": 16})
     lw = mk.compile_megakernel(cfg, H, I, shared=True, kernel="backward")
     plain = mk.compile_megakernel(base, H, I, shared=True, kernel="backward")
     assert lw.shared_bytes <= SMEM_LIMIT
@@ -176,25 +175,6 @@ def test_tiles_per_item_backward_fits(knobs):
     lw = mk.compile_megakernel(cfg, H, I, kernel="backward")
     assert lw.shared_bytes <= SMEM_LIMIT, lw.shared_bytes
     assert not lw.spills, lw.ptxas_log
-
-
-def test_fp8_da_items_from_copied_rows_load_through_tma():
-    """``bwd_fp8_da_rows``: the FP8 dA items alone (phase mask 1) load their A tiles through
-    a TMA descriptor (no per-thread asynchronous copy left; the gathering items copy dY's
-    rows per thread) and the whole FP8 backward still fits in shared memory."""
-    from mokbench.mok_backend import fp8_backward_fields, fp8_config_fields
-
-    fields = {**_row_pull(H, I, 16384, 8, 132, 1, 48, 90),
-              **fp8_config_fields(90, None), **fp8_backward_fields(90)}
-    gather = mk.MoKConfig.for_shape(H, I, **fields)
-    rows = mk.MoKConfig.for_shape(H, I, **{**fields, "bwd_fp8_da_rows": True})
-    a_gather = mk.compile_megakernel(gather, H, I, kernel="backward", phases=1)
-    a_rows = mk.compile_megakernel(rows, H, I, kernel="backward", phases=1)
-    assert a_gather.ttgir.count("ttg.async_copy_global_to_local") > 0
-    assert a_rows.ttgir.count("ttg.async_copy_global_to_local") == 0
-    assert a_rows.ptx.count("cp.async.bulk.tensor") > a_gather.ptx.count("cp.async.bulk.tensor")
-    whole = mk.compile_megakernel(rows, H, I, kernel="backward")
-    assert whole.shared_bytes <= SMEM_LIMIT, whole.shared_bytes
 
 
 @pytest.mark.parametrize("tiles, stages", [(1, 2), (4, 2), (4, 4)])
