@@ -14,7 +14,7 @@ import argparse
 import json
 
 import torch
-from bench_common import add_shape_args, cuda_ms
+from bench_common import add_shape_args, cuda_ms, phase_lines
 
 import mok_kernels as mk
 from mokbench.mok_backend import (
@@ -147,6 +147,9 @@ def main() -> None:
         fl = fwd_flops * (2 if name.startswith("backward") else 1)
         print(f"{name:14s} median {t.median_ms:8.3f} ms  min {t.min_ms:8.3f}  "
               f"max {t.max_ms:8.3f}  {fl / t.median_ms / 1e9:7.1f} TFLOP/s")
+    masks = {int(n[9:-1]): t.median_ms for n, t in res.items() if n.startswith("backward[")}
+    for line in phase_lines(masks, fwd_flops / 3):  # one GEMM's FLOPs: a third of forward's
+        print(line)
 
 
 if __name__ == "__main__":
