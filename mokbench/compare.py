@@ -25,7 +25,7 @@ from typing import Any
 
 import pandas as pd
 
-from mokbench import report
+from mokbench import report, tables
 from mokbench.errors import InputError
 from mokbench.results import read_env
 from mokbench.scenario import pass_label
@@ -67,11 +67,8 @@ def compare(a_dir: Path | str, b_dir: Path | str,
     ok = (out["status_a"] == "ok") & (out["status_b"] == "ok") & (out["median_ms_b"] > 0)
     out["speedup_b_vs_a"] = (out["median_ms_a"] / out["median_ms_b"]).where(ok)
 
-    def lohi(side: str) -> tuple[pd.Series, pd.Series]:
-        med = out[f"median_ms_{side}"]
-        return out[f"p10_ms_{side}"].fillna(med), out[f"p90_ms_{side}"].fillna(med)
-
-    (alo, ahi), (blo, bhi) = lohi("a"), lohi("b")
+    (alo, ahi), (blo, bhi) = (report.spread(out[f"median_ms_{s}"], out[f"p10_ms_{s}"],
+                                            out[f"p90_ms_{s}"]) for s in "ab")
     out["within_noise"] = (ok & (alo <= bhi) & (blo <= ahi)).fillna(False).astype(bool)
     out["same_variant"] = (out["variant_a"] == out["variant_b"]) | (out["in_runs"] != "both")
     rank = {k: i for i, k in enumerate(zip(*(a[c] for c in report.KEY)))}  # A's sweep order
@@ -81,11 +78,11 @@ def compare(a_dir: Path | str, b_dir: Path | str,
 
 
 def _ms(x: Any) -> str:
-    return "" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3f}"
+    return tables.num(x, ".3f")
 
 
 def _spread(lo: Any, hi: Any) -> str:
-    return f"{_ms(lo)}–{_ms(hi)}" if _ms(lo) and _ms(hi) else ""
+    return "-" if pd.isna(lo) or pd.isna(hi) else f"{_ms(lo)}–{_ms(hi)}"
 
 
 def _status(row: pd.Series, side: str) -> str:
@@ -99,7 +96,8 @@ def speedup_text(row: pd.Series) -> str:
     s = row["speedup_b_vs_a"]
     if not isinstance(s, float) or math.isnan(s):
         return ""
-    return f"{'~' if row['within_noise'] else ''}{s:.3f}x{'' if row['same_variant'] else ' *'}"
+    noise = tables.NOISE_MARK if row["within_noise"] else ""
+    return f"{noise}{s:.3f}x{'' if row['same_variant'] else ' *'}"
 
 
 def table_rows(cmp: pd.DataFrame) -> list[list[str]]:

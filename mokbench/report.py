@@ -113,15 +113,21 @@ def _best_baselines(df: pd.DataFrame) -> pd.DataFrame:
     return best.rename(columns=BEST_COLUMNS)
 
 
+def spread(median: pd.Series, p10: pd.Series, p90: pd.Series) -> tuple[pd.Series, pd.Series]:
+    """A row's p10-p90 range in ms, its median where a bound is missing; two rows are within
+    noise of each other where their ranges overlap (the report's and ``compare``'s rule)."""
+    def num(s: pd.Series) -> pd.Series:
+        return pd.to_numeric(s, errors="coerce").astype(float)
+
+    return num(p10).fillna(num(median)), num(p90).fillna(num(median))
+
+
 def _within_noise(out: pd.DataFrame, ok: pd.Series) -> pd.Series:
     """True where an ok row other than the fastest baseline has a p10-p90 range that overlaps
     the fastest baseline's: the speedup is no larger than the iteration spread."""
-    def col(name: str) -> pd.Series:
-        return pd.to_numeric(out[name], errors="coerce").astype(float)
-
-    lo, hi = col("p10_ms").fillna(col("median_ms")), col("p90_ms").fillna(col("median_ms"))
-    blo = out["best_baseline_p10_ms"].fillna(out["best_baseline_ms"])
-    bhi = out["best_baseline_p90_ms"].fillna(out["best_baseline_ms"])
+    lo, hi = spread(out["median_ms"], out["p10_ms"], out["p90_ms"])
+    blo, bhi = spread(out["best_baseline_ms"], out["best_baseline_p10_ms"],
+                      out["best_baseline_p90_ms"])
     overlap = (lo <= bhi) & (blo <= hi)
     return (ok & overlap & (out["backend"] != out["best_baseline"])).fillna(False).astype(bool)
 

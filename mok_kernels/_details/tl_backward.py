@@ -277,8 +277,8 @@ def mok_backward_kernel(
                 ic = c // NCJ  # I tile, then H tile (group)
                 jc = c % NCJ
                 ok = _wgrad_down_item(g, ic, jc, lr, gst, total, P,
-                                      hs_c_desc, dyg_c_desc, ctr, err, dw2_ptr, dws2_ptr, T,
-                                      E, NBMAX, budget, H, I, S, K, HAS_SHARED, BM, BN, BKWF,
+                                      hs_c_desc, dyg_c_desc, ctr, err, dw2_ptr, dws2_ptr,
+                                      E, NBMAX, budget, H, I, HAS_SHARED, BM, BN, BKWF,
                                       DAC, F32_DOT, FENCE,
                                       FP8W, qready, NQ, hqT_desc, dyqT_desc, srh, gdyam_ptr,
                                       POW2, PULLG, xgrp, DWT, DWSC)
@@ -289,7 +289,7 @@ def mok_backward_kernel(
                 d = i % ND
                 ok = _wgrad_gate_up_item(g, d // NDJ, d % NDJ, lr, gst,
                                          total, P, pre_d_desc, xg_d_desc, ctr, err, dw1_ptr,
-                                         dws1_ptr, T, E, NBMAX, budget, H, I, S, K, HAS_SHARED,
+                                         dws1_ptr, E, NBMAX, budget, H, I, HAS_SHARED,
                                          BM, BN, BKWF, DAC, F32_DOT, INTERLEAVED, FENCE,
                                          xgrp, PULLG, FP8W, qready, NQ, xqT_desc, gqT_desc,
                                          srg, gxam_ptr, POW2, DWT, DWSD)

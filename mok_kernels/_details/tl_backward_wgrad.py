@@ -161,8 +161,8 @@ def _fp8_wgrad_tile(a_desc, a_row, b_desc, b_row, start, end, HALF: tl.constexpr
 
 @triton.jit
 def _wgrad_down_item(g, it, jn, lr, gst, total, P, hs_c_desc, dyg_c_desc, ctr, err,
-                     dw2, dws2, T, E, NBMAX, budget, H: tl.constexpr, I: tl.constexpr,
-                     S: tl.constexpr, K: tl.constexpr, HAS_SHARED: tl.constexpr, BM: tl.constexpr,
+                     dw2, dws2, E, NBMAX, budget, H: tl.constexpr, I: tl.constexpr,
+                     HAS_SHARED: tl.constexpr, BM: tl.constexpr,
                      BN: tl.constexpr, BKW: tl.constexpr, DAC: tl.constexpr,
                      F32_DOT: tl.constexpr, PULL: tl.constexpr = False,
                      FP8W: tl.constexpr = False, qready=None, NQ: tl.constexpr = 0,
@@ -240,8 +240,8 @@ def _wgrad_down_tile(jn, it, icols, g, lr, start, end, P, hs_c_desc, dyg_c_desc,
 
 @triton.jit
 def _wgrad_gate_up_item(g, it, jn, lr, gst, total, P, pre_d_desc, xg_d_desc, ctr, err,
-                        dw1, dws1, T, E, NBMAX, budget, H: tl.constexpr, I: tl.constexpr,
-                        S: tl.constexpr, K: tl.constexpr, HAS_SHARED: tl.constexpr,
+                        dw1, dws1, E, NBMAX, budget, H: tl.constexpr, I: tl.constexpr,
+                        HAS_SHARED: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr,
                         DAC: tl.constexpr, F32_DOT: tl.constexpr, INTERLEAVED: tl.constexpr,
                         PULL: tl.constexpr = False, xgrp=None, XW: tl.constexpr = False,
