@@ -15,7 +15,9 @@
 #                   being filled by `offline_wheels.sh gather batch-N STORE` calls meanwhile; the
 #                   sweeps wait for it, since te / megatron rows need it (the tier and the
 #                   commands run beside it: they time mok and torch only)
-#   --tier S        benchmarks/gpu_tier.sh --workers 4 $TIER_ARGS, stopped after S seconds
+#   --tier S        benchmarks/gpu_tier.sh --workers 4 $TIER_ARGS, stopped after S seconds; with
+#                   --te, the tier's TE and Megatron-Core tests (which would import them while
+#                   pip installs them) run instead once the install is done (te-check)
 #   --commands FILE each line (blank lines and # comments skipped) run by bash, at most
 #                   COMMAND_S seconds (default 300),
 #                   PYTHONPATH = the tree and benchmarks/, skipped once less than 60 s is left
@@ -99,14 +101,19 @@ cmd_run() {
   if [[ -n $te ]]; then
     (log "te: waiting for the batches in $te"
      bash benchmarks/offline_wheels.sh install --wait "$(left)" "$te" >"$STATE/te.log" 2>&1
-     log "te: rc=$? ($(tail -1 "$STATE/te.log"))") &
+     rc=$?; echo "$rc" >"$STATE/te.rc"
+     log "te: rc=$rc ($(tail -1 "$STATE/te.log"))") &
     te_pid=$!
   fi
+  # The tier's tests of TE and Megatron-Core would import them while pip installs them: with
+  # --te they leave the tier and run once the install is done (te-check, below).
+  local te_tests=tests/gpu/test_baselines_gpu.py::test_library_baseline_passes_check
+  local tier_te=(); [[ -z $te ]] || tier_te=(--deselect "$te_tests")
   if ((tier_s > 0)); then
-    log "tier: begun (at most ${tier_s}s)"
+    log "tier: begun (at most ${tier_s}s${te:+; TE's and Megatron's tests after their install})"
     # shellcheck disable=SC2086  # TIER_ARGS are words
     OUT=$STATE/tier timeout "$tier_s" bash benchmarks/gpu_tier.sh --workers 4 ${TIER_ARGS:-} \
-      >"$STATE/tier.log" 2>&1
+      "${tier_te[@]}" >"$STATE/tier.log" 2>&1
     log "tier: rc=$? ($(tier_outcome "$STATE"/tier/*.log))"
   fi
   if [[ -n $commands ]]; then
@@ -122,6 +129,14 @@ cmd_run() {
     done <"$commands"
   fi
   [[ -z $te_pid ]] || wait "$te_pid"
+  if ((tier_s > 0)) && [[ -n $te && $(cat "$STATE/te.rc" 2>/dev/null) == 0 ]]; then
+    if (($(left) < 240)); then
+      log "te-check skipped (time)"
+    else
+      timeout 180 python -m pytest -v -m gpu "$te_tests" >"$STATE/te-check.log" 2>&1
+      log "te-check: rc=$? ($(tier_outcome "$STATE/te-check.log"))"
+    fi
+  fi
   local n=0 sweep limit
   for sweep in "${sweeps[@]}"; do
     n=$((n + 1)) limit=$(($(left) - 45))

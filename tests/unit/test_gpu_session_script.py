@@ -77,13 +77,14 @@ def test_too_little_time_skips_the_sweep_and_a_long_command_is_stopped(tmp_path:
 def test_commands_run_while_te_waits_for_its_batches_and_the_sweep_waits_for_te(tmp_path: Path):
     """The commands time mok and torch only, so they run beside TE's install; the sweeps (te
     and megatron rows) wait for it. Here no batch ever comes: the install gives up at the
-    deadline, after the command has run, and no sweep starts."""
+    deadline, after the command has run, and no sweep starts. The tier runs beside the install
+    without TE's and Megatron's tests, which run after a successful install only."""
     state, store = tmp_path / "state", tmp_path / "wheels"
     store.mkdir()
     commands = tmp_path / "commands.txt"
     commands.write_text("echo ran\n")
-    assert sh(state, "start", "--until", "65", "--te", str(store), "--commands", str(commands),
-              "--sweep", "sweeps/quick.toml").returncode == 0  # commands need 60 s left
+    assert sh(state, "start", "--until", "75", "--te", str(store), "--tier", "5", "--commands",
+              str(commands), "--sweep", "sweeps/quick.toml").returncode == 0
     rep = sh(state, "report", "--wait", "100", timeout=120)
     assert "(done)" in rep.stdout, rep.stdout
     log = (state / "session.log").read_text().splitlines()
@@ -92,6 +93,9 @@ def test_commands_run_while_te_waits_for_its_batches_and_the_sweep_waits_for_te(
     assert ran < te, log  # the command did not wait for the install
     assert "te: rc=0" not in log[te] and "sweep-1 skipped" in "\n".join(log[te:]), log
     assert not (state / "sweep-1").exists()
+    assert any("tier: begun (at most 5s; TE's and Megatron's tests after their install)" in ln
+               for ln in log), log
+    assert not any("te-check" in ln for ln in log), log  # the install failed
 
 
 @pytest.mark.parametrize("args, words", [
