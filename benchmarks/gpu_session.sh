@@ -17,7 +17,9 @@
 #                   commands run beside it: they time mok and torch only)
 #   --tier S        benchmarks/gpu_tier.sh --workers 4 $TIER_ARGS, stopped after S seconds; with
 #                   --te, the tier's TE and Megatron-Core tests (which would import them while
-#                   pip installs them) run instead once the install is done (te-check)
+#                   pip installs them) run instead once the install is done (te-check), or,
+#                   with --sweep, are left to the sweeps' te and megatron rows, each checked
+#                   against the reference before it is timed
 #   --commands FILE each line (blank lines and # comments skipped) run by bash, at most
 #                   COMMAND_S seconds (default 300),
 #                   PYTHONPATH = the tree and benchmarks/, skipped once less than 60 s is left
@@ -130,10 +132,12 @@ cmd_run() {
   fi
   [[ -z $te_pid ]] || wait "$te_pid"
   if ((tier_s > 0)) && [[ -n $te && $(cat "$STATE/te.rc" 2>/dev/null) == 0 ]]; then
-    if (($(left) < 240)); then
+    if ((${#sweeps[@]})); then  # every te / megatron row of a sweep passes the same check
+      log "te-check: left to the sweeps (their te and megatron rows are checked first)"
+    elif (($(left) < 360)); then
       log "te-check skipped (time)"
     else
-      timeout 180 python -m pytest -v -m gpu "$te_tests" >"$STATE/te-check.log" 2>&1
+      timeout 300 python -m pytest -v -m gpu "$te_tests" >"$STATE/te-check.log" 2>&1
       log "te-check: rc=$? ($(tier_outcome "$STATE/te-check.log"))"
     fi
   fi
