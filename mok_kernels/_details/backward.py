@@ -434,6 +434,17 @@ def _activation_descriptors(cfg: MoKConfig, pre_LPF: torch.Tensor, hs_LPI: torch
     return acts + dyg_d + xg_d
 
 
+def _hs_store_descriptor(cfg: MoKConfig, hs_LPI: torch.Tensor):
+    """``bwd_da_tma_store``: the dA epilogue's TMA descriptor over r h ([L*P, I] view,
+    [BM, BN/4] boxes: one column quarter of a tile); None without the knob."""
+    if not cfg.bwd_da_tma_store:
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(hs_LPI.view(-1, hs_LPI.shape[-1]),
+                                        [cfg.bwd_bm, cfg.block_n // 4])
+
+
 def _fp8_wgrad_args(cfg: MoKConfig, sc: BackwardScratch, pre_LPF: torch.Tensor) -> dict:
     """The FP8 weight-gradient items' arguments (``bwd_fp8_wgrad``): the scratch of
     ``Fp8WgradScratch``, TMA descriptors over its transposed copies ([BN/2 or BN features,
@@ -490,7 +501,8 @@ def backward_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots:
                 PBR=min(wgrad_rows(cfg), cfg.bwd_bm), PCH=min(128, _row_chunk(hidden)),
                 QBM=cfg.bwd_fp8_block_colmax, RQT=cfg.bwd_fp8_requant_tma,
                 DXBAND=cfg.bwd_dx_band, DWT=cfg.bwd_dw_tiles,
-                DWSC=3 if cfg.bwd_dw_stages == 4 else 2, DWSD=cfg.bwd_dw_stages)
+                DWSC=3 if cfg.bwd_dw_stages == 4 else 2, DWSD=cfg.bwd_dw_stages,
+                DATS=cfg.bwd_da_tma_store)
 
 
 def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tensor,
@@ -531,6 +543,7 @@ def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tens
         **_fp8_dx_args(ws, sc, fp8_weights), **_fp8_wgrad_args(cfg, sc, pre_LPF),
         T=ws.T, E=ws.E, NG=ws.E + int(ws.shared), P=ws.P, NCTR=bb.counters_LC.shape[1],
         budget=cfg.spin_budget, withhold=withhold, trace_ptr=None, MAXT=0, TRACE=False,
+        hs_s_desc=_hs_store_descriptor(cfg, sc.hs_LPI),
         **backward_constants(cfg, hidden=ws.H, intermediate=ws.I, slots=ws.S,
                              shared=ws.shared, programs=programs, interpreting=interpreting,
                              phases=phases))

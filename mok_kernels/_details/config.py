@@ -145,6 +145,14 @@ class MoKConfig:
         build of the B items uses 250 of 255 registers by copies). Off in the plain config;
         the mok backend turns it on for Hopper, where it measured faster (its
         ``default_config_fields``).
+    bwd_da_tma_store: the dA (A) items' SwiGLU-backward epilogue writes dG/dU and r h through
+        TMA stores (registers to shared memory, then bulk copies) instead of plain stores
+        (registers through shared memory back to registers, then 16-byte global stores), and
+        each item awaits the copies' completion (``cp.async.bulk.wait_group 0`` and an
+        async-proxy fence) before its release. The epilogue is 17-18% of the bf16 dA items'
+        time and 31% of the FP8 ones' on one H200 (profiling script, notes/mok-kernel.md).
+        Needs gate_up_interleaved (dG/dU's box is the gate/up load's). Off by default until
+        timed.
     bwd_block_m: rows per row block of the backward (0 = block_m): a multiple of block_m,
         and the schedule then pads every expert's rows to it (``row_align``), so the forward
         runs its block_m-row tiles on the same schedule and the backward its own. For the FP8
@@ -281,6 +289,7 @@ class MoKConfig:
     bwd_dx_tiles: int = 1
     bwd_da_tiles: int = 1
     bwd_dx_tma: bool = False
+    bwd_da_tma_store: bool = False
     bwd_block_m: int = 0
     bwd_fp8_da: bool = False
     bwd_fp8_dx: bool = False
@@ -391,6 +400,11 @@ class MoKConfig:
             self.bwd_fused_pull or self.bwd_pull_dedup or self.bwd_fp8_wgrad),
             "bwd_pull_by_token", self.bwd_pull_by_token, "false when bwd_fused_pull, "
             "bwd_pull_dedup or bwd_fp8_wgrad is set (it replaces the bf16 separate pull only)")
+        _check(isinstance(self.bwd_da_tma_store, bool), "bwd_da_tma_store",
+               self.bwd_da_tma_store, "true | false")
+        _check(not self.bwd_da_tma_store or self.gate_up_interleaved, "bwd_da_tma_store",
+               self.bwd_da_tma_store, "false unless gate_up_interleaved is set (dG/dU's "
+               "store box is the interleaved gate/up load's)")
         _check(isinstance(self.bwd_fp8_requant_tma, bool), "bwd_fp8_requant_tma",
                self.bwd_fp8_requant_tma, "true | false")
         _check(not self.bwd_fp8_requant_tma or self.bwd_fp8_dx, "bwd_fp8_requant_tma",

@@ -97,6 +97,7 @@ def test_wide_da_items_match_reference(wide):
                                   {"bwd_da_tiles": 4},
                                   {"bwd_dx_tma": True},
                                   {"bwd_dx_tma": True, "bwd_dx_tiles": 4},
+                                  {"bwd_da_tma_store": True},
                                   {"bwd_pull_dedup": True},
                                   {"bwd_dx_band": 16, "bwd_dx_tma": True},
                                   {"bwd_dx_band": 3},
