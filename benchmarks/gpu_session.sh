@@ -7,6 +7,7 @@
 #   benchmarks/gpu_session.sh start [--until S] [--te STORE] [--tier S] [--commands FILE]
 #                                   [--sweep FILE]... [-- SWEEP_ARGS...]
 #   benchmarks/gpu_session.sh report [--wait S] [--pack DIR]
+#   benchmarks/gpu_session.sh cut
 #
 # start    begins the session in a new process session (it outlives the call) and returns; when
 #          one was already begun in STATE it says so and returns 0, so every call of a lease can
@@ -30,6 +31,10 @@
 # report   waits until the session is done or S seconds pass (default 0), prints each step's
 #          line and the logs' ends; --pack DIR writes DIR/logs.tgz (every log) and, for each
 #          sweep that has packed its run folder, DIR/run-N.tgz (N = its place on the line).
+# cut      ends the session early to fit the device time left: the running sweep is
+#          interrupted as its time limit would (finished cells kept, its run folder packed)
+#          and no later command or sweep starts; then `report --wait 60 --pack DIR`. (Not
+#          `pkill -f` from the call itself: its own command line matches the pattern.)
 #
 # Env: STATE (default /tmp/gpu-session: session.log, te.log, tier.log and tier/, commands.log,
 # sweep-N/, done), TIER_ARGS (pytest arguments for the tier, e.g. -k "not test_baselines_gpu"),
@@ -123,6 +128,7 @@ cmd_run() {
     local line
     while IFS= read -r line || [[ -n $line ]]; do
       [[ -z ${line// /} || $line == \#* ]] && continue
+      if [[ -e $STATE/cut ]]; then log "command skipped (cut): $line"; continue; fi
       if (($(left) < 60)); then log "command skipped (time): $line"; continue; fi
       echo "== $line" >>"$STATE/commands.log"
       local cap=${COMMAND_S:-300}
@@ -144,6 +150,7 @@ cmd_run() {
   local n=0 sweep limit
   for sweep in "${sweeps[@]}"; do
     n=$((n + 1)) limit=$(($(left) - 45))
+    if [[ -e $STATE/cut ]]; then log "sweep-$n skipped (cut): $sweep"; continue; fi
     if ((limit < 120)); then
       log "sweep-$n skipped: ${limit}s left for $sweep"
       continue
@@ -190,10 +197,22 @@ cmd_report() {
   return 0
 }
 
+cmd_cut() {
+  [[ $# -eq 0 ]] || die "cut takes no arguments; got '$*'"
+  [[ -d $STATE/begun ]] || die "no session was begun in $STATE"
+  touch "$STATE/cut"
+  if pkill -INT -f "python -m mokbench.cli sweep"; then
+    echo "$PROG: interrupted the running sweep; nothing after it will start"
+  else
+    echo "$PROG: no sweep was running; nothing more will start"
+  fi
+}
+
 case ${1:-} in
   start) shift; cmd_start "$@" ;;
+  cut) shift; cmd_cut "$@" ;;
   report) shift; cmd_report "$@" ;;
   _run) shift; cmd_run "$@" ;;
-  -h | --help) sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//' ;;
-  *) die "usage: $PROG start [options] | report [--wait S] [--pack DIR] (--help for more)" ;;
+  -h | --help) sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//' ;;
+  *) die "usage: $PROG start [options] | report [--wait S] [--pack DIR] | cut (--help for more)" ;;
 esac

@@ -98,12 +98,47 @@ def test_commands_run_while_te_waits_for_its_batches_and_the_sweep_waits_for_te(
     assert not any("te-check" in ln for ln in log), log  # the install failed
 
 
+def test_cut_interrupts_the_running_sweep_keeps_its_cells_and_starts_nothing_after(
+        tmp_path: Path):
+    """`cut` (to fit the device time left): the running sweep stops as at its time limit,
+    its finished cells kept and its run folder packed; the next sweep does not start."""
+    import time
+
+    state, pack = tmp_path / "state", tmp_path / "pack"
+    sweep = tmp_path / "long.toml"
+    sweep.write_text('name = "long"\nbackends = ["nccl_torch"]\nworld_sizes = [1]\n'
+                     "[timing]\nwarmup = 1\niters = 3\n[[scenarios]]\npreset = \"tiny\"\n"
+                     "tokens_per_rank = [64, 96, 128, 160, 192, 224, 256, 288]\n")
+    assert sh(state, "start", "--until", "400", "--sweep", str(sweep), "--sweep",
+              "sweeps/quick.toml", "--", "--timeout-s", "200").returncode == 0
+    log = state / "sweep-1" / "sweep.log"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and not (
+            log.exists() and " ok " in log.read_text()):  # a first finished cell
+        time.sleep(1)
+    cut = sh(state, "cut")
+    assert cut.returncode == 0 and "interrupted the running sweep" in cut.stdout, cut
+    rep = sh(state, "report", "--wait", "120", "--pack", str(pack), timeout=150)
+    assert "(done)" in rep.stdout, rep.stdout
+    session = (state / "session.log").read_text()
+    assert "sweep-2 skipped (cut)" in session, session
+    with tarfile.open(pack / "run-1.tgz") as t:
+        rows = [m for m in t.getnames() if m.endswith("/rows.jsonl")]
+        text = t.extractfile(rows[0]).read().decode()
+    done = [ln for ln in text.splitlines() if ln.strip()]
+    assert 1 <= len(done) < 8 * 3, len(done)  # kept, and stopped before the end
+    assert not (pack / "run-2.tgz").exists()
+    again = sh(state, "cut")
+    assert again.returncode == 0 and "no sweep was running" in again.stdout
+
+
 @pytest.mark.parametrize("args, words", [
     (("start", "--until", "soon"), ("--until", "'soon'", "seconds")),
     (("start", "--sweep", "nowhere.toml"), ("--sweep", "nowhere.toml")),
     (("start", "--tie", "5"), ("--tie", "--tier")),
     (("report",), ("no session",)),
     (("nothing",), ("usage",)),
+    (("cut",), ("no session",)),
 ])
 def test_bad_arguments_get_one_line(tmp_path: Path, args: tuple, words: tuple):
     r = sh(tmp_path / "state", *args)
