@@ -16,6 +16,7 @@ import logging
 import os
 import platform
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -126,10 +127,42 @@ def git_commit() -> str | None:
     return os.environ.get("MOKBENCH_GIT_SHA") or _git("rev-parse", "HEAD")
 
 
-def _git(*args: str, cwd: Path | None = None) -> str | None:
+# The folders whose code decides what a run measures (see ``code_trees``).
+CODE_DIRS = ("mok_kernels", "mokbench", "baselines", "benchmarks", "sweeps")
+
+
+def code_trees(repo: Path | None = None) -> dict[str, str] | None:
+    """Git tree ids of ``CODE_DIRS`` as the files stand in the working tree (tracked and
+    untracked, .gitignore honoured), so a run names the code it ran even where the checkout's
+    HEAD is not that code (a tree copied onto a machine over an older .git): equal to
+    ``git rev-parse COMMIT:mok_kernels`` and so on for the commit whose code ran. Built in a
+    temporary index and object folder (the repository's objects are read, never written).
+    None outside a git checkout; a folder that does not exist is left out."""
+    top = _git("rev-parse", "--show-toplevel", cwd=repo)
+    objects = top and _git("rev-parse", "--git-path", "objects", cwd=Path(top))
+    if not top or not objects:
+        return None
+    objects = str(Path(top, objects))  # relative to top unless already absolute
+    dirs = [d for d in CODE_DIRS if Path(top, d).is_dir()]
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {"GIT_INDEX_FILE": str(Path(tmp, "index")),
+               "GIT_OBJECT_DIRECTORY": str(Path(tmp, "objects")),
+               "GIT_ALTERNATE_OBJECT_DIRECTORIES": objects}
+        Path(tmp, "objects").mkdir()
+        if dirs and _git("add", "-A", "--", *dirs, cwd=Path(top), env=env) is None:
+            return None
+        root = _git("write-tree", cwd=Path(top), env=env)
+        if root is None:
+            return None
+        trees = {d: _git("rev-parse", f"{root}:{d}", cwd=Path(top), env=env) for d in dirs}
+    return {d: t for d, t in trees.items() if t}
+
+
+def _git(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None) -> str | None:
     try:
-        out = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
-                             cwd=cwd or Path(__file__).resolve().parent)
+        out = subprocess.run(["git", *args], capture_output=True, text=True, timeout=30,
+                             cwd=cwd or Path(__file__).resolve().parent,
+                             env=None if env is None else {**os.environ, **env})
         return out.stdout.strip() if out.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):
         return None
@@ -175,6 +208,7 @@ def capture_env(run_dir: Path | None = None) -> dict[str, Any]:
         "git_sha": git_commit(),
         "git_dirty": (os.environ["MOKBENCH_GIT_DIRTY"] == "1" if "MOKBENCH_GIT_DIRTY" in os.environ
                       else bool(git_dirty(run_dir))),
+        "code_trees": code_trees(),
         "cuda": torch.version.cuda, "gpu_count": torch.cuda.device_count(),
         "libraries": {lib: _version(lib) for lib in LIBRARIES},
         "environment": recorded_environment(),

@@ -59,6 +59,46 @@ def test_git_dirty_leaves_out_the_runs_own_folder(tmp_path):
     assert git_dirty(repo / "mine" / "run", repo=repo) is True
 
 
+def test_code_trees_name_the_code_that_ran_even_over_an_older_head(tmp_path):
+    """code_trees gives each code folder's git tree id as its files stand: HEAD's when clean,
+    another after an edit, and, with the files of a later commit over an older HEAD (a tree
+    copied over a stale .git), that later commit's; it writes no object into the repository."""
+    import subprocess
+
+    from mokbench.results import code_trees
+
+    def rev(*args):
+        return subprocess.run(["git", "rev-parse", *args], cwd=repo, capture_output=True,
+                              text=True, check=True).stdout.strip()
+
+    def objects():
+        return sorted(p.name for p in (repo / ".git" / "objects").rglob("*") if p.is_file())
+
+    repo = tmp_path / "clone"
+    (repo / "mok_kernels").mkdir(parents=True)
+    (repo / "mokbench").mkdir()
+    (repo / "mok_kernels" / "k.py").write_text("a = 1\n")
+    (repo / "mokbench" / "m.py").write_text("b = 1\n")
+    _git(repo, "init", "-q")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", "one")
+    first = rev("HEAD")
+    assert code_trees(repo) == {"mok_kernels": rev("HEAD:mok_kernels"),
+                                "mokbench": rev("HEAD:mokbench")}
+    (repo / "mok_kernels" / "k.py").write_text("a = 2\n")
+    before = objects()
+    edited = code_trees(repo)
+    assert edited["mok_kernels"] != rev("HEAD:mok_kernels")
+    assert edited["mokbench"] == rev("HEAD:mokbench")
+    assert objects() == before  # nothing written into the repository
+    _git(repo, "commit", "-q", "-am", "two")
+    second = rev("HEAD:mok_kernels")
+    assert edited["mok_kernels"] == second
+    _git(repo, "reset", "-q", "--soft", first)  # HEAD older than the files
+    assert code_trees(repo)["mok_kernels"] == second != rev(f"{first}:mok_kernels")
+    assert code_trees(tmp_path) is None  # not a checkout
+
+
 def test_env_json_records_the_variables_that_change_a_run(monkeypatch):
     """capture_env keeps the communication, allocator, compiler and backend-knob variables
     set where the sweep starts, and nothing else of the shell (no HOME, no tokens)."""
