@@ -117,15 +117,30 @@ HEADERS = ["scenario", "backend", "pass", "A status", "A median ms", "A p10–p9
 
 
 def header_lines(a_dir: Path | str, b_dir: Path | str) -> list[str]:
-    """Which run is A and which is B: folder, commit (dirty or not) and GPU of each."""
-    out = []
+    """Which run is A and which is B: folder, commit (dirty or not) and GPU of each; then
+    which code folders differ between them (``code_line``)."""
+    out, envs = [], []
     for side, d in (("A", Path(a_dir)), ("B", Path(b_dir))):
         env = read_env(d)
+        envs.append(env)
         sha = str(env.get("git_sha") or "unknown")[:7] + (" (dirty)" if env.get("git_dirty")
                                                            else "")
         gpu = env.get("gpu_name") or "no GPU recorded"
         out.append(f"{side}: {d.name} (commit {sha}, {gpu})")
-    return out
+    return out + [code_line(*envs)]
+
+
+def code_line(env_a: dict, env_b: dict) -> str:
+    """The code folders whose git trees (env.json's ``code_trees``) differ between two runs,
+    or that both ran the same code; runs from before ``code_trees`` say so."""
+    a, b = env_a.get("code_trees"), env_b.get("code_trees")
+    if not a or not b:
+        missing = " and ".join(s for s, t in (("A", a), ("B", b)) if not t)
+        return f"code: not recorded in {missing} (runs before env.json's code_trees)"
+    differ = [f"{d}/" for d in sorted(set(a) | set(b)) if a.get(d) != b.get(d)]
+    if not differ:
+        return "code: the same in both runs (" + ", ".join(f"{d}/" for d in sorted(a)) + ")"
+    return "code: differs in " + ", ".join(differ)
 
 
 NOTE = ("B vs A = A's median / B's median (> 1: B faster); ~: the two p10–p90 ranges overlap "

@@ -83,10 +83,23 @@ def test_cli_markdown_names_both_runs(tmp_path: Path):
     assert r.exit_code == 0, r.output
     assert "- A: a (commit 1111111, NVIDIA H200)" in r.output
     assert "- B: b (commit 2222222, NVIDIA H200)" in r.output
+    assert "- code: not recorded in A and B" in r.output
     assert "| s1 | mok | forward (training) | ok | 10.000 | 9.900–10.100 | ok | 9.000 " in r.output
     assert "| 1.111x |" in r.output
     table = invoke("compare", a, b)
     assert table.exit_code == 0 and "1.111x" in table.output, table.output
+
+
+def test_header_says_which_code_folders_differ():
+    """The header's code line compares env.json's code_trees folder by folder."""
+    from mokbench.compare import code_line
+
+    a = {"code_trees": {"mok_kernels": "k1", "mokbench": "m1", "baselines": "b1"}}
+    assert code_line(a, a) == "code: the same in both runs (baselines/, mok_kernels/, mokbench/)"
+    b = {"code_trees": {"mok_kernels": "k2", "mokbench": "m1", "baselines": "b2"}}
+    assert code_line(a, b) == "code: differs in baselines/, mok_kernels/"
+    assert code_line({}, b) == "code: not recorded in A (runs before env.json's code_trees)"
+    assert code_line({}, {}).startswith("code: not recorded in A and B")
 
 
 def test_bad_input_is_one_line(tmp_path: Path):
