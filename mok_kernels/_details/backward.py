@@ -409,8 +409,9 @@ def _activation_descriptors(cfg: MoKConfig, pre_LPF: torch.Tensor, hs_LPI: torch
                             xg_LPH: torch.Tensor | None, dyg_LPH: torch.Tensor | None) -> tuple:
     """(pre for the dA epilogue, r*h for dW_down, dGU for dW_gate_up, dGU for dX: boxes
     [BM, BK], used with ``bwd_dx_tma``), then the pulled rows (dY for dA, dY for dW_down, x for
-    dW_gate_up; None where those rows are not pulled), over
-    [L*P, cols] views: the epilogue box covers a quarter tile of I columns (interleaved
+    dW_gate_up; None where those rows are not pulled), then r*h for the dA epilogue's TMA
+    stores (``bwd_da_tma_store``, else None), over
+    [L*P, cols] views: the epilogue boxes cover a quarter tile of I columns (interleaved
     gate/up: both of its halves), the weight-gradient boxes BKW rows."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -431,18 +432,8 @@ def _activation_descriptors(cfg: MoKConfig, pre_LPF: torch.Tensor, hs_LPI: torch
         xg_d = (TensorDescriptor.from_tensor(xg_LPH.view(-1, xg_LPH.shape[-1]), [bkw, bn // 2]),)
     else:
         xg_d = (None,)
-    return acts + dyg_d + xg_d
-
-
-def _hs_store_descriptor(cfg: MoKConfig, hs_LPI: torch.Tensor):
-    """``bwd_da_tma_store``: the dA epilogue's TMA descriptor over r h ([L*P, I] view,
-    [BM, BN/4] boxes: one column quarter of a tile); None without the knob."""
-    if not cfg.bwd_da_tma_store:
-        return None
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    return TensorDescriptor.from_tensor(hs_LPI.view(-1, hs_LPI.shape[-1]),
-                                        [cfg.bwd_bm, cfg.block_n // 4])
+    hs_s = TensorDescriptor.from_tensor(hs, [bm, q]) if cfg.bwd_da_tma_store else None
+    return acts + dyg_d + xg_d + (hs_s,)
 
 
 def _fp8_wgrad_args(cfg: MoKConfig, sc: BackwardScratch, pre_LPF: torch.Tensor) -> dict:
@@ -530,7 +521,7 @@ def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tens
     descs = _descriptors(ws, weights) + _activation_descriptors(cfg, pre_LPF, sc.hs_LPI,
                                                                 sc.xg_LPH, sc.dyg_LPH)
     names = ("w1_desc", "w2_desc", "ws1_desc", "ws2_desc", "pre_a_desc", "hs_c_desc",
-             "pre_d_desc", "pre_b_desc", "dyg_a_desc", "dyg_c_desc", "xg_d_desc")
+             "pre_d_desc", "pre_b_desc", "dyg_a_desc", "dyg_c_desc", "xg_d_desc", "hs_s_desc")
     descs = dict(zip(names, descs, strict=True))
     args = dict(
         p_base=bb.p_LTK,
@@ -543,7 +534,6 @@ def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tens
         **_fp8_dx_args(ws, sc, fp8_weights), **_fp8_wgrad_args(cfg, sc, pre_LPF),
         T=ws.T, E=ws.E, NG=ws.E + int(ws.shared), P=ws.P, NCTR=bb.counters_LC.shape[1],
         budget=cfg.spin_budget, withhold=withhold, trace_ptr=None, MAXT=0, TRACE=False,
-        hs_s_desc=_hs_store_descriptor(cfg, sc.hs_LPI),
         **backward_constants(cfg, hidden=ws.H, intermediate=ws.I, slots=ws.S,
                              shared=ws.shared, programs=programs, interpreting=interpreting,
                              phases=phases))
