@@ -483,7 +483,7 @@ def backward_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots:
                 BR=PULL_ROWS, CH=_row_chunk(hidden),
                 PULLERS=min(cfg.bwd_pull_programs or programs, programs),
                 DXT=cfg.bwd_dx_tiles, DAT=cfg.bwd_da_tiles,
-                DXTMA=cfg.bwd_dx_tma, FENCE=cfg.bwd_fused_pull, FP8DA=cfg.bwd_fp8_da,
+                DXTMA=cfg.bwd_dx_tma, FP8DA=cfg.bwd_fp8_da,
                 FP8DX=cfg.bwd_fp8_dx, GQW=dgu_row_elements(intermediate),
                 RQC=min(128, 2 * intermediate), POW2=cfg.fp8_pow2_scales,
                 FP8W=cfg.bwd_fp8_wgrad, BK8=fp8_backward_block_k(cfg),

@@ -113,7 +113,7 @@ def mok_backward_kernel(
         INTERLEAVED: tl.constexpr, PHASES: tl.constexpr, PULL: tl.constexpr,
         BR: tl.constexpr, CH: tl.constexpr, PULLERS: tl.constexpr = 0,
         DXT: tl.constexpr = 1, DAT: tl.constexpr = 1,
-        DXTMA: tl.constexpr = False, FENCE: tl.constexpr = False,
+        DXTMA: tl.constexpr = False,
         FP8DA: tl.constexpr = False, dyq_base=None, w2q_desc=None, ws2q_desc=None,
         sw2q_ptr=None, sws2q_ptr=None, FP8DX: tl.constexpr = False, gq_ptr=None,
         w1q_desc=None, ws1q_desc=None, sw1q_ptr=None, sws1q_ptr=None, GQW: tl.constexpr = 0,
@@ -128,10 +128,10 @@ def mok_backward_kernel(
         DXBAND: tl.constexpr = 0,
         DWT: tl.constexpr = 1, DWSC: tl.constexpr = 2, DWSD: tl.constexpr = 2,
         DATS: tl.constexpr = False, hs_s_desc=None):
-    """One persistent program per SM; see the module docstring for the work order. FENCE:
-    rows pulled in this launch (PULL): the C and D items fence the async proxy after
-    their group's acquire. FP8DA (``bwd_fp8_da``): the A items' FP8 tiles read dY as FP8
-    rows at its home ranks (``dyq_base``, same rank offsets ``tab16`` as dY) and W_down's
+    """One persistent program per SM; see the module docstring for the work order. The C
+    and D items fence the async proxy after their group's acquire (they read through TMA
+    rows written with plain stores). FP8DA (``bwd_fp8_da``): the A items' FP8 tiles read dY
+    as FP8 rows at its home ranks (``dyq_base``, same rank offsets ``tab16`` as dY) and W_down's
     e4m3 rows (``w2q_desc`` / ``ws2q_desc``) with their fp32 scales (``sw2q_ptr`` /
     ``sws2q_ptr``). FP8DX (``bwd_fp8_dx``): the B items' FP8 tiles on the FP8 dG/dU rows
     (``gq_ptr`` [L, P, GQW], quantised by the A item that completes a row block, RQC columns
@@ -282,7 +282,7 @@ def mok_backward_kernel(
                 ok = _wgrad_down_item(g, ic, jc, lr, gst, total, P,
                                       hs_c_desc, dyg_c_desc, ctr, err, dw2_ptr, dws2_ptr,
                                       E, NBMAX, budget, H, I, HAS_SHARED, BM, BN, BKWF,
-                                      DAC, F32_DOT, FENCE,
+                                      DAC, F32_DOT,
                                       FP8W, qready, NQ, hqT_desc, dyqT_desc, srh, gdyam_ptr,
                                       POW2, PULLG, xgrp, DWT, DWSC)
         else:
@@ -293,7 +293,7 @@ def mok_backward_kernel(
                 ok = _wgrad_gate_up_item(g, d // NDJ, d % NDJ, lr, gst,
                                          total, P, pre_d_desc, xg_d_desc, ctr, err, dw1_ptr,
                                          dws1_ptr, E, NBMAX, budget, H, I, HAS_SHARED,
-                                         BM, BN, BKWF, DAC, F32_DOT, INTERLEAVED, FENCE,
+                                         BM, BN, BKWF, DAC, F32_DOT, INTERLEAVED,
                                          xgrp, PULLG, FP8W, qready, NQ, xqT_desc, gqT_desc,
                                          srg, gxam_ptr, POW2, DWT, DWSD)
         if TRACE:

@@ -30,16 +30,16 @@ def _group_rows(gst, g, total):
 
 @triton.jit
 def _group_ready(g, gst, total, ctr, err, NBMAX, budget, I: tl.constexpr, BM: tl.constexpr,
-                 DAC: tl.constexpr, F32_DOT: tl.constexpr, PULL: tl.constexpr):
+                 DAC: tl.constexpr, F32_DOT: tl.constexpr):
     """Rows of group g (first, end) and whether every A item of g is done (the C and D items
-    read what they wrote). With PULL the rows were pulled in this launch with plain stores
-    and are read through TMA: fence the async proxy after the acquire."""
+    read what they wrote). The readers take those rows (r h, dG/dU, and pulled rows) through
+    TMA, the async proxy, after this generic acquire: the PTX memory model asks for a proxy
+    fence between the two, so one follows the acquire whatever wrote the rows."""
     start, end = _group_rows(gst, g, total)
     ok = wait_geq(ctr + 1 + NBMAX + g, (end - start) // BM * (I // DAC), err, budget,
                   _E_DGRAD_GROUP, g)
-    if PULL:
-        if ok != 0:
-            async_proxy_fence(ok, F32_DOT)
+    if ok != 0:
+        async_proxy_fence(ok, F32_DOT)
     return start, end, ok
 
 
@@ -96,8 +96,7 @@ def _wgrad_quant_item(g, c, lr, gst, total, src, P, hs_q_desc, pre_q_desc, hqT, 
     ``withhold`` is 4: a test's way to make the C and D items' bounded wait expire)."""
     HALF: tl.constexpr = BN // 2
     NH: tl.constexpr = I // HALF
-    start, end, ok = _group_ready(g, gst, total, ctr, err, NBMAX, budget, I, BM, DAC, F32_DOT,
-                                  True)
+    start, end, ok = _group_ready(g, gst, total, ctr, err, NBMAX, budget, I, BM, DAC, F32_DOT)
     # ``_quant_cols`` stores its transposed e4m3 bytes one per thread, a warp's 32 along a
     # column's contiguous rows (whole 32-byte sectors). Saying here that start is a multiple
     # of 16 rows makes them 16-byte vectors, but the whole kernel then spilled 380 bytes
@@ -130,8 +129,8 @@ def _pulled_rows(ok, xgrp, g, start, end, err, budget, BM: tl.constexpr,
 
 @triton.jit
 def _wgrad_wait(g, gst, total, ctr, err, NBMAX, budget, I: tl.constexpr, BM: tl.constexpr,
-                DAC: tl.constexpr, F32_DOT: tl.constexpr, PULL: tl.constexpr,
-                FP8W: tl.constexpr, qready, NQ: tl.constexpr):
+                DAC: tl.constexpr, F32_DOT: tl.constexpr, FP8W: tl.constexpr, qready,
+                NQ: tl.constexpr):
     """Rows of group g and whether a weight-gradient item may read them: every A item of g
     done (``_group_ready``) or, FP8W, every Q item of g (then the async proxy is fenced)."""
     if FP8W:
@@ -141,7 +140,7 @@ def _wgrad_wait(g, gst, total, ctr, err, NBMAX, budget, I: tl.constexpr, BM: tl.
             async_proxy_fence(ok, F32_DOT)
     else:
         start, end, ok = _group_ready(g, gst, total, ctr, err, NBMAX, budget, I, BM, DAC,
-                                      F32_DOT, PULL)
+                                      F32_DOT)
     return start, end, ok
 
 
@@ -164,8 +163,8 @@ def _wgrad_down_item(g, it, jn, lr, gst, total, P, hs_c_desc, dyg_c_desc, ctr, e
                      dw2, dws2, E, NBMAX, budget, H: tl.constexpr, I: tl.constexpr,
                      HAS_SHARED: tl.constexpr, BM: tl.constexpr,
                      BN: tl.constexpr, BKW: tl.constexpr, DAC: tl.constexpr,
-                     F32_DOT: tl.constexpr, PULL: tl.constexpr = False,
-                     FP8W: tl.constexpr = False, qready=None, NQ: tl.constexpr = 0,
+                     F32_DOT: tl.constexpr, FP8W: tl.constexpr = False, qready=None,
+                     NQ: tl.constexpr = 0,
                      hqT_desc=None, dyqT_desc=None, srh=None, gdyam=None,
                      POW2: tl.constexpr = False, XW: tl.constexpr = False, xgrp=None,
                      DWT: tl.constexpr = 1, DWS: tl.constexpr = 2):
@@ -180,7 +179,7 @@ def _wgrad_down_item(g, it, jn, lr, gst, total, P, hs_c_desc, dyg_c_desc, ctr, e
     rows (``_pulled_rows``)."""
     HALF: tl.constexpr = BN // 2
     start, end, ok = _wgrad_wait(g, gst, total, ctr, err, NBMAX, budget, I, BM, DAC, F32_DOT,
-                                 PULL, FP8W, qready, NQ)
+                                 FP8W, qready, NQ)
     if XW:
         ok = _pulled_rows(ok, xgrp, g, start, end, err, budget, BM, F32_DOT)
     if ok != 0:
@@ -244,7 +243,7 @@ def _wgrad_gate_up_item(g, it, jn, lr, gst, total, P, pre_d_desc, xg_d_desc, ctr
                         HAS_SHARED: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr,
                         DAC: tl.constexpr, F32_DOT: tl.constexpr, INTERLEAVED: tl.constexpr,
-                        PULL: tl.constexpr = False, xgrp=None, XW: tl.constexpr = False,
+                        xgrp=None, XW: tl.constexpr = False,
                         FP8W: tl.constexpr = False, qready=None, NQ: tl.constexpr = 0,
                         xqT_desc=None, gqT_desc=None, srg=None, gxam=None,
                         POW2: tl.constexpr = False, DWT: tl.constexpr = 1,
@@ -258,7 +257,7 @@ def _wgrad_gate_up_item(g, it, jn, lr, gst, total, P, pre_d_desc, xg_d_desc, ctr
     of group g in ``srg``); waits for g's Q items instead."""
     HALF: tl.constexpr = BN // 2
     start, end, ok = _wgrad_wait(g, gst, total, ctr, err, NBMAX, budget, I, BM, DAC, F32_DOT,
-                                 PULL, FP8W, qready, NQ)
+                                 FP8W, qready, NQ)
     if XW:
         ok = _pulled_rows(ok, xgrp, g, start, end, err, budget, BM, F32_DOT)
     if ok != 0:

@@ -111,11 +111,17 @@ def test_hopper_build_of_the_backward(world_size, shared, experts, tokens):
 @pytest.mark.parametrize("phases, wide", [(1, False), (2, False), (4, False), (8, False),
                                           (1, True)])
 def test_each_backward_item_kind_builds_without_spills(phases, wide):
-    """Each item kind alone; ``bwd_wide_da``: the dA items at block_n columns (m64n256)."""
+    """Each item kind alone; ``bwd_wide_da``: the dA items at block_n columns (m64n256). The
+    weight-gradient items (C: 4, D: 8) read through TMA what the A items wrote with plain
+    stores, so they fence the async proxy after their group's acquire even with the pull
+    outside the megakernel (the defaults)."""
     cfg = mk.MoKConfig.for_shape(H, I, **{**_defaults().__dict__, "bwd_wide_da": wide})
+    assert not cfg.bwd_fused_pull
     lw = mk.compile_megakernel(cfg, H, I, shared=True, kernel="backward", phases=phases)
     assert lw.shared_bytes <= SMEM_LIMIT
     assert not lw.spills, lw.ptxas_log
+    if phases in (4, 8):
+        assert "fence.proxy.async.global" in lw.ptx
     if wide:
         assert lw.mma_instructions == ["wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16"]
 
