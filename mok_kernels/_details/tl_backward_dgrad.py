@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from mok_kernels._details import errors
-from mok_kernels._details.tl_gemm import mma
+from mok_kernels._details.tl_gemm import mma, sigmoid
 from mok_kernels._details.tl_gemm_fp8 import fp8_row_views, fp8_tile
 from mok_kernels._details.tl_mega import _slot_rows, _weight_desc
 from mok_kernels._details.tl_quant import e4m3_scales, finite_amax, to_e4m3, to_f32
@@ -49,13 +49,14 @@ def _home_rows(base, tab, rank, t, valid, H: tl.constexpr):
 @triton.jit
 def _swiglu_bwd_half(da_raw, c0, prow, pre_desc, pre_rows, hs_rows, r, I: tl.constexpr,
                      BM: tl.constexpr, Q: tl.constexpr, INTERLEAVED: tl.constexpr,
-                     TMAST: tl.constexpr = False, hs_desc=None):
+                     TMAST: tl.constexpr = False, hs_desc=None, FSIG: tl.constexpr = False):
     """SwiGLU backward for Q columns c0.. of a row block (rows from ``prow`` in the [L*P, ...]
     views): reads gate/up through ``pre_desc``, writes dG, dU over them and r * h to
     ``hs_rows`` with plain stores, or, TMAST (``bwd_da_tma_store``, interleaved layout), with
     TMA stores through ``pre_desc`` and ``hs_desc`` (the item awaits their completion before
     its release: ``bulk_store_fence``); returns the router-gradient partial
-    sum_cols(da_raw * h) [BM]."""
+    sum_cols(da_raw * h) [BM]. FSIG (``bwd_fast_sigmoid``): the sigmoid by ``sigmoid``'s
+    inline PTX."""
     if INTERLEAVED:  # gate c at column 2c, up c at 2c + 1: one [BM, 2Q] box
         gate, up = tl.split(tl.reshape(pre_desc.load([prow, 2 * c0]).to(tl.float32),
                                        (BM, Q, 2)))
@@ -63,7 +64,7 @@ def _swiglu_bwd_half(da_raw, c0, prow, pre_desc, pre_rows, hs_rows, r, I: tl.con
         qc = c0 + tl.arange(0, Q)
         gate = tl.load(pre_rows[:, None] + qc[None, :]).to(tl.float32)
         up = tl.load(pre_rows[:, None] + (I + qc)[None, :]).to(tl.float32)
-    sig = 1.0 / (1.0 + tl.exp(-gate))
+    sig = sigmoid(gate, FSIG)
     silu = gate * sig
     h = silu * up
     part = tl.sum(da_raw * h, axis=1)
@@ -204,7 +205,7 @@ def _dx_tile_fp8(jn, gq_rows16, lr, g, E, w1q_desc, ws1q_desc, sw1q_ptr, sws1q_p
 def _da_epilogue(acc, jt, rows, prow, pre, hs, rank, t, k, routed, p_base, drp_base, tab32,
                  pre_a_desc, I: tl.constexpr, K: tl.constexpr, BM: tl.constexpr,
                  BN: tl.constexpr, DAC: tl.constexpr, INTERLEAVED: tl.constexpr,
-                 TMAST: tl.constexpr = False, hs_desc=None):
+                 TMAST: tl.constexpr = False, hs_desc=None, FSIG: tl.constexpr = False):
     """The A item's epilogue for I tile jt (see the module docstring), in column quarters of
     a [BM, BN] tile (two for DAC = BN/2, four for DAC = BN) so its fp32 temporaries fit in
     registers; ends with the router-gradient partial of the tile."""
@@ -217,21 +218,21 @@ def _da_epilogue(acc, jt, rows, prow, pre, hs, rank, t, k, routed, p_base, drp_b
     if DAC == 2 * Q:  # the accumulator's column quarters, one after another
         a0, a1 = tl.split(tl.permute(tl.reshape(acc, (BM, 2, Q)), (0, 2, 1)))
         part = _swiglu_bwd_half(a0, c0, prow, pre_a_desc, pre_rows, hs_rows, r, I, BM, Q,
-                                INTERLEAVED, TMAST, hs_desc)
+                                INTERLEAVED, TMAST, hs_desc, FSIG)
         part += _swiglu_bwd_half(a1, c0 + Q, prow, pre_a_desc, pre_rows, hs_rows, r, I, BM, Q,
-                                 INTERLEAVED, TMAST, hs_desc)
+                                 INTERLEAVED, TMAST, hs_desc, FSIG)
     else:
         lo, hi = tl.split(tl.permute(tl.reshape(acc, (BM, 2, 2 * Q)), (0, 2, 1)))
         a0, a1 = tl.split(tl.permute(tl.reshape(lo, (BM, 2, Q)), (0, 2, 1)))
         a2, a3 = tl.split(tl.permute(tl.reshape(hi, (BM, 2, Q)), (0, 2, 1)))
         part = _swiglu_bwd_half(a0, c0, prow, pre_a_desc, pre_rows, hs_rows, r, I, BM, Q,
-                                INTERLEAVED, TMAST, hs_desc)
+                                INTERLEAVED, TMAST, hs_desc, FSIG)
         part += _swiglu_bwd_half(a1, c0 + Q, prow, pre_a_desc, pre_rows, hs_rows, r, I, BM, Q,
-                                 INTERLEAVED, TMAST, hs_desc)
+                                 INTERLEAVED, TMAST, hs_desc, FSIG)
         part += _swiglu_bwd_half(a2, c0 + 2 * Q, prow, pre_a_desc, pre_rows, hs_rows, r, I,
-                                 BM, Q, INTERLEAVED, TMAST, hs_desc)
+                                 BM, Q, INTERLEAVED, TMAST, hs_desc, FSIG)
         part += _swiglu_bwd_half(a3, c0 + 3 * Q, prow, pre_a_desc, pre_rows, hs_rows, r, I,
-                                 BM, Q, INTERLEAVED, TMAST, hs_desc)
+                                 BM, Q, INTERLEAVED, TMAST, hs_desc, FSIG)
     # Router-weight gradient: d r = sum_I dA_raw * h, one partial per I tile.
     drp_off = tl.load(tab32 + rank, mask=routed, other=0)
     tl.store(drp_base + drp_off + (t * K + k) * NJ + jt, part, mask=routed)
@@ -261,7 +262,7 @@ def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, 
                      RQC: tl.constexpr = 128, POW2: tl.constexpr = False,
                      QBM: tl.constexpr = False, bmax=None, RQT: tl.constexpr = False,
                      hs_a_desc=None, NOEPI: tl.constexpr = False,
-                     DATS: tl.constexpr = False, hs_s_desc=None):
+                     DATS: tl.constexpr = False, hs_s_desc=None, FSIG: tl.constexpr = False):
     """A item: dA[rows of block b, I tiles jt0*DAT .. of DAC columns] and its epilogue
     (``_da_epilogue``); DAT tiles per item in one flattened loop (the next tile's loads
     overlap a tile's epilogue), and the item signals +DAT. FP8DA: FP8 tiles
@@ -273,7 +274,8 @@ def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, 
     takes the column maxima there, r h's through ``hs_a_desc``). NOEPI (profiling only, phase
     bit 16): the one-tile item skips its epilogue (``_da_sums_only``). DATS
     (``bwd_da_tma_store``): the epilogue stores dG/dU and r h through TMA (``pre_a_desc``,
-    ``hs_s_desc``) and the item awaits their completion before it signals."""
+    ``hs_s_desc``) and the item awaits their completion before it signals. FSIG
+    (``bwd_fast_sigmoid``): the epilogue's sigmoid by inline PTX (``sigmoid``)."""
     g = tl.load(grp + b)
     rows = b * BM + tl.arange(0, BM)
     valid, rank, t, k, routed = _row_meta(src, rows, T, S, K)
@@ -290,7 +292,8 @@ def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, 
             _da_sums_only(acc, jt0, rank, t, k, routed, drp_base, tab32, I, K, DAC)
         else:
             _da_epilogue(acc, jt0, rows, prow, pre, hs, rank, t, k, routed, p_base, drp_base,
-                         tab32, pre_a_desc, I, K, BM, BN, DAC, INTERLEAVED, DATS, hs_s_desc)
+                         tab32, pre_a_desc, I, K, BM, BN, DAC, INTERLEAVED, DATS, hs_s_desc,
+                         FSIG)
     else:
         for jj in tl.range(0, DAT, flatten=True):
             jt = jt0 * DAT + jj
@@ -301,7 +304,8 @@ def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, 
             else:
                 acc = _da_tile(jt, prow, d2, w_row0, dyg_a_desc, H, BM, BK, DAC, F32_DOT)
             _da_epilogue(acc, jt, rows, prow, pre, hs, rank, t, k, routed, p_base, drp_base,
-                         tab32, pre_a_desc, I, K, BM, BN, DAC, INTERLEAVED, DATS, hs_s_desc)
+                         tab32, pre_a_desc, I, K, BM, BN, DAC, INTERLEAVED, DATS, hs_s_desc,
+                         FSIG)
     if DATS:  # this thread's TMA stores done and ordered before the release below
         bulk_store_fence(b, F32_DOT)
     if (withhold != 3) | (b != 0) | (jt0 != 0):

@@ -26,6 +26,24 @@ def mma(a, b, acc, F32_DOT: tl.constexpr):
 
 
 @triton.jit
+def sigmoid(x, FAST: tl.constexpr):
+    """1 / (1 + exp(-x)) in fp32. FAST: one inline-PTX sequence, ``ex2.approx.ftz`` of -x log2(e)
+    and ``rcp.approx.ftz`` of 1 + that (two MUFU operations and two FP32 ones; relative error
+    of a few ulp, like ``div.full``; x > 87 gives exactly 1, x < -88 exactly 0, NaN stays NaN),
+    instead of the default lowering's ``ex2.approx`` with its subnormal range fix-up and
+    ``div.full`` with its own (eleven instructions, four predicated): in the backward's SwiGLU
+    epilogue, which Triton also recomputes in a second register layout for the r h store,
+    that is a quarter of the dA items' epilogue instructions (sm_90, Kimi K2 shape). Not under
+    the interpreter (no PTX there)."""
+    if FAST:
+        return tl.inline_asm_elementwise(
+            "{ .reg .f32 t; mul.f32 t, $1, 0fBFB8AA3B; ex2.approx.ftz.f32 t, t;"
+            " add.f32 t, t, 0f3F800000; rcp.approx.ftz.f32 $0, t; }",
+            "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
 def quant_hook(v, QUANT: tl.constexpr):
     """Fused-quantisation hook on the data path (dispatch, after SwiGLU). QUANT=0 passes the
     bf16 values through; an FP8 path (block scales on Hopper, MXFP8 on Blackwell) goes here."""
