@@ -153,13 +153,13 @@ class MoKConfig:
         time and 31% of the FP8 ones' on one H200 (profiling script, notes/mok-kernel.md).
         Needs gate_up_interleaved (dG/dU's box is the gate/up load's). Off by default until
         timed.
-    bwd_fast_sigmoid: the dA items' SwiGLU backward takes its sigmoid by one inline-PTX
-        sequence (``ex2.approx.ftz``, ``rcp.approx.ftz``: a few ulp, as the default
-        lowering's ``div.full``) instead of Triton's lowering of 1 / (1 + exp(-x)) with its
-        subnormal fix-ups; on sm_90 the dA items' instructions fall by a quarter (7000 to
-        5240 SASS instructions in the Kimi K2 48 build of those items alone, no spills), since
-        Triton computes the sigmoid twice, once per register layout (the r h store's and the
-        accumulator's). On by default; the interpreter always takes the plain formula.
+    bwd_lean_epilogue: the dA items' SwiGLU backward in fewer instructions, the same values
+        to a few fp32 ulps: the sigmoid by inline PTX (``ex2.approx.ftz``, ``rcp.approx.ftz``)
+        instead of Triton's lowering with its subnormal fix-ups; r h computed once (Triton
+        otherwise recomputes the sigmoid in the r h store's register layout); dG's factor as
+        sig + silu (1 - sig). On sm_90 the dA items' build falls from 7000 to 3696 SASS
+        instructions (Kimi K2 48; no spills; the whole backward 8 bytes of spill stores
+        against none). On by default; off, the kernel is the one before it, PTX for PTX.
     bwd_block_m: rows per row block of the backward (0 = block_m): a multiple of block_m,
         and the schedule then pads every expert's rows to it (``row_align``), so the forward
         runs its block_m-row tiles on the same schedule and the backward its own. For the FP8
@@ -297,7 +297,7 @@ class MoKConfig:
     bwd_da_tiles: int = 1
     bwd_dx_tma: bool = False
     bwd_da_tma_store: bool = False
-    bwd_fast_sigmoid: bool = True
+    bwd_lean_epilogue: bool = True
     bwd_block_m: int = 0
     bwd_fp8_da: bool = False
     bwd_fp8_dx: bool = False
@@ -408,8 +408,8 @@ class MoKConfig:
             self.bwd_fused_pull or self.bwd_pull_dedup or self.bwd_fp8_wgrad),
             "bwd_pull_by_token", self.bwd_pull_by_token, "false when bwd_fused_pull, "
             "bwd_pull_dedup or bwd_fp8_wgrad is set (it replaces the bf16 separate pull only)")
-        _check(isinstance(self.bwd_fast_sigmoid, bool), "bwd_fast_sigmoid",
-               self.bwd_fast_sigmoid, "true | false")
+        _check(isinstance(self.bwd_lean_epilogue, bool), "bwd_lean_epilogue",
+               self.bwd_lean_epilogue, "true | false")
         _check(isinstance(self.bwd_da_tma_store, bool), "bwd_da_tma_store",
                self.bwd_da_tma_store, "true | false")
         _check(not self.bwd_da_tma_store or self.gate_up_interleaved, "bwd_da_tma_store",

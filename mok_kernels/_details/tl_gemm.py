@@ -26,21 +26,33 @@ def mma(a, b, acc, F32_DOT: tl.constexpr):
 
 
 @triton.jit
-def sigmoid(x, FAST: tl.constexpr):
-    """1 / (1 + exp(-x)) in fp32. FAST: one inline-PTX sequence, ``ex2.approx.ftz`` of -x log2(e)
-    and ``rcp.approx.ftz`` of 1 + that (two MUFU operations and two FP32 ones; relative error
-    of a few ulp, like ``div.full``; x > 87 gives exactly 1, x < -88 exactly 0, NaN stays NaN),
-    instead of the default lowering's ``ex2.approx`` with its subnormal range fix-up and
-    ``div.full`` with its own (eleven instructions, four predicated): in the backward's SwiGLU
-    epilogue, which Triton also recomputes in a second register layout for the r h store,
-    that is a quarter of the dA items' epilogue instructions (sm_90, Kimi K2 shape). Not under
-    the interpreter (no PTX there)."""
-    if FAST:
+def sigmoid(x, PTX: tl.constexpr):
+    """1 / (1 + exp(-x)) in fp32. PTX: one inline-PTX sequence, ``ex2.approx.ftz`` of -x log2(e)
+    and ``rcp.approx.ftz`` of 1 + that (two MUFU and two FP32 instructions; an error of a few
+    ulp, as ``div.full``'s; x > 87 gives exactly 1, x < -88 exactly 0, NaN stays NaN), where
+    Triton's lowering of the formula adds subnormal fix-ups to both (eleven instructions, four
+    of them predicated, on sm_90). Without PTX (the interpreter) the formula."""
+    if PTX:
         return tl.inline_asm_elementwise(
             "{ .reg .f32 t; mul.f32 t, $1, 0fBFB8AA3B; ex2.approx.ftz.f32 t, t;"
             " add.f32 t, t, 0f3F800000; rcp.approx.ftz.f32 $0, t; }",
             "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
     return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def held_with(x16, anchor, PTX: tl.constexpr):
+    """``x16`` (bf16), unchanged, through an inline-PTX move that also takes ``anchor`` (fp32,
+    same shape, unused), e.g. an MMA accumulator tile. Where a value is needed in two register
+    layouts, Triton's layout pass may recompute its producers in the second layout rather than
+    convert it (the dA epilogue's sigmoid was computed twice so, once for the r h store); it
+    cannot recompute past the MMA that made ``anchor``, so the value is computed once and
+    converted (a shared-memory round trip of two bytes an element). ptxas drops the move.
+    Without PTX (the interpreter) x16 itself."""
+    if PTX:
+        return tl.inline_asm_elementwise("mov.b16 $0, $1;", "=h,h,r", [x16, anchor],
+                                         dtype=tl.bfloat16, is_pure=True, pack=1)
+    return x16
 
 
 @triton.jit

@@ -91,12 +91,12 @@ def test_wide_da_items_match_reference(wide):
           6, 8)
 
 
-def test_fast_sigmoid_and_the_plain_one_both_match_reference():
-    """``bwd_fast_sigmoid`` (the default) and the plain 1 / (1 + exp(-x)): each within the
-    bf16 tolerance of the float32 reference, and within a few bf16 ulps of each other (the two
-    sigmoids differ by a few fp32 ulps, which moves a rounding now and then)."""
-    outs = [check(cfg_for(7168, 1024, gate_up_interleaved=True, bwd_fast_sigmoid=fast), 2,
-                  256, 7168, 1024, 6, 8)[0] for fast in (True, False)]
+def test_lean_da_epilogue_and_the_plain_one_both_match_reference():
+    """``bwd_lean_epilogue`` (the default) and the plain epilogue: each within the bf16
+    tolerance of the float32 reference, and within a few bf16 ulps of each other (their
+    sigmoids and dG factors differ by a few fp32 ulps, which moves a rounding now and then)."""
+    outs = [check(cfg_for(7168, 1024, gate_up_interleaved=True, bwd_lean_epilogue=lean), 2,
+                  256, 7168, 1024, 6, 8)[0] for lean in (True, False)]
     for name, a in outs[0].items():
         if a is None:
             continue

@@ -29,7 +29,7 @@ from mok_kernels import MoKConfig, MoKConfigError, plan
     ({"bwd_da_tiles": 65}, "bwd_da_tiles"),
     ({"bwd_dx_tma": 1}, "bwd_dx_tma"),
     ({"bwd_da_tma_store": 1}, "bwd_da_tma_store"),
-    ({"bwd_fast_sigmoid": "yes"}, "bwd_fast_sigmoid"),
+    ({"bwd_lean_epilogue": "yes"}, "bwd_lean_epilogue"),
     ({"bwd_da_tma_store": True, "gate_up_interleaved": False}, "bwd_da_tma_store"),
     ({"bwd_fp8_da": "yes"}, "bwd_fp8_da"),
     ({"bwd_fp8_dx": 1}, "bwd_fp8_dx"),
