@@ -63,7 +63,7 @@ def _speedups(run: str, scenarios: list[str], pass_: str, column: str,
 # [, the row's mok backend when not plain mok, or (forward's, backward's) backends]).
 FP8_BWD = "mok@bwd_fp8_da=true,bwd_fp8_dx=true,bwd_fp8_wgrad=true"
 STANDS = [
-    ("| one GPU, bf16:", ["20261202-104809-h200-bf16-train",
+    ("| one GPU, bf16:", ["20261202-170016-h200-bf16-train", "20261202-104809-h200-bf16-train",
                          "20261202-081425-h200-bf16-train-presets"],
      ["kimi-k2-e48-", "kimi-k2.7-code-E48", "kimi-k2-e384-", "qwen3.5-397b-E64", "glm-5.2-E32",
       "deepseek-v4-pro-E48"]),
