@@ -409,10 +409,9 @@ def _activation_descriptors(cfg: MoKConfig, pre_LPF: torch.Tensor, hs_LPI: torch
                             xg_LPH: torch.Tensor | None, dyg_LPH: torch.Tensor | None) -> tuple:
     """(pre for the dA epilogue, r*h for dW_down, dGU for dW_gate_up, dGU for dX: boxes
     [BM, BK], used with ``bwd_dx_tma``), then the pulled rows (dY for dA, dY for dW_down, x for
-    dW_gate_up; None where those rows are not pulled), then r*h for the dA epilogue's TMA
-    stores (``bwd_da_tma_store``, else None), over
-    [L*P, cols] views: the epilogue boxes cover a quarter tile of I columns (interleaved
-    gate/up: both of its halves), the weight-gradient boxes BKW rows."""
+    dW_gate_up; None where those rows are not pulled), over [L*P, cols] views: the epilogue
+    boxes cover a quarter tile of I columns (interleaved gate/up: both of its halves), the
+    weight-gradient boxes BKW rows."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     bm, bn, bkw = cfg.bwd_bm, cfg.block_n, wgrad_rows(cfg)
@@ -432,8 +431,7 @@ def _activation_descriptors(cfg: MoKConfig, pre_LPF: torch.Tensor, hs_LPI: torch
         xg_d = (TensorDescriptor.from_tensor(xg_LPH.view(-1, xg_LPH.shape[-1]), [bkw, bn // 2]),)
     else:
         xg_d = (None,)
-    hs_s = TensorDescriptor.from_tensor(hs, [bm, q]) if cfg.bwd_da_tma_store else None
-    return acts + dyg_d + xg_d + (hs_s,)
+    return acts + dyg_d + xg_d
 
 
 def _fp8_wgrad_args(cfg: MoKConfig, sc: BackwardScratch, pre_LPF: torch.Tensor) -> dict:
@@ -493,7 +491,7 @@ def backward_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots:
                 QBM=cfg.bwd_fp8_block_colmax, RQT=cfg.bwd_fp8_requant_tma,
                 DXBAND=cfg.bwd_dx_band, DWT=cfg.bwd_dw_tiles,
                 DWSC=3 if cfg.bwd_dw_stages == 4 else 2, DWSD=cfg.bwd_dw_stages,
-                DATS=cfg.bwd_da_tma_store, LEAN=cfg.bwd_lean_epilogue)
+                LEAN=cfg.bwd_lean_epilogue)
 
 
 def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tensor,
@@ -521,7 +519,7 @@ def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tens
     descs = _descriptors(ws, weights) + _activation_descriptors(cfg, pre_LPF, sc.hs_LPI,
                                                                 sc.xg_LPH, sc.dyg_LPH)
     names = ("w1_desc", "w2_desc", "ws1_desc", "ws2_desc", "pre_a_desc", "hs_c_desc",
-             "pre_d_desc", "pre_b_desc", "dyg_a_desc", "dyg_c_desc", "xg_d_desc", "hs_s_desc")
+             "pre_d_desc", "pre_b_desc", "dyg_a_desc", "dyg_c_desc", "xg_d_desc")
     descs = dict(zip(names, descs, strict=True))
     args = dict(
         p_base=bb.p_LTK,

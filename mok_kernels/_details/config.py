@@ -145,14 +145,6 @@ class MoKConfig:
         build of the B items uses 250 of 255 registers by copies). Off in the plain config;
         the mok backend turns it on for Hopper, where it measured faster (its
         ``default_config_fields``).
-    bwd_da_tma_store: the dA (A) items' SwiGLU-backward epilogue writes dG/dU and r h through
-        TMA stores (registers to shared memory, then bulk copies) instead of plain stores
-        (registers through shared memory back to registers, then 16-byte global stores), and
-        each item awaits the copies' completion (``cp.async.bulk.wait_group 0`` and an
-        async-proxy fence) before its release. The epilogue is 17-18% of the bf16 dA items'
-        time and 31% of the FP8 ones' on one H200 (profiling script, notes/mok-kernel.md).
-        Needs gate_up_interleaved (dG/dU's box is the gate/up load's). Off by default until
-        timed.
     bwd_lean_epilogue: the dA items' SwiGLU backward in fewer instructions, the same values
         to a few fp32 ulps: the sigmoid by inline PTX (``ex2.approx.ftz``, ``rcp.approx.ftz``)
         instead of Triton's lowering with its subnormal fix-ups; r h computed once (Triton
@@ -296,7 +288,6 @@ class MoKConfig:
     bwd_dx_tiles: int = 1
     bwd_da_tiles: int = 1
     bwd_dx_tma: bool = False
-    bwd_da_tma_store: bool = False
     bwd_lean_epilogue: bool = True
     bwd_block_m: int = 0
     bwd_fp8_da: bool = False
@@ -410,11 +401,6 @@ class MoKConfig:
             "bwd_pull_dedup or bwd_fp8_wgrad is set (it replaces the bf16 separate pull only)")
         _check(isinstance(self.bwd_lean_epilogue, bool), "bwd_lean_epilogue",
                self.bwd_lean_epilogue, "true | false")
-        _check(isinstance(self.bwd_da_tma_store, bool), "bwd_da_tma_store",
-               self.bwd_da_tma_store, "true | false")
-        _check(not self.bwd_da_tma_store or self.gate_up_interleaved, "bwd_da_tma_store",
-               self.bwd_da_tma_store, "false unless gate_up_interleaved is set (dG/dU's "
-               "store box is the interleaved gate/up load's)")
         _check(isinstance(self.bwd_fp8_requant_tma, bool), "bwd_fp8_requant_tma",
                self.bwd_fp8_requant_tma, "true | false")
         _check(not self.bwd_fp8_requant_tma or self.bwd_fp8_dx, "bwd_fp8_requant_tma",

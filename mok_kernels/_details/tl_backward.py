@@ -127,7 +127,7 @@ def mok_backward_kernel(
         hs_a_desc=None, trace_ptr=None, MAXT=0, TRACE: tl.constexpr = False,
         DXBAND: tl.constexpr = 0,
         DWT: tl.constexpr = 1, DWSC: tl.constexpr = 2, DWSD: tl.constexpr = 2,
-        DATS: tl.constexpr = False, hs_s_desc=None, LEAN: tl.constexpr = False):
+        LEAN: tl.constexpr = False):
     """One persistent program per SM; see the module docstring for the work order. The C
     and D items fence the async proxy after their group's acquire (they read through TMA
     rows written with plain stores). FP8DA (``bwd_fp8_da``): the A items' FP8 tiles read dY
@@ -161,9 +161,8 @@ def mok_backward_kernel(
     2 Q, 3 C, 4 D) to ``trace_ptr``
     [L, MAXT, 4] int64 at its ticket; the start is taken after the ticket is claimed, so a
     wait inside an item counts as the item's time.
-    DATS (``bwd_da_tma_store``): the A items' epilogue stores through TMA (``hs_s_desc``: r h
-    in [BM, BN/4] boxes), awaited before their signal. LEAN (``bwd_lean_epilogue``): the A
-    items' epilogue in fewer instructions (``_swiglu_bwd_half``)."""
+    LEAN (``bwd_lean_epilogue``): the A items' epilogue in fewer instructions
+    (``_swiglu_bwd_half``)."""
     HALF: tl.constexpr = BN // 2
     BKA: tl.constexpr = BK8 if FP8DA else BK  # reduction steps of the A, B, C and D items:
     BKX: tl.constexpr = BK8 if FP8DX else BK  # ``bwd_fp8_block_k`` (BK8, BKW8) for the FP8
@@ -250,7 +249,7 @@ def mok_backward_kernel(
                                      DAC, F32_DOT, INTERLEAVED, tab16, DAT,
                                      FP8DA, dyq_base, w2q_desc, ws2q_desc, sw2q_ptr,
                                      sws2q_ptr, FP8DX, gq, GQW, RQC, POW2, QBM, bmax_ptr,
-                                     RQT, hs_a_desc, NOEPI, DATS, hs_s_desc, LEAN)
+                                     RQT, hs_a_desc, NOEPI, LEAN)
         elif tk < end_b:
             i = tk - end_a
             if PHASES & 2:

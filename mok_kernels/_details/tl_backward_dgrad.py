@@ -12,7 +12,7 @@ from mok_kernels._details.tl_gemm import held_with, mma, sigmoid
 from mok_kernels._details.tl_gemm_fp8 import fp8_row_views, fp8_tile
 from mok_kernels._details.tl_mega import _slot_rows, _weight_desc
 from mok_kernels._details.tl_quant import e4m3_scales, finite_amax, to_e4m3, to_f32
-from mok_kernels._details.tl_sync import async_proxy_fence, bulk_store_fence, wait_geq
+from mok_kernels._details.tl_sync import async_proxy_fence, wait_geq
 
 # The error codes of errors.py, as constexprs for the kernel.
 _E_DGRAD_ROWBLOCK: tl.constexpr = tl.constexpr(errors.ERR_WAIT_DGRAD_ROWBLOCK)
@@ -49,14 +49,12 @@ def _home_rows(base, tab, rank, t, valid, H: tl.constexpr):
 @triton.jit
 def _swiglu_bwd_half(da_raw, c0, prow, pre_desc, pre_rows, hs_rows, r, I: tl.constexpr,
                      BM: tl.constexpr, Q: tl.constexpr, INTERLEAVED: tl.constexpr,
-                     TMAST: tl.constexpr = False, hs_desc=None, LEAN: tl.constexpr = False,
-                     F32_DOT: tl.constexpr = False):
+                     LEAN: tl.constexpr = False, F32_DOT: tl.constexpr = False):
     """SwiGLU backward for Q columns c0.. of a row block (rows from ``prow`` in the [L*P, ...]
     views): reads gate/up through ``pre_desc``, writes dG, dU over them and r * h to
-    ``hs_rows`` with plain stores, or, TMAST (``bwd_da_tma_store``, interleaved layout), with
-    TMA stores through ``pre_desc`` and ``hs_desc`` (the item awaits their completion before
-    its release: ``bulk_store_fence``); returns the router-gradient partial
-    sum_cols(da_raw * h) [BM].
+    ``hs_rows`` with plain stores; returns the router-gradient partial sum_cols(da_raw * h)
+    [BM]. (TMA stores of dG/dU and r h, awaited before the release, were no faster: the
+    lease of 2026-12-02 16:55, notes/mok-kernel.md.)
     LEAN (``bwd_lean_epilogue``): the same values in fewer instructions. The sigmoid by inline
     PTX (``sigmoid``; the formula under the interpreter); r h held with the accumulator
     (``held_with``), so that Triton converts it for its store instead of recomputing the
@@ -80,19 +78,14 @@ def _swiglu_bwd_half(da_raw, c0, prow, pre_desc, pre_rows, hs_rows, r, I: tl.con
     part = tl.sum(da_raw * h, axis=1)
     cols = c0 + tl.arange(0, Q)
     if not LEAN:
-        if TMAST:
-            hs_desc.store([prow, c0], (h * r[:, None]).to(tl.bfloat16))
-        else:
-            tl.store(hs_rows[:, None] + cols[None, :], (h * r[:, None]).to(tl.bfloat16))
+        tl.store(hs_rows[:, None] + cols[None, :], (h * r[:, None]).to(tl.bfloat16))
     da = da_raw * r[:, None]
     d_up = (da * silu).to(tl.bfloat16)
     if LEAN:
         d_gate = (da * up * (sig + silu * (1.0 - sig))).to(tl.bfloat16)
     else:
         d_gate = (da * up * sig * (1.0 + gate * (1.0 - sig))).to(tl.bfloat16)
-    if TMAST:
-        pre_desc.store([prow, 2 * c0], tl.reshape(tl.join(d_gate, d_up), (BM, 2 * Q)))
-    elif INTERLEAVED:
+    if INTERLEAVED:
         wcols = 2 * c0 + tl.arange(0, 2 * Q)
         tl.store(pre_rows[:, None] + wcols[None, :],
                  tl.reshape(tl.join(d_gate, d_up), (BM, 2 * Q)))
@@ -101,10 +94,7 @@ def _swiglu_bwd_half(da_raw, c0, prow, pre_desc, pre_rows, hs_rows, r, I: tl.con
         tl.store(pre_rows[:, None] + (I + cols)[None, :], d_up)
     if LEAN:
         hr = held_with((h * r[:, None]).to(tl.bfloat16), da_raw, not F32_DOT)
-        if TMAST:
-            hs_desc.store([prow, c0], hr)
-        else:
-            tl.store(hs_rows[:, None] + cols[None, :], hr)
+        tl.store(hs_rows[:, None] + cols[None, :], hr)
     return part
 
 
@@ -225,8 +215,7 @@ def _dx_tile_fp8(jn, gq_rows16, lr, g, E, w1q_desc, ws1q_desc, sw1q_ptr, sws1q_p
 def _da_epilogue(acc, jt, rows, prow, pre, hs, rank, t, k, routed, p_base, drp_base, tab32,
                  pre_a_desc, I: tl.constexpr, K: tl.constexpr, BM: tl.constexpr,
                  BN: tl.constexpr, DAC: tl.constexpr, INTERLEAVED: tl.constexpr,
-                 TMAST: tl.constexpr = False, hs_desc=None, LEAN: tl.constexpr = False,
-                 F32_DOT: tl.constexpr = False):
+                 LEAN: tl.constexpr = False, F32_DOT: tl.constexpr = False):
     """The A item's epilogue for I tile jt (see the module docstring), in column quarters of
     a [BM, BN] tile (two for DAC = BN/2, four for DAC = BN) so its fp32 temporaries fit in
     registers; ends with the router-gradient partial of the tile."""
@@ -239,21 +228,21 @@ def _da_epilogue(acc, jt, rows, prow, pre, hs, rank, t, k, routed, p_base, drp_b
     if DAC == 2 * Q:  # the accumulator's column quarters, one after another
         a0, a1 = tl.split(tl.permute(tl.reshape(acc, (BM, 2, Q)), (0, 2, 1)))
         part = _swiglu_bwd_half(a0, c0, prow, pre_a_desc, pre_rows, hs_rows, r, I, BM, Q,
-                                INTERLEAVED, TMAST, hs_desc, LEAN, F32_DOT)
+                                INTERLEAVED, LEAN, F32_DOT)
         part += _swiglu_bwd_half(a1, c0 + Q, prow, pre_a_desc, pre_rows, hs_rows, r, I, BM, Q,
-                                 INTERLEAVED, TMAST, hs_desc, LEAN, F32_DOT)
+                                 INTERLEAVED, LEAN, F32_DOT)
     else:
         lo, hi = tl.split(tl.permute(tl.reshape(acc, (BM, 2, 2 * Q)), (0, 2, 1)))
         a0, a1 = tl.split(tl.permute(tl.reshape(lo, (BM, 2, Q)), (0, 2, 1)))
         a2, a3 = tl.split(tl.permute(tl.reshape(hi, (BM, 2, Q)), (0, 2, 1)))
         part = _swiglu_bwd_half(a0, c0, prow, pre_a_desc, pre_rows, hs_rows, r, I, BM, Q,
-                                INTERLEAVED, TMAST, hs_desc, LEAN, F32_DOT)
+                                INTERLEAVED, LEAN, F32_DOT)
         part += _swiglu_bwd_half(a1, c0 + Q, prow, pre_a_desc, pre_rows, hs_rows, r, I, BM, Q,
-                                 INTERLEAVED, TMAST, hs_desc, LEAN, F32_DOT)
+                                 INTERLEAVED, LEAN, F32_DOT)
         part += _swiglu_bwd_half(a2, c0 + 2 * Q, prow, pre_a_desc, pre_rows, hs_rows, r, I,
-                                 BM, Q, INTERLEAVED, TMAST, hs_desc, LEAN, F32_DOT)
+                                 BM, Q, INTERLEAVED, LEAN, F32_DOT)
         part += _swiglu_bwd_half(a3, c0 + 3 * Q, prow, pre_a_desc, pre_rows, hs_rows, r, I,
-                                 BM, Q, INTERLEAVED, TMAST, hs_desc, LEAN, F32_DOT)
+                                 BM, Q, INTERLEAVED, LEAN, F32_DOT)
     # Router-weight gradient: d r = sum_I dA_raw * h, one partial per I tile.
     drp_off = tl.load(tab32 + rank, mask=routed, other=0)
     tl.store(drp_base + drp_off + (t * K + k) * NJ + jt, part, mask=routed)
@@ -283,7 +272,7 @@ def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, 
                      RQC: tl.constexpr = 128, POW2: tl.constexpr = False,
                      QBM: tl.constexpr = False, bmax=None, RQT: tl.constexpr = False,
                      hs_a_desc=None, NOEPI: tl.constexpr = False,
-                     DATS: tl.constexpr = False, hs_s_desc=None, LEAN: tl.constexpr = False):
+                     LEAN: tl.constexpr = False):
     """A item: dA[rows of block b, I tiles jt0*DAT .. of DAC columns] and its epilogue
     (``_da_epilogue``); DAT tiles per item in one flattened loop (the next tile's loads
     overlap a tile's epilogue), and the item signals +DAT. FP8DA: FP8 tiles
@@ -293,9 +282,7 @@ def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, 
     [L, NBMAX, 3I]. RQT (``bwd_fp8_requant_tma``): that item's requantisation reads the rows
     through ``pre_a_desc`` as pipelined copies (``_requant_dgu_rows_tma``; with QBM it also
     takes the column maxima there, r h's through ``hs_a_desc``). NOEPI (profiling only, phase
-    bit 16): the one-tile item skips its epilogue (``_da_sums_only``). DATS
-    (``bwd_da_tma_store``): the epilogue stores dG/dU and r h through TMA (``pre_a_desc``,
-    ``hs_s_desc``) and the item awaits their completion before it signals. LEAN
+    bit 16): the one-tile item skips its epilogue (``_da_sums_only``). LEAN
     (``bwd_lean_epilogue``): the epilogue in fewer instructions (``_swiglu_bwd_half``)."""
     g = tl.load(grp + b)
     rows = b * BM + tl.arange(0, BM)
@@ -313,8 +300,7 @@ def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, 
             _da_sums_only(acc, jt0, rank, t, k, routed, drp_base, tab32, I, K, DAC)
         else:
             _da_epilogue(acc, jt0, rows, prow, pre, hs, rank, t, k, routed, p_base, drp_base,
-                         tab32, pre_a_desc, I, K, BM, BN, DAC, INTERLEAVED, DATS, hs_s_desc,
-                         LEAN, F32_DOT)
+                         tab32, pre_a_desc, I, K, BM, BN, DAC, INTERLEAVED, LEAN, F32_DOT)
     else:
         for jj in tl.range(0, DAT, flatten=True):
             jt = jt0 * DAT + jj
@@ -325,10 +311,7 @@ def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, 
             else:
                 acc = _da_tile(jt, prow, d2, w_row0, dyg_a_desc, H, BM, BK, DAC, F32_DOT)
             _da_epilogue(acc, jt, rows, prow, pre, hs, rank, t, k, routed, p_base, drp_base,
-                         tab32, pre_a_desc, I, K, BM, BN, DAC, INTERLEAVED, DATS, hs_s_desc,
-                         LEAN, F32_DOT)
-    if DATS:  # this thread's TMA stores done and ordered before the release below
-        bulk_store_fence(b, F32_DOT)
+                         tab32, pre_a_desc, I, K, BM, BN, DAC, INTERLEAVED, LEAN, F32_DOT)
     if (withhold != 3) | (b != 0) | (jt0 != 0):
         tl.debug_barrier()
         if FP8DX:  # the item that completes the row block quantises its dG/dU rows

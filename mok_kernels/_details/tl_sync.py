@@ -104,18 +104,3 @@ def async_proxy_fence(v, SKIP: tl.constexpr):
         return v
     return tl.inline_asm_elementwise("fence.proxy.async.global;\n mov.u32 $0, $1;", "=r,r",
                                      [v], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def bulk_store_fence(v, SKIP: tl.constexpr):
-    """``cp.async.bulk.wait_group 0`` then ``fence.proxy.async.global``: this thread's TMA
-    stores (bulk async-groups) have completed, their writes performed, and are ordered before
-    its later generic-proxy accesses, so a release after a CTA barrier publishes them (the
-    ``.read`` wait Triton emits after a TMA store only frees its shared memory). Threads
-    that issued no store pass at once. SKIP under the interpreter. Returns v."""
-    if SKIP:
-        return v
-    return tl.inline_asm_elementwise(
-        "cp.async.bulk.wait_group 0;\n fence.proxy.async.global;\n mov.u32 $0, $1;", "=r,r",
-        [v], dtype=tl.int32, is_pure=False, pack=1)
-

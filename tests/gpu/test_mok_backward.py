@@ -111,7 +111,6 @@ def test_lean_da_epilogue_and_the_plain_one_both_match_reference():
                                   {"bwd_da_tiles": 4},
                                   {"bwd_dx_tma": True},
                                   {"bwd_dx_tma": True, "bwd_dx_tiles": 4},
-                                  {"bwd_da_tma_store": True},
                                   {"bwd_pull_dedup": True},
                                   {"bwd_dx_band": 16, "bwd_dx_tma": True},
                                   {"bwd_dx_band": 3},

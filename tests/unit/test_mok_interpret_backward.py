@@ -113,7 +113,7 @@ SCRIPT = COMMON + textwrap.dedent("""
     # bwd_fused_pull: the pull inside the megakernel gives bitwise the same gradients, with
     # every program pulling first or only the first one (bwd_pull_programs); so do two dX or
     # dA tiles per item (bwd_dx_tiles, bwd_da_tiles), the dX items' dGU rows through TMA
-    # (bwd_dx_tma) and the dA epilogue's TMA stores (bwd_da_tma_store)
+    # (bwd_dx_tma)
     for L, T, E, K, shared in [(1, 24, 4, 2, True), (2, 13, 3, 2, False)]:
         torch.manual_seed(7 + L)
         H, I = 64, 32
@@ -121,9 +121,7 @@ SCRIPT = COMMON + textwrap.dedent("""
         for pull in ({}, {"bwd_fused_pull": True},
                      {"bwd_fused_pull": True, "bwd_pull_programs": 1},
                      {"bwd_dx_tiles": 2}, {"bwd_da_tiles": 2},
-                     {"bwd_dx_tma": True}, {"bwd_dx_tma": True, "bwd_dx_tiles": 2},
-                     {"bwd_da_tma_store": True},
-                     {"bwd_da_tma_store": True, "bwd_da_tiles": 2}):
+                     {"bwd_dx_tma": True}, {"bwd_dx_tma": True, "bwd_dx_tiles": 2}):
             cfg = config(True, **pull)
             ws = mk.get_workspace(cfg, tokens=T, hidden=H, intermediate=I, local_experts=E,
                                   topk=K, shared=shared, device="cpu", loopback_ranks=L)

@@ -241,32 +241,6 @@ def test_dx_items_through_tma_build_without_copies(dx_tiles):
     assert tma.registers < copies.registers, (tma.registers, copies.registers)
 
 
-def test_da_epilogue_tma_stores_build_and_wait_before_the_release():
-    """``bwd_da_tma_store``: the dA items alone (phase mask 1) store their epilogue tiles by
-    TMA (two boxes a column quarter: dG/dU and r h) and no longer by 16-byte global stores;
-    a full ``cp.async.bulk.wait_group 0`` and a global async-proxy fence come after the last
-    store and before the release; the build fits in the same shared memory with no spills."""
-    knobs = _defaults().__dict__
-    on = mk.compile_megakernel(mk.MoKConfig.for_shape(H, I, **{**knobs,
-                                                                "bwd_da_tma_store": True}),
-                               H, I, kernel="backward", phases=1)
-    off = mk.compile_megakernel(mk.MoKConfig.for_shape(H, I, **{**knobs,
-                                                                 "bwd_da_tma_store": False}),
-                                H, I, kernel="backward", phases=1)
-    tma_stores = "cp.async.bulk.tensor.2d.global.shared::cta"
-    assert off.ptx.count(tma_stores) == 0 and off.ptx.count("st.global.v4") > 0
-    assert on.ptx.count(tma_stores) == 8 and on.ptx.count("st.global.v4") == 0
-    lines = on.ptx.splitlines()
-    last_store = max(i for i, ln in enumerate(lines) if tma_stores in ln)
-    release = next(i for i, ln in enumerate(lines) if i > last_store
-                   and ("atom.global" in ln or "red.global" in ln) and ".release" in ln)
-    # the full wait (Triton's own after each store reads "wait_group \t0", tab-separated)
-    wait = next(i for i in range(last_store, release)
-                if lines[i].strip() == "cp.async.bulk.wait_group 0;")
-    assert any("fence.proxy.async.global" in ln for ln in lines[wait:release])
-    assert on.shared_bytes <= off.shared_bytes and not on.spills, on.ptxas_log
-
-
 def test_split_gate_up_backward_fits_with_two_stages():
     cfg = mk.MoKConfig.for_shape(2048, 256, minibatch=256, macrobatch=768, tma=True,
                                  num_stages=4)
