@@ -14,7 +14,8 @@ from __future__ import annotations
 import re
 import subprocess
 import tempfile
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -30,6 +31,27 @@ class Lowered:
     ptx: str
     shared_bytes: int
     ptxas_log: str  # ptxas -v output for this architecture
+    cubin: bytes = field(default=b"", repr=False)  # ptxas's output
+    tools: str = ""  # the folder of the ptxas that built it (cuobjdump beside it)
+
+    def sass_opcodes(self) -> Counter[str]:
+        """How many SASS instructions of each opcode (``FMUL``, ``MUFU``, ``LDS``, ...; the
+        part before the first dot) the cubin holds, static counts over the whole kernel, by
+        the ``cuobjdump`` that ships beside Triton's ptxas. Of a build of one item kind
+        (``phases``), less a build without its epilogue, they say what that epilogue costs
+        per thread: e.g. how the dA items' SwiGLU backward fell from 6328 to 3024 with
+        ``bwd_lean_epilogue`` (notes/mok-kernel.md)."""
+        tool = Path(self.tools) / "cuobjdump"
+        if not self.cubin or not tool.exists():
+            raise RuntimeError(f"no cubin, or no cuobjdump at {tool}: cannot list SASS")
+        with tempfile.TemporaryDirectory() as tmp:
+            f = Path(tmp) / "k.cubin"
+            f.write_bytes(self.cubin)
+            out = subprocess.run([str(tool), "-sass", str(f)], capture_output=True, text=True,
+                                 check=True).stdout
+        ops = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)",
+                         out, re.M)
+        return Counter(ops)
 
     @property
     def spills(self) -> bool:
@@ -224,6 +246,8 @@ def compile_megakernel(config: MoKConfig, hidden: int, intermediate: int, *, top
         ptxas = _ptxas(arch)
         out = subprocess.run([ptxas.path, f"-arch=sm_{arch}{suffix}", "-v", str(f),
                               "-o", str(Path(tmp) / "k.cubin")], capture_output=True, text=True)
-    if out.returncode != 0:
-        raise RuntimeError(f"ptxas failed for sm_{arch}: {out.stderr[-2000:]}")
-    return Lowered(c.asm["ttgir"], ptx, int(c.metadata.shared), out.stdout + out.stderr)
+        if out.returncode != 0:
+            raise RuntimeError(f"ptxas failed for sm_{arch}: {out.stderr[-2000:]}")
+        cubin = (Path(tmp) / "k.cubin").read_bytes()
+    return Lowered(c.asm["ttgir"], ptx, int(c.metadata.shared), out.stdout + out.stderr, cubin,
+                   str(Path(ptxas.path).parent))
