@@ -438,10 +438,11 @@ def _fp8_wgrad_args(cfg: MoKConfig, sc: BackwardScratch, pre_LPF: torch.Tensor) 
     """The FP8 weight-gradient items' arguments (``bwd_fp8_wgrad``): the scratch of
     ``Fp8WgradScratch``, TMA descriptors over its transposed copies ([BN/2 or BN features,
     BKW8 rows] boxes) and the Q items' descriptor over dG/dU ([BKW rows, BN/2 columns]; r h's
-    is ``hs_c_desc``); all None without the knob."""
+    is ``hs_c_desc``), with ``bwd_fp8_q_tma_store`` the Q items' store descriptors over the
+    copies ([BN/2 features, BKW rows]); all None without the knob."""
     names = ("hqT_ptr", "gqT_ptr", "srh_ptr", "srg_ptr", "hqT_desc",
              "dyqT_desc", "xqT_desc", "gqT_desc", "gxam_ptr", "gdyam_ptr", "pre_q_desc",
-             "xqT_ptr", "dyqT_ptr", "bmax_ptr")
+             "xqT_ptr", "dyqT_ptr", "bmax_ptr", "hqT_q_desc", "gqT_q_desc")
     w8 = sc.wgrad8
     if w8 is None:
         return dict.fromkeys(names)
@@ -449,8 +450,11 @@ def _fp8_wgrad_args(cfg: MoKConfig, sc: BackwardScratch, pre_LPF: torch.Tensor) 
 
     bn, bkw = cfg.block_n, fp8_wgrad_rows(cfg)
 
+    def desc_rows(t: torch.Tensor, feats: int, rows: int) -> TensorDescriptor:
+        return TensorDescriptor.from_tensor(t.view(-1, t.shape[-1]), [feats, rows])
+
     def desc(t: torch.Tensor, feats: int) -> TensorDescriptor:
-        return TensorDescriptor.from_tensor(t.view(-1, t.shape[-1]), [feats, bkw])
+        return desc_rows(t, feats, bkw)
 
     return dict(hqT_ptr=w8.hqT_LIP,
                 gqT_ptr=w8.gqT_LFP, srh_ptr=w8.srh_LGI, srg_ptr=w8.srg_LGF,
@@ -460,7 +464,12 @@ def _fp8_wgrad_args(cfg: MoKConfig, sc: BackwardScratch, pre_LPF: torch.Tensor) 
                 pre_q_desc=TensorDescriptor.from_tensor(pre_LPF.view(-1, pre_LPF.shape[-1]),
                                                         [wgrad_rows(cfg), bn // 2]),
                 xqT_ptr=w8.xqT_LHP, dyqT_ptr=w8.dyqT_LHP,  # the in-kernel pull's stores
-                bmax_ptr=w8.bmax_LBF)
+                bmax_ptr=w8.bmax_LBF,
+                # bwd_fp8_q_tma_store: the Q items' TMA stores ([BN/2 features, BKW rows])
+                hqT_q_desc=(desc_rows(w8.hqT_LIP, bn // 2, wgrad_rows(cfg))
+                            if cfg.bwd_fp8_q_tma_store else None),
+                gqT_q_desc=(desc_rows(w8.gqT_LFP, bn // 2, wgrad_rows(cfg))
+                            if cfg.bwd_fp8_q_tma_store else None))
 
 
 def backward_stages(cfg: MoKConfig) -> int:
@@ -491,7 +500,7 @@ def backward_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots:
                 QBM=cfg.bwd_fp8_block_colmax, RQT=cfg.bwd_fp8_requant_tma,
                 DXBAND=cfg.bwd_dx_band, DWT=cfg.bwd_dw_tiles,
                 DWSC=3 if cfg.bwd_dw_stages == 4 else 2, DWSD=cfg.bwd_dw_stages,
-                LEAN=cfg.bwd_lean_epilogue)
+                LEAN=cfg.bwd_lean_epilogue, QTMA=cfg.bwd_fp8_q_tma_store)
 
 
 def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tensor,

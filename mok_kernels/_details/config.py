@@ -202,6 +202,12 @@ class MoKConfig:
         sits on the dA items' time. The same bytes; off by default: the profiling script at
         Kimi K2.7 Code timed no gain (notes/mok-kernel.md), so those loads were not what the
         dA items wait on.
+    bwd_fp8_q_tma_store: with ``bwd_fp8_wgrad``: the Q items' second pass stores each
+        transposed e4m3 tile of r h and dG/dU through a TMA descriptor ([block_n / 2
+        features, rows] boxes) instead of one byte per thread from registers (a warp's 32
+        bytes along a column's rows), then waits for its bulk stores to complete before it
+        signals the weight-gradient items. The same bytes, so the same gradients; off by
+        default until timed.
     bwd_dx_band: the order of the backward's dX (B) items: 0 or 1 row block by row block
         (a row block's H tiles one after another); G > 1 in bands of G row blocks, inside a
         band the H tiles outer and the row blocks inner (the last band may hold fewer). The
@@ -296,6 +302,7 @@ class MoKConfig:
     bwd_fp8_block_k: int = 64
     bwd_fp8_block_colmax: bool = False
     bwd_fp8_requant_tma: bool = False
+    bwd_fp8_q_tma_store: bool = False
     bwd_dx_band: int = 0
     bwd_pull_by_token: bool = False
     bwd_dw_tiles: int = 1
@@ -406,6 +413,11 @@ class MoKConfig:
         _check(not self.bwd_fp8_requant_tma or self.bwd_fp8_dx, "bwd_fp8_requant_tma",
                self.bwd_fp8_requant_tma,
                "false unless bwd_fp8_dx is set (it serves the dX items' requantisation)")
+        _check(isinstance(self.bwd_fp8_q_tma_store, bool), "bwd_fp8_q_tma_store",
+               self.bwd_fp8_q_tma_store, "true | false")
+        _check(not self.bwd_fp8_q_tma_store or self.bwd_fp8_wgrad, "bwd_fp8_q_tma_store",
+               self.bwd_fp8_q_tma_store,
+               "false unless bwd_fp8_wgrad is set (it serves the weight gradients' Q items)")
         _check(isinstance(self.bwd_pull_dedup, bool), "bwd_pull_dedup", self.bwd_pull_dedup,
                "true | false")
         _check(not (self.bwd_pull_dedup and self.bwd_fused_pull),

@@ -127,7 +127,8 @@ def mok_backward_kernel(
         hs_a_desc=None, trace_ptr=None, MAXT=0, TRACE: tl.constexpr = False,
         DXBAND: tl.constexpr = 0,
         DWT: tl.constexpr = 1, DWSC: tl.constexpr = 2, DWSD: tl.constexpr = 2,
-        LEAN: tl.constexpr = False):
+        LEAN: tl.constexpr = False, QTMA: tl.constexpr = False, hqT_q_desc=None,
+        gqT_q_desc=None):
     """One persistent program per SM; see the module docstring for the work order. The C
     and D items fence the async proxy after their group's acquire (they read through TMA
     rows written with plain stores). FP8DA (``bwd_fp8_da``): the A items' FP8 tiles read dY
@@ -271,7 +272,8 @@ def mok_backward_kernel(
                     ok = _wgrad_quant_item(gq_i, i % NQ, lr, gst, total, src, P,
                                            hs_c_desc, pre_q_desc, hqT, gqT, srh, srg, ctr,
                                            err, qready, NBMAX, budget, withhold, NG, I, BM,
-                                           BN, BKW, DAC, F32_DOT, POW2, QBM, bmax_ptr)
+                                           BN, BKW, DAC, F32_DOT, POW2, QBM, bmax_ptr,
+                                           QTMA, hqT_q_desc, gqT_q_desc)
         elif tk < end_c:
             if PHASES & 4:
                 i = tk - end_q

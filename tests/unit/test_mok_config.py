@@ -39,6 +39,8 @@ from mok_kernels import MoKConfig, MoKConfigError, plan
     ({"bwd_fp8_block_colmax": True, "bwd_fp8_wgrad": True}, "bwd_fp8_block_colmax"),
     ({"bwd_fp8_requant_tma": 1}, "bwd_fp8_requant_tma"),
     ({"bwd_fp8_requant_tma": True, "bwd_fp8_da": True}, "bwd_fp8_requant_tma"),
+    ({"bwd_fp8_q_tma_store": 1}, "bwd_fp8_q_tma_store"),
+    ({"bwd_fp8_q_tma_store": True, "bwd_fp8_dx": True}, "bwd_fp8_q_tma_store"),
     ({"skew_down": 1}, "skew_down"),
     ({"skew_down": True, "minibatch": 256, "macrobatch": 256}, "skew_down"),
     ({"dispatch_dedup": True}, "dispatch_dedup"),

@@ -341,7 +341,8 @@ def test_whole_fp8_backward_builds_with_128_deep_steps(fp8_forward):
                                    {"bwd_fused_pull": True, "bwd_pull_programs": 32},
                                    {"bwd_fp8_block_colmax": True},
                                    {"bwd_fp8_requant_tma": True},
-                                   {"bwd_fp8_requant_tma": True, "bwd_fp8_block_colmax": True}])
+                                   {"bwd_fp8_requant_tma": True, "bwd_fp8_block_colmax": True},
+                                   {"bwd_fp8_q_tma_store": True}])
 def test_whole_fp8_backward_builds_with_pull_items_or_block_maxima(knobs):
     """The whole FP8 backward with ``bwd_fused_pull`` (the pull items write the FP8
     transposed copies of x and dY; every program pulls first, or 32 of them while the rest
@@ -460,6 +461,29 @@ def test_requantisation_through_tma_is_pipelined():
     both = {"bwd_fp8_requant_tma": True, "bwd_fp8_block_colmax": True}
     assert prologue_copies(both, "pre_a_desc") == 2
     assert prologue_copies(both, "hs_a_desc") == 1
+
+
+def test_quantisation_items_store_through_tma():
+    """``bwd_fp8_q_tma_store`` with the Q and C items alone (Kimi shape): the transposed e4m3
+    copies go out as TMA stores over both copies' descriptors, each waited for in full
+    (``cp.async.bulk.wait_group 0``, not ``.read``) before the item's release, and the
+    byte-wide global stores of the plain path are gone; no spills, within shared memory."""
+    fields = {**_row_pull(H, I, 16384, 8, 132, 1, 48, 90), "bwd_fp8_wgrad": True,
+              "bwd_dw_tiles": 1, "bwd_dx_tiles": 1}
+
+    def build(qtma: bool):
+        cfg = mk.MoKConfig.for_shape(H, I, bwd_fp8_q_tma_store=qtma, **fields)
+        return mk.compile_megakernel(cfg, H, I, shared=True, kernel="backward", phases=4)
+
+    plain, tma = build(False), build(True)
+    for desc in ("hqT_q_desc", "gqT_q_desc"):
+        assert re.search(rf"async_tma_copy_local_to_global %{desc}\[", tma.ttgir), desc
+        assert desc not in plain.ttgir
+    assert "cp.async.bulk.tensor.2d.global.shared::cta" in tma.ptx
+    assert "cp.async.bulk.wait_group 0;" in tma.ptx
+    assert "st.global.b8" in plain.ptx and "st.global.b8" not in tma.ptx
+    assert not tma.spills, tma.ptxas_log
+    assert tma.shared_bytes <= SMEM_LIMIT
 
 
 def test_item_trace_builds_and_reads_the_global_timer():
