@@ -64,6 +64,7 @@ def _speedups(run: str, scenarios: list[str], pass_: str, column: str,
 FP8_BWD = "mok@bwd_fp8_da=true,bwd_fp8_dx=true,bwd_fp8_wgrad=true"
 STANDS = [
     ("| one GPU, bf16:", ["20261202-170016-h200-bf16-train", "20261202-104809-h200-bf16-train",
+                         "20261203-062448-h200-bf16-train-presets",
                          "20261202-081425-h200-bf16-train-presets"],
      ["kimi-k2-e48-", "kimi-k2.7-code-E48", "kimi-k2-e384-", "qwen3.5-397b-E64", "glm-5.2-E32",
       "deepseek-v4-pro-E48"]),
@@ -72,7 +73,7 @@ STANDS = [
       "kimi-k2.7-code-E48H7168I2048k8+se-T16384-ep1-fp8",
       "kimi-k2-e384-E384H7168I2048k8-T4096-ep1-fp8",
       "qwen3.5-397b-E64H4096I1024k10+se-T16384-ep1-fp8"]),
-    ("| one GPU, FP8, the whole FP8 backward", ["20261201-145949-h200-fp8-backward"],
+    ("| one GPU, FP8, the whole FP8 backward", ["20261203-061457-h200-fp8-backward"],
      ["kimi-k2-e48-", "kimi-k2.7-code-", "kimi-k2-e384-", "qwen3.5-397b-"]),
     ("| two GPUs, EP 2, bf16, with DeepEP", ["20261130-233319-h200x2"],
      ["kimi-k2.7-code-E12H7168I2048k8+se-T8192-ep2-bf16-uniform",
