@@ -208,6 +208,15 @@ class MoKConfig:
         bytes along a column's rows), then waits for its bulk stores to complete before it
         signals the weight-gradient items. The same bytes, so the same gradients; off by
         default until timed.
+    bwd_fp8_wgrad_blocks: with ``bwd_fp8_wgrad``: r h and dG/dU take one scale per column per
+        backward row block (128 x 1 blocks along the rows, the reduction dimension of the
+        weight gradients: TransformerEngine's Float8BlockScaling scales its weight gradients'
+        columnwise copies so) instead of one per column over the expert's rows. The A item
+        that computes a tile then quantises it at once, transposed, in its epilogue (it holds
+        the tile's rows; no group-wide max is needed), so there are no Q items and no second
+        read of r h and dG/dU, and no bf16 r h is stored; the C and D items scale each row
+        step's partial product by its block's scales (an fp32 multiply-add per step on the
+        accumulator). x and dY keep their global column scales. Off by default until timed.
     bwd_dx_band: the order of the backward's dX (B) items: 0 or 1 row block by row block
         (a row block's H tiles one after another); G > 1 in bands of G row blocks, inside a
         band the H tiles outer and the row blocks inner (the last band may hold fewer). The
@@ -303,6 +312,7 @@ class MoKConfig:
     bwd_fp8_block_colmax: bool = False
     bwd_fp8_requant_tma: bool = False
     bwd_fp8_q_tma_store: bool = False
+    bwd_fp8_wgrad_blocks: bool = False
     bwd_dx_band: int = 0
     bwd_pull_by_token: bool = False
     bwd_dw_tiles: int = 1
@@ -418,6 +428,13 @@ class MoKConfig:
         _check(not self.bwd_fp8_q_tma_store or self.bwd_fp8_wgrad, "bwd_fp8_q_tma_store",
                self.bwd_fp8_q_tma_store,
                "false unless bwd_fp8_wgrad is set (it serves the weight gradients' Q items)")
+        _check(isinstance(self.bwd_fp8_wgrad_blocks, bool), "bwd_fp8_wgrad_blocks",
+               self.bwd_fp8_wgrad_blocks, "true | false")
+        _check(not self.bwd_fp8_wgrad_blocks or (
+            self.bwd_fp8_wgrad and not self.bwd_fp8_block_colmax
+            and not self.bwd_fp8_q_tma_store), "bwd_fp8_wgrad_blocks",
+            self.bwd_fp8_wgrad_blocks, "false unless bwd_fp8_wgrad is set, and false with "
+            "bwd_fp8_block_colmax or bwd_fp8_q_tma_store (they serve the Q items it removes)")
         _check(isinstance(self.bwd_pull_dedup, bool), "bwd_pull_dedup", self.bwd_pull_dedup,
                "true | false")
         _check(not (self.bwd_pull_dedup and self.bwd_fused_pull),

@@ -47,9 +47,25 @@ def _home_rows(base, tab, rank, t, valid, H: tl.constexpr):
 
 
 @triton.jit
+def _quant_block_t(v, valid, dst, sc, feats, rows, P, POW2: tl.constexpr,
+                   F32_DOT: tl.constexpr):
+    """``bwd_fp8_wgrad_blocks``: v [BM, n] (the row block's rows ``rows``, features
+    ``feats``) as e4m3 with one scale per feature over the block's ``valid`` rows (padding
+    rows 0; NaN read as +inf, so its feature's scale turns NaN), the scales to ``sc`` +
+    feature, the values transposed (feature-major, rows contiguous) to ``dst`` [F, P]."""
+    v = tl.where(valid[:, None], v, 0.0)
+    inv, scale = e4m3_scales(finite_amax(v, 0), POW2)
+    tl.store(sc + feats, scale)
+    q = to_e4m3(v * inv[None, :], F32_DOT)
+    tl.store(dst + feats.to(tl.int64)[None, :] * P + rows[:, None], q)
+
+
+@triton.jit
 def _swiglu_bwd_half(da_raw, c0, prow, pre_desc, pre_rows, hs_rows, r, I: tl.constexpr,
                      BM: tl.constexpr, Q: tl.constexpr, INTERLEAVED: tl.constexpr,
-                     LEAN: tl.constexpr = False, F32_DOT: tl.constexpr = False):
+                     LEAN: tl.constexpr = False, F32_DOT: tl.constexpr = False,
+                     WB: tl.constexpr = False, valid=None, rows=None, P=0, hqT=None,
+                     gqT=None, sb=None, POW2: tl.constexpr = False):
     """SwiGLU backward for Q columns c0.. of a row block (rows from ``prow`` in the [L*P, ...]
     views): reads gate/up through ``pre_desc``, writes dG, dU over them and r * h to
     ``hs_rows`` with plain stores; returns the router-gradient partial sum_cols(da_raw * h)
@@ -61,7 +77,12 @@ def _swiglu_bwd_half(da_raw, c0, prow, pre_desc, pre_rows, hs_rows, r, I: tl.con
     sigmoid in the store's register layout, and stored last (its conversion then spills
     nothing); dG = dA up (sig + silu (1 - sig)), one multiply fewer than dA up sig (1 + gate
     (1 - sig)). On sm_90 (Kimi K2 48) the dA items' build falls from 7000 to 3696 SASS
-    instructions, no spills."""
+    instructions, no spills.
+    WB (``bwd_fp8_wgrad_blocks``): r h, dG and dU of these columns also go, as e4m3 with one
+    scale per column over the row block (``_quant_block_t``, from the fp32 values), to the
+    transposed copies ``hqT`` [I, P] and ``gqT`` [2I, P] (kernel column layout) and their
+    scales to ``sb`` (r h's I, then dG/dU's 2I); the bf16 r h is not stored (only the FP8
+    weight gradients read it)."""
     if INTERLEAVED:  # gate c at column 2c, up c at 2c + 1: one [BM, 2Q] box
         gate, up = tl.split(tl.reshape(pre_desc.load([prow, 2 * c0]).to(tl.float32),
                                        (BM, Q, 2)))
@@ -77,14 +98,22 @@ def _swiglu_bwd_half(da_raw, c0, prow, pre_desc, pre_rows, hs_rows, r, I: tl.con
     h = silu * up
     part = tl.sum(da_raw * h, axis=1)
     cols = c0 + tl.arange(0, Q)
-    if not LEAN:
+    if not LEAN and not WB:
         tl.store(hs_rows[:, None] + cols[None, :], (h * r[:, None]).to(tl.bfloat16))
     da = da_raw * r[:, None]
-    d_up = (da * silu).to(tl.bfloat16)
+    d_up32 = da * silu
     if LEAN:
-        d_gate = (da * up * (sig + silu * (1.0 - sig))).to(tl.bfloat16)
+        d_gate32 = da * up * (sig + silu * (1.0 - sig))
     else:
-        d_gate = (da * up * sig * (1.0 + gate * (1.0 - sig))).to(tl.bfloat16)
+        d_gate32 = da * up * sig * (1.0 + gate * (1.0 - sig))
+    d_up = d_up32.to(tl.bfloat16)
+    d_gate = d_gate32.to(tl.bfloat16)
+    if WB:
+        _quant_block_t(h * r[:, None], valid, hqT, sb, cols, rows, P, POW2, F32_DOT)
+        fg = 2 * cols if INTERLEAVED else cols
+        fu = 2 * cols + 1 if INTERLEAVED else I + cols
+        _quant_block_t(d_gate32, valid, gqT, sb + I, fg, rows, P, POW2, F32_DOT)
+        _quant_block_t(d_up32, valid, gqT, sb + I, fu, rows, P, POW2, F32_DOT)
     if INTERLEAVED:
         wcols = 2 * c0 + tl.arange(0, 2 * Q)
         tl.store(pre_rows[:, None] + wcols[None, :],
@@ -92,7 +121,7 @@ def _swiglu_bwd_half(da_raw, c0, prow, pre_desc, pre_rows, hs_rows, r, I: tl.con
     else:
         tl.store(pre_rows[:, None] + cols[None, :], d_gate)
         tl.store(pre_rows[:, None] + (I + cols)[None, :], d_up)
-    if LEAN:
+    if LEAN and not WB:
         hr = held_with((h * r[:, None]).to(tl.bfloat16), da_raw, not F32_DOT)
         tl.store(hs_rows[:, None] + cols[None, :], hr)
     return part
@@ -215,10 +244,13 @@ def _dx_tile_fp8(jn, gq_rows16, lr, g, E, w1q_desc, ws1q_desc, sw1q_ptr, sws1q_p
 def _da_epilogue(acc, jt, rows, prow, pre, hs, rank, t, k, routed, p_base, drp_base, tab32,
                  pre_a_desc, I: tl.constexpr, K: tl.constexpr, BM: tl.constexpr,
                  BN: tl.constexpr, DAC: tl.constexpr, INTERLEAVED: tl.constexpr,
-                 LEAN: tl.constexpr = False, F32_DOT: tl.constexpr = False):
+                 LEAN: tl.constexpr = False, F32_DOT: tl.constexpr = False,
+                 WB: tl.constexpr = False, valid=None, P=0, hqT=None, gqT=None, sb=None,
+                 POW2: tl.constexpr = False):
     """The A item's epilogue for I tile jt (see the module docstring), in column quarters of
     a [BM, BN] tile (two for DAC = BN/2, four for DAC = BN) so its fp32 temporaries fit in
-    registers; ends with the router-gradient partial of the tile."""
+    registers; ends with the router-gradient partial of the tile. WB: each quarter also
+    quantised into the weight gradients' transposed copies (``_swiglu_bwd_half``)."""
     Q: tl.constexpr = BN // 4
     NJ: tl.constexpr = I // DAC
     r = _router_weight(p_base, tab32, rank, t, k, routed, K)
@@ -228,21 +260,27 @@ def _da_epilogue(acc, jt, rows, prow, pre, hs, rank, t, k, routed, p_base, drp_b
     if DAC == 2 * Q:  # the accumulator's column quarters, one after another
         a0, a1 = tl.split(tl.permute(tl.reshape(acc, (BM, 2, Q)), (0, 2, 1)))
         part = _swiglu_bwd_half(a0, c0, prow, pre_a_desc, pre_rows, hs_rows, r, I, BM, Q,
-                                INTERLEAVED, LEAN, F32_DOT)
+                                INTERLEAVED, LEAN, F32_DOT, WB, valid, rows, P,
+                                hqT, gqT, sb, POW2)
         part += _swiglu_bwd_half(a1, c0 + Q, prow, pre_a_desc, pre_rows, hs_rows, r, I, BM, Q,
-                                 INTERLEAVED, LEAN, F32_DOT)
+                                 INTERLEAVED, LEAN, F32_DOT, WB, valid, rows, P,
+                                 hqT, gqT, sb, POW2)
     else:
         lo, hi = tl.split(tl.permute(tl.reshape(acc, (BM, 2, 2 * Q)), (0, 2, 1)))
         a0, a1 = tl.split(tl.permute(tl.reshape(lo, (BM, 2, Q)), (0, 2, 1)))
         a2, a3 = tl.split(tl.permute(tl.reshape(hi, (BM, 2, Q)), (0, 2, 1)))
         part = _swiglu_bwd_half(a0, c0, prow, pre_a_desc, pre_rows, hs_rows, r, I, BM, Q,
-                                INTERLEAVED, LEAN, F32_DOT)
+                                INTERLEAVED, LEAN, F32_DOT, WB, valid, rows, P,
+                                hqT, gqT, sb, POW2)
         part += _swiglu_bwd_half(a1, c0 + Q, prow, pre_a_desc, pre_rows, hs_rows, r, I, BM, Q,
-                                 INTERLEAVED, LEAN, F32_DOT)
+                                 INTERLEAVED, LEAN, F32_DOT, WB, valid, rows, P,
+                                 hqT, gqT, sb, POW2)
         part += _swiglu_bwd_half(a2, c0 + 2 * Q, prow, pre_a_desc, pre_rows, hs_rows, r, I,
-                                 BM, Q, INTERLEAVED, LEAN, F32_DOT)
+                                 BM, Q, INTERLEAVED, LEAN, F32_DOT, WB, valid, rows, P,
+                                 hqT, gqT, sb, POW2)
         part += _swiglu_bwd_half(a3, c0 + 3 * Q, prow, pre_a_desc, pre_rows, hs_rows, r, I,
-                                 BM, Q, INTERLEAVED, LEAN, F32_DOT)
+                                 BM, Q, INTERLEAVED, LEAN, F32_DOT, WB, valid, rows, P,
+                                 hqT, gqT, sb, POW2)
     # Router-weight gradient: d r = sum_I dA_raw * h, one partial per I tile.
     drp_off = tl.load(tab32 + rank, mask=routed, other=0)
     tl.store(drp_base + drp_off + (t * K + k) * NJ + jt, part, mask=routed)
@@ -272,7 +310,8 @@ def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, 
                      RQC: tl.constexpr = 128, POW2: tl.constexpr = False,
                      QBM: tl.constexpr = False, bmax=None, RQT: tl.constexpr = False,
                      hs_a_desc=None, NOEPI: tl.constexpr = False,
-                     LEAN: tl.constexpr = False):
+                     LEAN: tl.constexpr = False, WB: tl.constexpr = False, hqT=None,
+                     gqT=None, sblk=None):
     """A item: dA[rows of block b, I tiles jt0*DAT .. of DAC columns] and its epilogue
     (``_da_epilogue``); DAT tiles per item in one flattened loop (the next tile's loads
     overlap a tile's epilogue), and the item signals +DAT. FP8DA: FP8 tiles
@@ -283,12 +322,15 @@ def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, 
     through ``pre_a_desc`` as pipelined copies (``_requant_dgu_rows_tma``; with QBM it also
     takes the column maxima there, r h's through ``hs_a_desc``). NOEPI (profiling only, phase
     bit 16): the one-tile item skips its epilogue (``_da_sums_only``). LEAN
-    (``bwd_lean_epilogue``): the epilogue in fewer instructions (``_swiglu_bwd_half``)."""
+    (``bwd_lean_epilogue``): the epilogue in fewer instructions (``_swiglu_bwd_half``). WB
+    (``bwd_fp8_wgrad_blocks``): the epilogue quantises r h and dG/dU into the transposed
+    copies ``hqT`` / ``gqT`` with this row block's scales (``sblk`` + block * 3I)."""
     g = tl.load(grp + b)
     rows = b * BM + tl.arange(0, BM)
     valid, rank, t, k, routed = _row_meta(src, rows, T, S, K)
     d2, w_row0 = _weight_desc(lr, g, E, w2_desc, ws2_desc, I, True, HAS_SHARED)
     prow = lr * P + b * BM
+    sb = sblk + b.to(tl.int64) * (3 * I) if WB else sblk
     if DAT == 1:  # one tile, no loop: the instructions of the GPU-tested one-tile item
         if FP8DA:
             acc = _da_tile_fp8(jt0, rank, t, valid, lr, g, E, dyq_base, tab16, w2q_desc,
@@ -300,7 +342,8 @@ def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, 
             _da_sums_only(acc, jt0, rank, t, k, routed, drp_base, tab32, I, K, DAC)
         else:
             _da_epilogue(acc, jt0, rows, prow, pre, hs, rank, t, k, routed, p_base, drp_base,
-                         tab32, pre_a_desc, I, K, BM, BN, DAC, INTERLEAVED, LEAN, F32_DOT)
+                         tab32, pre_a_desc, I, K, BM, BN, DAC, INTERLEAVED, LEAN, F32_DOT, WB,
+                         valid, P, hqT, gqT, sb, POW2)
     else:
         for jj in tl.range(0, DAT, flatten=True):
             jt = jt0 * DAT + jj
@@ -311,7 +354,8 @@ def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, 
             else:
                 acc = _da_tile(jt, prow, d2, w_row0, dyg_a_desc, H, BM, BK, DAC, F32_DOT)
             _da_epilogue(acc, jt, rows, prow, pre, hs, rank, t, k, routed, p_base, drp_base,
-                         tab32, pre_a_desc, I, K, BM, BN, DAC, INTERLEAVED, LEAN, F32_DOT)
+                         tab32, pre_a_desc, I, K, BM, BN, DAC, INTERLEAVED, LEAN, F32_DOT, WB,
+                         valid, P, hqT, gqT, sb, POW2)
     if (withhold != 3) | (b != 0) | (jt0 != 0):
         tl.debug_barrier()
         if FP8DX:  # the item that completes the row block quantises its dG/dU rows
