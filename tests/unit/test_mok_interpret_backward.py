@@ -58,16 +58,22 @@ COMMON = textwrap.dedent("""
         exact = reference_all_experts(x, idx, p, w1, w2, ws1, ws2, dy_NH=dy)
         return x, idx, p, (w1, w2, ws1, ws2), W, dy, exact
 
-    def run_fp8(cfg, L, T, E, K, shared, H, I, x, idx, p, W, dy):
+    def run_fp8_pre(cfg, L, T, E, K, shared, H, I, x, idx, p, W, dy):
         # training forward and backward on cfg's workspace, the backward's FP8 weight copies
-        # made as the backend makes them; (gradients, forward context)
+        # made as the backend makes them; (gradients, forward context, the forward's
+        # pre-activations, which the backward overwrites with dG/dU)
         ws = mk.get_workspace(cfg, tokens=T, hidden=H, intermediate=I, local_experts=E,
                               topk=K, shared=shared, device="cpu", loopback_ranks=L)
         f8 = mk.quantize_backward_weights(cfg, W[1], W[3], W[0], W[2])
         y, saved = mk.forward_train(cfg, ws, mk.build_schedule(ws, idx), x, p, *W)
+        pre_LPF = saved.pre_LPF.clone()
         g = mk.backward(cfg, ws, saved, dy, *W, fp8_weights=f8)
         mk.check_errors(ws)
-        return g, saved
+        return g, saved, pre_LPF
+
+    def run_fp8(cfg, L, T, E, K, shared, H, I, x, idx, p, W, dy):
+        # run_fp8_pre's (gradients, forward context)
+        return run_fp8_pre(cfg, L, T, E, K, shared, H, I, x, idx, p, W, dy)[:2]
 
     def assert_bitwise(a, b, what):
         for u, v in zip(vars(a).values(), vars(b).values()):
@@ -443,13 +449,8 @@ FP8_BLOCK_K_SCRIPT = COMMON + textwrap.dedent("""
                            num_warps=4, num_stages=1, spin_budget=1000, tma=True,
                            gate_up_interleaved=True, bwd_block_m=128, bwd_fp8_da=True,
                            bwd_fp8_dx=True, bwd_fp8_wgrad=True, bwd_fp8_block_k=bk8)
-        ws = mk.get_workspace(cfg, tokens=T, hidden=H, intermediate=I, local_experts=E,
-                              topk=K, shared=shared, device="cpu", loopback_ranks=L)
-        f8 = mk.quantize_backward_weights(cfg, W[1], W[3], W[0], W[2])
-        y, saved = mk.forward_train(cfg, ws, mk.build_schedule(ws, idx), x, p, *W)
-        pre_LPF = saved.pre_LPF.clone()
-        g = runs[bk8] = mk.backward(cfg, ws, saved, dy, *W, fp8_weights=f8)
-        mk.check_errors(ws)
+        g, saved, pre_LPF = run_fp8_pre(cfg, L, T, E, K, shared, H, I, x, idx, p, W, dy)
+        runs[bk8] = g
         q1, q2, qs1, qs2 = wgrad_of_fp8_columns(saved, pre_LPF, x, dy, p, L, E, K, K + 1,
                                                 cfg.block_m, I, trunc_bf16)
         for val, want_q, name in ((g.w_gate_up, q1, "w1_EHF"), (g.w_down, q2, "w2_EIH"),
@@ -655,13 +656,8 @@ WGRAD_BLOCKS_SCRIPT = COMMON + textwrap.dedent("""
                                tma=True, gate_up_interleaved=il, bwd_fp8_da=dgrad8,
                                bwd_fp8_dx=dgrad8, bwd_fp8_wgrad=True,
                                bwd_fp8_wgrad_blocks=blocks, bwd_block_m=bm)
-            ws = mk.get_workspace(cfg, tokens=T, hidden=H, intermediate=I, local_experts=E,
-                                  topk=K, shared=shared, device="cpu", loopback_ranks=L)
-            f8 = mk.quantize_backward_weights(cfg, W[1], W[3], W[0], W[2])
-            y, saved = mk.forward_train(cfg, ws, mk.build_schedule(ws, idx), x, p, *W)
-            pre_LPF = saved.pre_LPF.clone()
-            g = out[blocks] = mk.backward(cfg, ws, saved, dy, *W, fp8_weights=f8)
-            mk.check_errors(ws)
+            g, saved, pre_LPF = run_fp8_pre(cfg, L, T, E, K, shared, H, I, x, idx, p, W, dy)
+            out[blocks] = g
             if not blocks:
                 continue
             if not il:  # the reference reads the interleaved layout

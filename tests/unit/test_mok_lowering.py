@@ -288,10 +288,11 @@ def test_fp8_weight_gradients_build_with_e4m3_mmas(dgrad8):
     """``bwd_fp8_wgrad`` (alone, and with both FP8 dgrad knobs) at the backend's defaults:
     the weight-gradient items run full-width e4m3 MMAs on their TMA tiles, fit in shared
     memory, and build without spills on their own (the Q and C items, the Q and D items);
-    the whole kernel spills a little (180-360 bytes with Triton 3.9; 360 with both dgrad
-    knobs, the lean dA epilogue and the Q items' running max, 324 with a max per step, 228
-    without the lean epilogue: ptxas's allocation over the whole kernel moves with any item's
-    code): bounded here. The Q items read r h and dG/dU through pipelined TMA copies."""
+    the whole kernel spills a little (180-360 bytes with Triton 3.9; 324 with both dgrad
+    knobs, the lean dA epilogue and the Q items' running max and vector stores, 228 without
+    the lean epilogue: ptxas's allocation over the whole kernel moves with any item's code):
+    bounded here. The Q items read r h and dG/dU through pipelined TMA copies and store
+    their transposed copies as 16-byte vectors."""
 
     fields = {**_row_pull(H, I, 16384, 8, 132, 1, 48, 90), "bwd_fp8_wgrad": True,
               "bwd_fp8_da": dgrad8, "bwd_fp8_dx": dgrad8,
@@ -312,6 +313,7 @@ def test_fp8_weight_gradients_build_with_e4m3_mmas(dgrad8):
         for desc in ("hs_c_desc", "pre_q_desc"):
             copies = re.findall(rf"async_tma_copy_global_to_local %{desc}\[", part.ttgir)
             assert len(copies) >= 2, (desc, len(copies))
+        assert "st.global.b8" not in part.ptx  # 16-byte vectors, not one byte per thread
 
 
 @pytest.mark.parametrize("fp8_forward", [False, True])
@@ -337,6 +339,23 @@ def test_whole_fp8_backward_builds_with_128_deep_steps(fp8_forward):
     assert boxes and all(k == "128" for _, k in boxes), boxes
 
 
+def _whole_fp8_backward(knobs: dict):
+    """(config, build) of the whole FP8 backward (the backend's FP8 fields, the three FP8
+    knobs, 128-deep steps) at the Kimi shape with ``knobs``; the build fits sm_90's shared
+    memory and runs e4m3 MMAs only."""
+    from mokbench.mok_backend import fp8_config_fields
+
+    fields = {**_row_pull(H, I, 16384, 8, 132, 1, 48, 90), **fp8_config_fields(90),
+              "bwd_fp8_da": True, "bwd_fp8_dx": True, "bwd_fp8_wgrad": True,
+              "bwd_fp8_block_k": 128, **knobs}
+    cfg = mk.MoKConfig.for_shape(H, I, **fields)
+    lw = mk.compile_megakernel(cfg, H, I, shared=True, kernel="backward")
+    assert lw.shared_bytes <= SMEM_LIMIT
+    assert sorted(set(lw.mma_instructions)) == [
+        "wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3"]
+    return cfg, lw
+
+
 @pytest.mark.parametrize("knobs", [{"bwd_fused_pull": True, "bwd_pull_programs": 0},
                                    {"bwd_fused_pull": True, "bwd_pull_programs": 32},
                                    {"bwd_fp8_block_colmax": True},
@@ -352,16 +371,7 @@ def test_whole_fp8_backward_builds_with_pull_items_or_block_maxima(knobs):
     with the TMA requantisation, 320 with none; Triton 3.6: 92, 468, 400 with none), and the
     async proxy fenced after each pull item and before the weight-gradient items read TMA
     copies."""
-    from mokbench.mok_backend import fp8_config_fields
-
-    fields = {**_row_pull(H, I, 16384, 8, 132, 1, 48, 90), **fp8_config_fields(90),
-              "bwd_fp8_da": True, "bwd_fp8_dx": True, "bwd_fp8_wgrad": True,
-              "bwd_fp8_block_k": 128, **knobs}
-    cfg = mk.MoKConfig.for_shape(H, I, **fields)
-    lw = mk.compile_megakernel(cfg, H, I, shared=True, kernel="backward")
-    assert lw.shared_bytes <= SMEM_LIMIT
-    assert sorted(set(lw.mma_instructions)) == [
-        "wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3"]
+    lw = _whole_fp8_backward(knobs)[1]
     assert _spill_bytes(lw.ptxas_log) <= 544, lw.ptxas_log
     assert lw.ptx.count("fence.proxy.async.global") >= 4
 
@@ -425,9 +435,9 @@ def test_separate_pulls_move_rows_in_16_byte_vectors(kind, phase):
 def test_megakernels_access_global_memory_in_wide_words(kernel, knobs):
     """Every plain global load and store of the megakernels (forward, bf16 backward, whole
     FP8 backward) moves at least 4 bytes per thread: a 1- or 2-byte access means Triton
-    could not prove a row's alignment. One exception, on purpose: the FP8 backward's
-    quantisation items store their transposed e4m3 bytes one per thread, 32 consecutive
-    ones per warp (whole sectors), since their 16-byte form made the kernel spill more."""
+    could not prove a row's alignment. The FP8 backward's quantisation items, which stored
+    their transposed e4m3 bytes one per thread until their column max became a running max,
+    now store 16-byte vectors too."""
 
     fields = {**_row_pull(H, I, 16384, 8, 132, 1, 48, 90), **knobs}
     cfg = mk.MoKConfig.for_shape(H, I, **fields)
@@ -436,7 +446,7 @@ def test_megakernels_access_global_memory_in_wide_words(kernel, knobs):
     assert ops
     narrow = sorted({op for op in ops if op.endswith((".b8", ".u8", ".s8", ".b16", ".u16",
                                                        ".s16"))})
-    assert narrow == (["st.global.b8"] if knobs else []), narrow
+    assert narrow == [], narrow
 
 
 def test_requantisation_through_tma_is_pipelined():
@@ -466,8 +476,9 @@ def test_requantisation_through_tma_is_pipelined():
 def test_quantisation_items_store_through_tma():
     """``bwd_fp8_q_tma_store`` with the Q and C items alone (Kimi shape): the transposed e4m3
     copies go out as TMA stores over both copies' descriptors, each waited for in full
-    (``cp.async.bulk.wait_group 0``, not ``.read``) before the item's release, and the
-    byte-wide global stores of the plain path are gone; no spills, within shared memory."""
+    (``cp.async.bulk.wait_group 0``, not ``.read``) before the item's release; without it as
+    16-byte vectors (the group's first row a multiple of 16: no byte-wide stores), which
+    the TMA build no longer has; no spills, within shared memory."""
     fields = {**_row_pull(H, I, 16384, 8, 132, 1, 48, 90), "bwd_fp8_wgrad": True,
               "bwd_dw_tiles": 1, "bwd_dx_tiles": 1}
 
@@ -481,7 +492,8 @@ def test_quantisation_items_store_through_tma():
         assert desc not in plain.ttgir
     assert "cp.async.bulk.tensor.2d.global.shared::cta" in tma.ptx
     assert "cp.async.bulk.wait_group 0;" in tma.ptx
-    assert "st.global.b8" in plain.ptx and "st.global.b8" not in tma.ptx
+    assert "st.global.b8" not in plain.ptx and "st.global.b8" not in tma.ptx
+    assert plain.ptx.count("st.global.v4.b32") > tma.ptx.count("st.global.v4.b32")
     assert not tma.spills, tma.ptxas_log
     assert tma.shared_bytes <= SMEM_LIMIT
 
@@ -492,16 +504,7 @@ def test_weight_gradients_with_row_block_scales_build():
     row block) build without spills; the A items, which now quantise r h and dG/dU
     transposed in their epilogue, spill (Triton 3.9: 720 bytes alone, 1092 in the whole
     kernel against 360 without the knob): bounded here, to be timed."""
-    from mokbench.mok_backend import fp8_config_fields
-
-    fields = {**_row_pull(H, I, 16384, 8, 132, 1, 48, 90), **fp8_config_fields(90),
-              "bwd_fp8_da": True, "bwd_fp8_dx": True, "bwd_fp8_wgrad": True,
-              "bwd_fp8_block_k": 128, "bwd_fp8_wgrad_blocks": True}
-    cfg = mk.MoKConfig.for_shape(H, I, **fields)
-    lw = mk.compile_megakernel(cfg, H, I, shared=True, kernel="backward")
-    assert lw.shared_bytes <= SMEM_LIMIT
-    assert sorted(set(lw.mma_instructions)) == [
-        "wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3"]
+    cfg, lw = _whole_fp8_backward({"bwd_fp8_wgrad_blocks": True})
     assert _spill_bytes(lw.ptxas_log) <= 1400, lw.ptxas_log
     for phases in (4, 8):
         part = mk.compile_megakernel(cfg, H, I, shared=True, kernel="backward", phases=phases)
