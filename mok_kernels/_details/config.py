@@ -204,10 +204,11 @@ class MoKConfig:
         dA items wait on.
     bwd_fp8_q_tma_store: with ``bwd_fp8_wgrad``: the Q items' second pass stores each
         transposed e4m3 tile of r h and dG/dU through a TMA descriptor ([block_n / 2
-        features, rows] boxes) instead of one byte per thread from registers (a warp's 32
-        bytes along a column's rows), then waits for its bulk stores to complete before it
-        signals the weight-gradient items. The same bytes, so the same gradients; off by
-        default until timed.
+        features, rows] boxes) instead of plain stores from registers, then waits for its
+        bulk stores to complete before it signals the weight-gradient items. The same bytes,
+        so the same gradients; off: results/20261203-061457-h200-fp8-backward timed it
+        slower at three of four shapes (against the byte-wide stores of then; the plain
+        stores are 16-byte vectors since).
     bwd_fp8_wgrad_blocks: with ``bwd_fp8_wgrad``: r h and dG/dU take one scale per column per
         backward row block (128 x 1 blocks along the rows, the reduction dimension of the
         weight gradients: TransformerEngine's Float8BlockScaling scales its weight gradients'

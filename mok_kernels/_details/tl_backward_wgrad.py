@@ -65,7 +65,7 @@ def _quant_cols(desc, row0, dst, sc, col0, start, end, src, P, QC: tl.constexpr,
     (these columns of block b at ``bmax + b * W``; start and end are multiples of BM)
     instead of the first pass: the same max, exactly. QTMA (``bwd_fp8_q_tma_store``): the
     second pass stores each transposed [QC, BKW] tile through ``dst_desc`` (feature rows from
-    ``drow0`` + col0) instead of one byte per thread from registers: the same bytes."""
+    ``drow0`` + col0) instead of plain stores from registers: the same bytes."""
     cols = col0 + tl.arange(0, QC)
     amax = tl.zeros((QC,), dtype=tl.float32)
     if BMX:
@@ -181,8 +181,9 @@ def _fp8_wgrad_tile(a_desc, a_row, b_desc, b_row, start, end, HALF: tl.constexpr
     multiply the result (the other operand's global column scales are left to the caller).
     A second accumulator per step would double the registers of a [BN/2, BN] tile."""
     acc = tl.zeros((HALF, BN), dtype=tl.float32)
-    if WB:
-        s_prev = tl.load(sb + (start // BM) * (3 * I) + sfeat)
+    if WB:  # the first block's scales (1 for an empty group: its tile stays 0)
+        s_prev = tl.load(sb + (start // BM) * (3 * I) + sfeat, mask=sfeat * 0 + start < end,
+                         other=1.0)
     for r0 in range(start, end, BKW):
         a = a_desc.load([a_row, r0])
         b = b_desc.load([b_row, r0])

@@ -677,6 +677,20 @@ WGRAD_BLOCKS_SCRIPT = COMMON + textwrap.dedent("""
         assert torch.equal(out[True].dx_TH, out[False].dx_TH), (L, il, bm)
         assert torch.equal(out[True].d_router_weights_TK, out[False].d_router_weights_TK)
         print("wgrad blocks ok", L, il, bm)
+
+    # an expert with no tokens: its weight gradients exactly 0 (no row block to scale by)
+    L, T, E, K, shared, H, I = 1, 24, 4, 2, False, 64, 32
+    torch.manual_seed(3)
+    x, idx, p, w1, w2, ws1, ws2, dy = layer(L, T, E, K, shared, H, I, experts=E - 1)
+    W = (mk.interleave_gate_up(w1), w2, None, None)
+    cfg = mk.MoKConfig(minibatch=64, macrobatch=128, block_m=16, block_n=32, block_k=16,
+                       num_warps=4, num_stages=1, spin_budget=1000, tma=True,
+                       gate_up_interleaved=True, bwd_fp8_wgrad=True, bwd_fp8_wgrad_blocks=True)
+    g, _ = run_fp8(cfg, L, T, E, K, shared, H, I, x, idx, p, W, dy)
+    assert torch.equal(g.w_gate_up[E - 1], torch.zeros_like(g.w_gate_up[E - 1]))
+    assert torch.equal(g.w_down[E - 1], torch.zeros_like(g.w_down[E - 1]))
+    assert torch.isfinite(g.w_gate_up.float()).all() and g.w_down[0].abs().sum() > 0
+    print("wgrad blocks empty expert ok")
 """)
 
 
@@ -688,8 +702,11 @@ def test_fp8_weight_gradients_with_row_block_scales_match_the_quantised_referenc
     exact layer within the FP8 bound; dx and the router gradient bitwise the Q items' run;
     with and without the FP8 dgrad items, interleaved and split gate/up columns, one and two
     loopback ranks, 16- and 32-row blocks (a scale read from the wrong block or feature, or
-    a tile stored at the wrong row, breaks the reference match)."""
-    _prints(run_interpreted(WGRAD_BLOCKS_SCRIPT), "wgrad blocks ok", 4)
+    a tile stored at the wrong row, breaks the reference match); an expert with no tokens
+    gets exactly zero weight gradients."""
+    out = run_interpreted(WGRAD_BLOCKS_SCRIPT)
+    _prints(out, "wgrad blocks ok", 4)
+    assert "wgrad blocks empty expert ok" in out.stdout, out.stdout
 
 
 TRACE_SCRIPT = COMMON + textwrap.dedent("""
