@@ -213,11 +213,11 @@ class MoKConfig:
         backward row block (128 x 1 blocks along the rows, the reduction dimension of the
         weight gradients: TransformerEngine's Float8BlockScaling scales its weight gradients'
         columnwise copies so) instead of one per column over the expert's rows. The A item
-        that computes a tile then quantises it at once, transposed, in its epilogue (it holds
-        the tile's rows; no group-wide max is needed), so there are no Q items and no second
-        read of r h and dG/dU, and no bf16 r h is stored; the C and D items scale each row
-        step's partial product by its block's scales (an fp32 multiply-add per step on the
-        accumulator). x and dY keep their global column scales. Off by default until timed.
+        that computes a tile quantises it right after its epilogue, transposed, reading its
+        own bf16 stores back from L2 (it covers the block's rows: no group-wide max is
+        needed), so there are no Q items and no pass over a whole expert's rows; the C and
+        D items rescale their accumulator at each row block (an fp32 multiply per step). x
+        and dY keep their global column scales. Off by default until timed.
     bwd_dx_band: the order of the backward's dX (B) items: 0 or 1 row block by row block
         (a row block's H tiles one after another); G > 1 in bands of G row blocks, inside a
         band the H tiles outer and the row blocks inner (the last band may hold fewer). The

@@ -165,10 +165,10 @@ def mok_backward_kernel(
     LEAN (``bwd_lean_epilogue``): the A items' epilogue in fewer instructions
     (``_swiglu_bwd_half``). QTMA (``bwd_fp8_q_tma_store``): the Q items store through TMA
     (``hqT_q_desc``, ``gqT_q_desc``). WB (``bwd_fp8_wgrad_blocks``, with FP8W): no Q items;
-    each A item quantises its tiles of r h and dG/dU into the transposed copies with one
-    scale per column per row block (``sblk_ptr`` [L, NBMAX, 3I]: r h's I, then dG/dU's 2I),
-    and the C and D items, after their group's A items, scale each row step's product by its
-    block's scales."""
+    each A item, after its epilogue, quantises its tiles of r h and dG/dU into the
+    transposed copies with one scale per column per row block (``sblk_ptr`` [L, NBMAX, 3I]:
+    r h's I, then dG/dU's 2I), and the C and D items, after their group's A items, weight
+    each row step's product by its block's scales."""
     HALF: tl.constexpr = BN // 2
     BKA: tl.constexpr = BK8 if FP8DA else BK  # reduction steps of the A, B, C and D items:
     BKX: tl.constexpr = BK8 if FP8DX else BK  # ``bwd_fp8_block_k`` (BK8, BKW8) for the FP8

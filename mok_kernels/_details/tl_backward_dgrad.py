@@ -61,11 +61,46 @@ def _quant_block_t(v, valid, dst, sc, feats, rows, P, POW2: tl.constexpr,
 
 
 @triton.jit
+def _quant_cols_t(src_rows, c0, N: tl.constexpr, CH: tl.constexpr, valid, dst, sc, rows, P,
+                  POW2: tl.constexpr, F32_DOT: tl.constexpr):
+    """``bwd_fp8_wgrad_blocks``: columns c0 .. c0 + N of the BM bf16 rows at ``src_rows``
+    (this CTA's own stores, ordered by the caller's barrier; read from L2), CH at a time,
+    through ``_quant_block_t`` (feature = column)."""
+    for cc in tl.static_range(0, N, CH):
+        cols = c0 + cc + tl.arange(0, CH)
+        v = to_f32(tl.load(src_rows[:, None] + cols[None, :]), F32_DOT)
+        _quant_block_t(v, valid, dst, sc, cols, rows, P, POW2, F32_DOT)
+
+
+@triton.jit
+def _quant_da_tile_t(jt, rows, valid, pre, hs, hqT, gqT, sb, P, I: tl.constexpr,
+                     DAC: tl.constexpr, INTERLEAVED: tl.constexpr, POW2: tl.constexpr,
+                     F32_DOT: tl.constexpr):
+    """``bwd_fp8_wgrad_blocks``: after the A item's epilogue for I tile jt stored r h and
+    dG/dU (bf16) for the row block's ``rows``, a barrier, then those columns read back
+    (their own stores, in L2) and quantised with one scale per column over the block into
+    the weight gradients' transposed copies (``hqT`` [I, P], ``gqT`` [2I, P] in the kernel
+    column layout; scales at ``sb``: r h's I, then dG/dU's 2I). Done after the epilogue,
+    not inside it: inside, with the dA accumulator live, the A items spilled 720 bytes
+    (sm_90, Kimi K2 48), after it none more than the epilogue's own."""
+    CH: tl.constexpr = 32 if DAC >= 32 else DAC
+    tl.debug_barrier()
+    hs_rows = hs + rows.to(tl.int64) * I
+    pre_rows = pre + rows.to(tl.int64) * (2 * I)
+    _quant_cols_t(hs_rows, jt * DAC, DAC, CH, valid, hqT, sb, rows, P, POW2, F32_DOT)
+    if INTERLEAVED:  # gate c at 2c, up c at 2c + 1
+        _quant_cols_t(pre_rows, 2 * jt * DAC, 2 * DAC, CH, valid, gqT, sb + I, rows, P, POW2,
+                      F32_DOT)
+    else:
+        _quant_cols_t(pre_rows, jt * DAC, DAC, CH, valid, gqT, sb + I, rows, P, POW2, F32_DOT)
+        _quant_cols_t(pre_rows, I + jt * DAC, DAC, CH, valid, gqT, sb + I, rows, P, POW2,
+                      F32_DOT)
+
+
+@triton.jit
 def _swiglu_bwd_half(da_raw, c0, prow, pre_desc, pre_rows, hs_rows, r, I: tl.constexpr,
                      BM: tl.constexpr, Q: tl.constexpr, INTERLEAVED: tl.constexpr,
-                     LEAN: tl.constexpr = False, F32_DOT: tl.constexpr = False,
-                     WB: tl.constexpr = False, valid=None, rows=None, P=0, hqT=None,
-                     gqT=None, sb=None, POW2: tl.constexpr = False):
+                     LEAN: tl.constexpr = False, F32_DOT: tl.constexpr = False):
     """SwiGLU backward for Q columns c0.. of a row block (rows from ``prow`` in the [L*P, ...]
     views): reads gate/up through ``pre_desc``, writes dG, dU over them and r * h to
     ``hs_rows`` with plain stores; returns the router-gradient partial sum_cols(da_raw * h)
@@ -77,12 +112,7 @@ def _swiglu_bwd_half(da_raw, c0, prow, pre_desc, pre_rows, hs_rows, r, I: tl.con
     sigmoid in the store's register layout, and stored last (its conversion then spills
     nothing); dG = dA up (sig + silu (1 - sig)), one multiply fewer than dA up sig (1 + gate
     (1 - sig)). On sm_90 (Kimi K2 48) the dA items' build falls from 7000 to 3696 SASS
-    instructions, no spills.
-    WB (``bwd_fp8_wgrad_blocks``): r h, dG and dU of these columns also go, as e4m3 with one
-    scale per column over the row block (``_quant_block_t``, from the fp32 values), to the
-    transposed copies ``hqT`` [I, P] and ``gqT`` [2I, P] (kernel column layout) and their
-    scales to ``sb`` (r h's I, then dG/dU's 2I); the bf16 r h is not stored (only the FP8
-    weight gradients read it)."""
+    instructions, no spills."""
     if INTERLEAVED:  # gate c at column 2c, up c at 2c + 1: one [BM, 2Q] box
         gate, up = tl.split(tl.reshape(pre_desc.load([prow, 2 * c0]).to(tl.float32),
                                        (BM, Q, 2)))
@@ -98,22 +128,14 @@ def _swiglu_bwd_half(da_raw, c0, prow, pre_desc, pre_rows, hs_rows, r, I: tl.con
     h = silu * up
     part = tl.sum(da_raw * h, axis=1)
     cols = c0 + tl.arange(0, Q)
-    if not LEAN and not WB:
+    if not LEAN:
         tl.store(hs_rows[:, None] + cols[None, :], (h * r[:, None]).to(tl.bfloat16))
     da = da_raw * r[:, None]
-    d_up32 = da * silu
+    d_up = (da * silu).to(tl.bfloat16)
     if LEAN:
-        d_gate32 = da * up * (sig + silu * (1.0 - sig))
+        d_gate = (da * up * (sig + silu * (1.0 - sig))).to(tl.bfloat16)
     else:
-        d_gate32 = da * up * sig * (1.0 + gate * (1.0 - sig))
-    d_up = d_up32.to(tl.bfloat16)
-    d_gate = d_gate32.to(tl.bfloat16)
-    if WB:
-        _quant_block_t(h * r[:, None], valid, hqT, sb, cols, rows, P, POW2, F32_DOT)
-        fg = 2 * cols if INTERLEAVED else cols
-        fu = 2 * cols + 1 if INTERLEAVED else I + cols
-        _quant_block_t(d_gate32, valid, gqT, sb + I, fg, rows, P, POW2, F32_DOT)
-        _quant_block_t(d_up32, valid, gqT, sb + I, fu, rows, P, POW2, F32_DOT)
+        d_gate = (da * up * sig * (1.0 + gate * (1.0 - sig))).to(tl.bfloat16)
     if INTERLEAVED:
         wcols = 2 * c0 + tl.arange(0, 2 * Q)
         tl.store(pre_rows[:, None] + wcols[None, :],
@@ -121,7 +143,7 @@ def _swiglu_bwd_half(da_raw, c0, prow, pre_desc, pre_rows, hs_rows, r, I: tl.con
     else:
         tl.store(pre_rows[:, None] + cols[None, :], d_gate)
         tl.store(pre_rows[:, None] + (I + cols)[None, :], d_up)
-    if LEAN and not WB:
+    if LEAN:
         hr = held_with((h * r[:, None]).to(tl.bfloat16), da_raw, not F32_DOT)
         tl.store(hs_rows[:, None] + cols[None, :], hr)
     return part
@@ -244,13 +266,10 @@ def _dx_tile_fp8(jn, gq_rows16, lr, g, E, w1q_desc, ws1q_desc, sw1q_ptr, sws1q_p
 def _da_epilogue(acc, jt, rows, prow, pre, hs, rank, t, k, routed, p_base, drp_base, tab32,
                  pre_a_desc, I: tl.constexpr, K: tl.constexpr, BM: tl.constexpr,
                  BN: tl.constexpr, DAC: tl.constexpr, INTERLEAVED: tl.constexpr,
-                 LEAN: tl.constexpr = False, F32_DOT: tl.constexpr = False,
-                 WB: tl.constexpr = False, valid=None, P=0, hqT=None, gqT=None, sb=None,
-                 POW2: tl.constexpr = False):
+                 LEAN: tl.constexpr = False, F32_DOT: tl.constexpr = False):
     """The A item's epilogue for I tile jt (see the module docstring), in column quarters of
     a [BM, BN] tile (two for DAC = BN/2, four for DAC = BN) so its fp32 temporaries fit in
-    registers; ends with the router-gradient partial of the tile. WB: each quarter also
-    quantised into the weight gradients' transposed copies (``_swiglu_bwd_half``)."""
+    registers; ends with the router-gradient partial of the tile."""
     Q: tl.constexpr = BN // 4
     NJ: tl.constexpr = I // DAC
     r = _router_weight(p_base, tab32, rank, t, k, routed, K)
@@ -260,27 +279,21 @@ def _da_epilogue(acc, jt, rows, prow, pre, hs, rank, t, k, routed, p_base, drp_b
     if DAC == 2 * Q:  # the accumulator's column quarters, one after another
         a0, a1 = tl.split(tl.permute(tl.reshape(acc, (BM, 2, Q)), (0, 2, 1)))
         part = _swiglu_bwd_half(a0, c0, prow, pre_a_desc, pre_rows, hs_rows, r, I, BM, Q,
-                                INTERLEAVED, LEAN, F32_DOT, WB, valid, rows, P,
-                                hqT, gqT, sb, POW2)
+                                INTERLEAVED, LEAN, F32_DOT)
         part += _swiglu_bwd_half(a1, c0 + Q, prow, pre_a_desc, pre_rows, hs_rows, r, I, BM, Q,
-                                 INTERLEAVED, LEAN, F32_DOT, WB, valid, rows, P,
-                                 hqT, gqT, sb, POW2)
+                                 INTERLEAVED, LEAN, F32_DOT)
     else:
         lo, hi = tl.split(tl.permute(tl.reshape(acc, (BM, 2, 2 * Q)), (0, 2, 1)))
         a0, a1 = tl.split(tl.permute(tl.reshape(lo, (BM, 2, Q)), (0, 2, 1)))
         a2, a3 = tl.split(tl.permute(tl.reshape(hi, (BM, 2, Q)), (0, 2, 1)))
         part = _swiglu_bwd_half(a0, c0, prow, pre_a_desc, pre_rows, hs_rows, r, I, BM, Q,
-                                INTERLEAVED, LEAN, F32_DOT, WB, valid, rows, P,
-                                hqT, gqT, sb, POW2)
+                                INTERLEAVED, LEAN, F32_DOT)
         part += _swiglu_bwd_half(a1, c0 + Q, prow, pre_a_desc, pre_rows, hs_rows, r, I, BM, Q,
-                                 INTERLEAVED, LEAN, F32_DOT, WB, valid, rows, P,
-                                 hqT, gqT, sb, POW2)
+                                 INTERLEAVED, LEAN, F32_DOT)
         part += _swiglu_bwd_half(a2, c0 + 2 * Q, prow, pre_a_desc, pre_rows, hs_rows, r, I,
-                                 BM, Q, INTERLEAVED, LEAN, F32_DOT, WB, valid, rows, P,
-                                 hqT, gqT, sb, POW2)
+                                 BM, Q, INTERLEAVED, LEAN, F32_DOT)
         part += _swiglu_bwd_half(a3, c0 + 3 * Q, prow, pre_a_desc, pre_rows, hs_rows, r, I,
-                                 BM, Q, INTERLEAVED, LEAN, F32_DOT, WB, valid, rows, P,
-                                 hqT, gqT, sb, POW2)
+                                 BM, Q, INTERLEAVED, LEAN, F32_DOT)
     # Router-weight gradient: d r = sum_I dA_raw * h, one partial per I tile.
     drp_off = tl.load(tab32 + rank, mask=routed, other=0)
     tl.store(drp_base + drp_off + (t * K + k) * NJ + jt, part, mask=routed)
@@ -323,8 +336,9 @@ def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, 
     takes the column maxima there, r h's through ``hs_a_desc``). NOEPI (profiling only, phase
     bit 16): the one-tile item skips its epilogue (``_da_sums_only``). LEAN
     (``bwd_lean_epilogue``): the epilogue in fewer instructions (``_swiglu_bwd_half``). WB
-    (``bwd_fp8_wgrad_blocks``): the epilogue quantises r h and dG/dU into the transposed
-    copies ``hqT`` / ``gqT`` with this row block's scales (``sblk`` + block * 3I)."""
+    (``bwd_fp8_wgrad_blocks``): after each tile's epilogue, its r h and dG/dU columns
+    quantised into the transposed copies ``hqT`` / ``gqT`` with this row block's scales
+    (``sblk`` + block * 3I; ``_quant_da_tile_t``)."""
     g = tl.load(grp + b)
     rows = b * BM + tl.arange(0, BM)
     valid, rank, t, k, routed = _row_meta(src, rows, T, S, K)
@@ -342,8 +356,10 @@ def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, 
             _da_sums_only(acc, jt0, rank, t, k, routed, drp_base, tab32, I, K, DAC)
         else:
             _da_epilogue(acc, jt0, rows, prow, pre, hs, rank, t, k, routed, p_base, drp_base,
-                         tab32, pre_a_desc, I, K, BM, BN, DAC, INTERLEAVED, LEAN, F32_DOT, WB,
-                         valid, P, hqT, gqT, sb, POW2)
+                         tab32, pre_a_desc, I, K, BM, BN, DAC, INTERLEAVED, LEAN, F32_DOT)
+            if WB:
+                _quant_da_tile_t(jt0, rows, valid, pre, hs, hqT, gqT, sb, P, I, DAC,
+                                 INTERLEAVED, POW2, F32_DOT)
     else:
         for jj in tl.range(0, DAT, flatten=True):
             jt = jt0 * DAT + jj
@@ -354,8 +370,10 @@ def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, 
             else:
                 acc = _da_tile(jt, prow, d2, w_row0, dyg_a_desc, H, BM, BK, DAC, F32_DOT)
             _da_epilogue(acc, jt, rows, prow, pre, hs, rank, t, k, routed, p_base, drp_base,
-                         tab32, pre_a_desc, I, K, BM, BN, DAC, INTERLEAVED, LEAN, F32_DOT, WB,
-                         valid, P, hqT, gqT, sb, POW2)
+                         tab32, pre_a_desc, I, K, BM, BN, DAC, INTERLEAVED, LEAN, F32_DOT)
+            if WB:
+                _quant_da_tile_t(jt, rows, valid, pre, hs, hqT, gqT, sb, P, I, DAC,
+                                 INTERLEAVED, POW2, F32_DOT)
     if (withhold != 3) | (b != 0) | (jt0 != 0):
         tl.debug_barrier()
         if FP8DX:  # the item that completes the row block quantises its dG/dU rows

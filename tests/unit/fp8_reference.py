@@ -46,8 +46,8 @@ def wgrad_of_fp8_columns(saved, pre_LPF: torch.Tensor, x: torch.Tensor, dy: torc
     ``saved.pre_LPF``) per column over the expert's rows. BM: the forward's row blocks (the
     schedule's ``group_LB`` names their groups); the shared expert summed over the loopback
     ranks; products in fp32. scale_rows (``bwd_fp8_wgrad_blocks``: the backward's row
-    block): r h (in fp32, not cast) and dG/dU scaled per column over each block of that many
-    schedule rows instead of over the expert's rows."""
+    block): r h and dG/dU scaled per column over each block of that many schedule rows
+    instead of over the expert's rows."""
     st = saved.schedule.tensors
     H, dev = x.shape[1], x.device
     gx, gdy = x.float().abs().amax(0), dy.float().abs().amax(0)
@@ -69,13 +69,12 @@ def wgrad_of_fp8_columns(saved, pre_LPF: torch.Tensor, x: torch.Tensor, dy: torc
                             torch.ones(len(mine), device=dev))
             pre = pre_LPF[lr, mine].float()  # interleaved: gate c, up c
             gate, up = pre[:, 0::2], pre[:, 1::2]
-            rh = gate * (1.0 / (1.0 + torch.exp(-gate))) * up * r[:, None]
+            rh = cast(gate * (1.0 / (1.0 + torch.exp(-gate))) * up * r[:, None])
             dgu = saved.pre_LPF[lr, mine].float()
             if scale_rows:
                 rhq, dguq = colq_blocks(rh, mine // scale_rows), colq_blocks(dgu,
                                                                             mine // scale_rows)
             else:
-                rh = cast(rh)
                 rhq, dguq = colq(rh, rh.abs().amax(0)), colq(dgu, dgu.abs().amax(0))
             d2 = rhq.T @ colq(dy[tok].float(), gdy)
             d1 = colq(x[tok].float(), gx).T @ dguq

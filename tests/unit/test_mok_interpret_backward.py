@@ -639,7 +639,7 @@ def test_quantisation_items_storing_through_tma_give_the_same_gradients_bitwise(
 
 
 WGRAD_BLOCKS_SCRIPT = COMMON + textwrap.dedent("""
-    from tests.unit.fp8_reference import wgrad_of_fp8_columns
+    from tests.unit.fp8_reference import trunc_bf16, wgrad_of_fp8_columns
 
     # bwd_fp8_wgrad_blocks: r h and dG/dU scaled per column per backward row block
     for L, T, E, K, shared, il, dgrad8, bm in [(1, 40, 3, 2, True, True, True, 16),
@@ -665,7 +665,7 @@ WGRAD_BLOCKS_SCRIPT = COMMON + textwrap.dedent("""
                 saved.pre_LPF = mk.interleave_gate_up(saved.pre_LPF)
             q1, q2, qs1, qs2 = wgrad_of_fp8_columns(saved, pre_LPF, x, dy, p, L, E, K,
                                                     K + int(shared), cfg.block_m, I,
-                                                    scale_rows=cfg.bwd_bm)
+                                                    trunc_bf16, scale_rows=cfg.bwd_bm)
             for val, want_q, name in ((g.w_gate_up, q1, "w1_EHF"), (g.w_down, q2, "w2_EIH"),
                                       (g.shared_gate_up, qs1, "ws1_HF"),
                                       (g.shared_down, qs2, "ws2_IH")):
@@ -695,9 +695,10 @@ WGRAD_BLOCKS_SCRIPT = COMMON + textwrap.dedent("""
 
 
 def test_fp8_weight_gradients_with_row_block_scales_match_the_quantised_reference():
-    """``bwd_fp8_wgrad_blocks`` (the A items quantise r h and dG/dU into the transposed
-    copies with one scale per column per row block; no Q items; the C and D items scale each
-    row step by its block's scales): every weight gradient against the same products on the
+    """``bwd_fp8_wgrad_blocks`` (each A item, after its epilogue, quantises its r h and dG/dU
+    columns into the transposed copies with one scale per column per row block; no Q items;
+    the C and D items scale each row step by its block's scales): every weight gradient
+    against the same products on the
     operands quantised per row block (``fp8_reference``, scale_rows) within 2e-2, and the
     exact layer within the FP8 bound; dx and the router gradient bitwise the Q items' run;
     with and without the FP8 dgrad items, interleaved and split gate/up columns, one and two

@@ -502,10 +502,11 @@ def test_weight_gradients_with_row_block_scales_build():
     """``bwd_fp8_wgrad_blocks`` with the whole FP8 backward at the Kimi shape: e4m3 MMAs
     only, within sm_90's shared memory; the C and D items (one accumulator, rescaled per
     row block) build without spills; the A items, which now quantise r h and dG/dU
-    transposed in their epilogue, spill (Triton 3.9: 720 bytes alone, 1092 in the whole
-    kernel against 360 without the knob): bounded here, to be timed."""
+    transposed after their epilogue, spill a little (Triton 3.9: 200 bytes alone, 424 in the
+    whole kernel against 336 without the knob; quantising inside the epilogue, with the dA
+    accumulator live, spilled 720 and 1092): bounded here, to be timed."""
     cfg, lw = _whole_fp8_backward({"bwd_fp8_wgrad_blocks": True})
-    assert _spill_bytes(lw.ptxas_log) <= 1400, lw.ptxas_log
+    assert _spill_bytes(lw.ptxas_log) <= 544, lw.ptxas_log
     for phases in (4, 8):
         part = mk.compile_megakernel(cfg, H, I, shared=True, kernel="backward", phases=phases)
         assert not part.spills, (phases, part.ptxas_log)
