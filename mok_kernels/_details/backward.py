@@ -444,7 +444,9 @@ def _fp8_wgrad_args(cfg: MoKConfig, sc: BackwardScratch, pre_LPF: torch.Tensor) 
     ``Fp8WgradScratch``, TMA descriptors over its transposed copies ([BN/2 or BN features,
     BKW8 rows] boxes) and the Q items' descriptor over dG/dU ([BKW rows, BN/2 columns]; r h's
     is ``hs_c_desc``), with ``bwd_fp8_q_tma_store`` the Q items' store descriptors over the
-    copies ([BN/2 features, BKW rows]); all None without the knob."""
+    copies ([BN/2 features, BKW rows]), with ``bwd_fp8_wgrad_blocks`` the per-row-block scales
+    (``sblk_ptr``; the per-group ones, ``srh_ptr`` / ``srg_ptr``, then go unread); all None
+    without the knob."""
     names = ("hqT_ptr", "gqT_ptr", "srh_ptr", "srg_ptr", "hqT_desc",
              "dyqT_desc", "xqT_desc", "gqT_desc", "gxam_ptr", "gdyam_ptr", "pre_q_desc",
              "xqT_ptr", "dyqT_ptr", "bmax_ptr", "hqT_q_desc", "gqT_q_desc", "sblk_ptr")
