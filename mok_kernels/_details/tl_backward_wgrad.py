@@ -11,7 +11,7 @@ from mok_kernels._details import errors
 from mok_kernels._details.tl_backward_pull import _pulled_signal
 from mok_kernels._details.tl_gemm import mma
 from mok_kernels._details.tl_gemm_fp8 import _dot8
-from mok_kernels._details.tl_quant import e4m3_scales, to_e4m3, to_f32
+from mok_kernels._details.tl_quant import e4m3_scales, finite_abs, to_e4m3, to_f32
 from mok_kernels._details.tl_sync import async_proxy_fence, bulk_store_wait, wait_geq
 
 # The error codes of errors.py, as constexprs for the kernel.
@@ -77,7 +77,7 @@ def _quant_cols(desc, row0, dst, sc, col0, start, end, src, P, QC: tl.constexpr,
             rows = r0 + tl.arange(0, BKW)
             live = tl.load(src + rows) >= 0
             v = tl.where(live[:, None], to_f32(desc.load([row0 + r0, col0]), F32_DOT), 0.0)
-            run = tl.maximum(run, tl.where(v == v, tl.abs(v), float("inf")))
+            run = tl.maximum(run, finite_abs(v))
         amax = tl.max(run, axis=0)
     inv, scale = e4m3_scales(amax, POW2)
     tl.store(sc + cols, scale)

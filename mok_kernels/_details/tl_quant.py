@@ -115,10 +115,17 @@ def to_bf16(v, SOFT_CAST: tl.constexpr):
 
 
 @triton.jit
+def finite_abs(v):
+    """|v| with NaN read as +inf (GPU max ignores NaN, so NaN cannot propagate through a max
+    by itself): a max over these is +inf exactly where a non-finite value was."""
+    return tl.where(v == v, tl.abs(v), float("inf"))
+
+
+@triton.jit
 def finite_amax(v, AXIS: tl.constexpr):
     """max |v| along AXIS with NaN read as +inf: the result is +inf exactly where the block
-    holds a non-finite value (GPU max ignores NaN, so NaN cannot propagate by itself)."""
-    return tl.max(tl.where(v == v, tl.abs(v), float("inf")), axis=AXIS)
+    holds a non-finite value (``finite_abs``)."""
+    return tl.max(finite_abs(v), axis=AXIS)
 
 
 @triton.jit
