@@ -84,16 +84,19 @@ def fp8_backward_fields(arch: int = 90) -> dict:
     11.725 / 4.239 ms against the bf16 backward's 24.613 / 13.670 / 4.131 at Kimi K2.7 Code,
     DeepSeek-V4-Pro and Qwen3.5 (2.6% slower at the smallest shape, Qwen3.5). Not on Blackwell
     (unverified there): the bf16 backward. Any of these knobs can be set back by a variant
-    (``mok@bwd_fp8_wgrad=false``). One weight-gradient tile per item (``bwd_dw_tiles``, four
-    in bf16 cells): the FP8 items' build spills more with four (312 against 164 bytes at
-    Kimi K2, Triton 3.9), and they have not been timed so; one dX tile per item
-    (``bwd_dx_tiles``), as the FP8 backward was timed; and the row pull, not the bf16 pull by
-    token (``bwd_pull_by_token``), which the FP8 weight gradients' pull replaces."""
+    (``mok@bwd_fp8_wgrad=false``). The weight-gradient and dX tiles per item are the bf16
+    cells' (``default_config_fields``: four of each on one Hopper rank at the shapes timed):
+    at Kimi K2 48 x 16384 on one H200 the profiling script timed this FP8 backward at 26.537
+    ms (min 25.926, max 26.880) against 27.442 (min 27.012, max 27.987) with one of each, as
+    it ran before, and 28.139 with four weight-gradient tiles but one dX tile (one process
+    each, CUDA-event medians of 10; notes/mok-kernel.md); the four-tile FP8 weight-gradient
+    items spill more (312 against 164 bytes at Kimi K2, Triton 3.9). And the row pull, not
+    the bf16 pull by token (``bwd_pull_by_token``), which the FP8 weight gradients' pull
+    replaces."""
     if arch >= 100:
         return {}
     return {"bwd_fp8_da": True, "bwd_fp8_dx": True, "bwd_fp8_wgrad": True,
-            "bwd_fp8_block_k": 128, "bwd_dw_tiles": 1, "bwd_dx_tiles": 1,
-            "bwd_pull_by_token": False}
+            "bwd_fp8_block_k": 128, "bwd_pull_by_token": False}
 
 
 def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int,
@@ -142,7 +145,7 @@ def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int
     K2 384 x 4096: 27.031, notes/mok-kernel.md); in the sweep at 2b6be5e
     (results/20261201-223055-h200-bf16-train) 40.556 against 41.414 ms at Kimi K2 48 x 16384
     and 45.981 against 46.193 at Kimi K2.7 Code, 17.756 against 17.525 at Qwen3.5 (each
-    inside the other's spread); off in FP8 cells (``fp8_backward_fields``), unmeasured at
+    inside the other's spread); in FP8 cells too (``fp8_backward_fields``), unmeasured at
     EP > 1 and on Blackwell. And each dX item covers four H tiles (``bwd_dx_tiles``; two or
     one where four do not divide them) on one Hopper rank: at Kimi K2 48 x 16384 the
     profiling script timed the backward at 39.648 and 39.498 ms against 39.954 and 40.134
@@ -150,7 +153,7 @@ def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int
     (none at Kimi K2.7 Code against 48 bytes, Triton 3.9); in the sweep at cc46318
     (results/20261202-014259-h200-bf16-train) 40.585 against 41.088 ms at Kimi K2 48 x 16384
     and 17.516 against 17.732 at Qwen3.5 (28.228 against 28.106 at Kimi K2 384 x 4096, inside
-    each other's spread); off in FP8 cells, unmeasured at EP > 1 and on Blackwell. And the
+    each other's spread); in FP8 cells too, unmeasured at EP > 1 and on Blackwell. And the
     backward's separate pull goes token by token (``bwd_pull_by_token``: a token's x and dY
     rows read once, not once per slot) on one Hopper rank: at Qwen3.5 (64 x 16384, top-10,
     shared expert) the profiling script timed the bf16 backward at 16.478 and 16.489 ms

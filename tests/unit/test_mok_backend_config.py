@@ -131,8 +131,8 @@ def _scenario(precision: str):
 def test_fp8_cells_get_the_fp8_path(monkeypatch):
     """precision fp8: the FP8 forward with the rowwise_all recipe at 128-row blocks by default
     on Hopper (MXFP8 at 128 on Blackwell), rowwise and TE's blockwise as knobs at 64-row blocks
-    with the backward at 128, the FP8 tile constraints and TMA weight tiles; a bf16 cell stays
-    bf16."""
+    with the backward at 128, the FP8 tile constraints and TMA weight tiles, the bf16 cells'
+    weight-gradient and dX tiles; a bf16 cell stays bf16."""
     from mokbench.mok_backend import scenario_config
 
     monkeypatch.delenv(CONFIG_ENV, raising=False)
@@ -150,6 +150,9 @@ def test_fp8_cells_get_the_fp8_path(monkeypatch):
     # the bf16 pull by token in bf16 cells; the FP8 weight gradients' row pull in FP8 cells
     assert scenario_config(_scenario("bf16")).bwd_pull_by_token is True
     assert cfg.bwd_pull_by_token is False and cfg.bwd_fp8_wgrad is True
+    # four weight-gradient and dX tiles per item, as in bf16 cells (the faster FP8 backward
+    # in the profiling script at this shape)
+    assert (cfg.bwd_dw_tiles, cfg.bwd_dw_stages, cfg.bwd_dx_tiles) == (4, 4, 4)
     assert "fp8" in get_backend("mok").capabilities.precisions
 
 

@@ -283,20 +283,22 @@ def test_fp8_dgrad_items_build_with_e4m3_mmas(knobs, fp8_forward):
             "wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3"]
 
 
+@pytest.mark.parametrize("tiles", [4, 1])
 @pytest.mark.parametrize("dgrad8", [False, True])
-def test_fp8_weight_gradients_build_with_e4m3_mmas(dgrad8):
-    """``bwd_fp8_wgrad`` (alone, and with both FP8 dgrad knobs) at the backend's defaults:
-    the weight-gradient items run full-width e4m3 MMAs on their TMA tiles, fit in shared
-    memory, and build without spills on their own (the Q and C items, the Q and D items);
-    the whole kernel spills a little (180-360 bytes with Triton 3.9; 324 with both dgrad
-    knobs, the lean dA epilogue and the Q items' running max and vector stores, 228 without
-    the lean epilogue: ptxas's allocation over the whole kernel moves with any item's code):
-    bounded here. The Q items read r h and dG/dU through pipelined TMA copies and store
-    their transposed copies as 16-byte vectors."""
+def test_fp8_weight_gradients_build_with_e4m3_mmas(dgrad8, tiles):
+    """``bwd_fp8_wgrad`` (alone, and with both FP8 dgrad knobs) at the backend's defaults
+    (four weight-gradient and dX tiles per item, as ``fp8_backward_fields`` leaves them) and
+    with one of each: the weight-gradient items run full-width e4m3 MMAs on their TMA tiles
+    and fit in shared memory; the whole kernel spills a little (172-364 bytes with Triton
+    3.9; ptxas's allocation over the whole kernel moves with any item's code): bounded here.
+    The weight-gradient items built on their own (the Q and C items, the Q and D items) do
+    not spill with one tile and spill under 128 bytes with four (88 and 24, Triton 3.9). The
+    Q items read r h and dG/dU through pipelined TMA copies and store their transposed copies
+    as 16-byte vectors."""
 
     fields = {**_row_pull(H, I, 16384, 8, 132, 1, 48, 90), "bwd_fp8_wgrad": True,
               "bwd_fp8_da": dgrad8, "bwd_fp8_dx": dgrad8,
-              "bwd_dw_tiles": 1, "bwd_dx_tiles": 1}  # in FP8 cells (fp8_backward_fields)
+              "bwd_dw_tiles": tiles, "bwd_dx_tiles": tiles}
     cfg = mk.MoKConfig.for_shape(H, I, **fields)
     lw = mk.compile_megakernel(cfg, H, I, shared=True, kernel="backward")
     assert lw.shared_bytes <= SMEM_LIMIT
@@ -307,7 +309,7 @@ def test_fp8_weight_gradients_build_with_e4m3_mmas(dgrad8):
     assert _spill_bytes(lw.ptxas_log) <= 384, lw.ptxas_log
     for phases in (4, 8):  # the C items (with the Q items), the D items (with the Q items)
         part = mk.compile_megakernel(cfg, H, I, shared=True, kernel="backward", phases=phases)
-        assert not part.spills, part.ptxas_log
+        assert _spill_bytes(part.ptxas_log) <= (0 if tiles == 1 else 128), part.ptxas_log
         assert part.mma_instructions and set(part.mma_instructions) == {e4m3}
         # the Q items read r h and dG/dU through TMA, pipelined: copies ahead of the loops
         for desc in ("hs_c_desc", "pre_q_desc"):
