@@ -508,7 +508,7 @@ def backward_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots:
                 DXBAND=cfg.bwd_dx_band, DWT=cfg.bwd_dw_tiles,
                 DWSC=3 if cfg.bwd_dw_stages == 4 else 2, DWSD=cfg.bwd_dw_stages,
                 LEAN=cfg.bwd_lean_epilogue, QTMA=cfg.bwd_fp8_q_tma_store,
-                WB=cfg.bwd_fp8_wgrad_blocks)
+                WB=cfg.bwd_fp8_wgrad_blocks, QLEAD=cfg.bwd_q_lead)
 
 
 def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tensor,

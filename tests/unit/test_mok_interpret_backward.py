@@ -806,6 +806,49 @@ def test_item_trace_records_the_ticket_order_by_section():
     _prints(run_interpreted(ORDER_SCRIPT), "item order ok", 1)
 
 
+Q_LEAD_SCRIPT = COMMON + textwrap.dedent("""
+    L, T, E, K, shared, H, I = 2, 13, 3, 2, True, 64, 32
+    x, idx, p, _, W, dy, exact = interleaved_case(L, T, E, K, shared, 31)
+    f8 = dict(bwd_fp8_da=True, bwd_fp8_dx=True, bwd_fp8_wgrad=True)
+    for base in ({}, f8):
+        out = []
+        for knobs in ({}, {"bwd_q_lead": 1}, {"bwd_q_lead": 2}, {"bwd_q_lead": 1024},
+                      {"bwd_q_lead": 1, "bwd_dw_tiles": 2}):
+            cfg = config(True, **base, **knobs)
+            out.append(run_fp8(cfg, L, T, E, K, shared, H, I, x, idx, p, W, dy)[0])
+        for i in range(1, len(out)):
+            assert_bitwise(out[0], out[i], (bool(base), i))
+        assert rel(out[0].dx_TH, exact.dx_TH) < (1e-1 if base else 2e-2)
+    # the trace: with the Q items one group ahead, a Q item follows a C item (kinds 2 after
+    # 3), every ticket recorded once; by default the kinds are sorted
+    for lead, interleaved in ((0, False), (1, True)):
+        cfg = config(True, **f8, bwd_q_lead=lead)
+        ws = mk.get_workspace(cfg, tokens=T, hidden=H, intermediate=I, local_experts=E,
+                              topk=K, shared=shared, device="cpu", loopback_ranks=L)
+        w8 = mk.quantize_backward_weights(cfg, W[1], W[3], W[0], W[2])
+        y, saved = mk.forward_train(cfg, ws, mk.build_schedule(ws, idx), x, p, *W)
+        tr = torch.full((L, mk.backward_trace_capacity(ws), 4), -1, dtype=torch.int64)
+        mk.backward(cfg, ws, saved, dy, *W, fp8_weights=w8, _trace=tr)
+        mk.check_errors(ws)
+        for r in range(L):
+            k = tr[r, :, 3]
+            kinds = k[k >= 0].tolist()
+            assert set(kinds) == {0, 1, 2, 3, 4}, kinds
+            after = any(a == 3 and b == 2 for a, b in zip(kinds, kinds[1:]))
+            assert after == interleaved and (kinds == sorted(kinds)) != interleaved, kinds
+            assert kinds.count(2) == 3 * (E + 1) * I // (cfg.block_n // 2), kinds
+    print("q lead ok")
+""")
+
+
+def test_q_items_ahead_of_their_c_items_give_the_same_gradients_bitwise():
+    """``bwd_q_lead`` (the FP8 weight gradients' Q items one, two or all groups ahead of
+    their group's C items, with one and two weight-gradient tiles per item): every gradient
+    bitwise the default order's, the whole FP8 backward and bf16 (no Q items: no effect),
+    two loopback ranks; the item trace shows Q items after C items, each kind's count kept."""
+    _prints(run_interpreted(Q_LEAD_SCRIPT), "q lead ok", 1)
+
+
 BAND_SCRIPT = COMMON + textwrap.dedent("""
     L, T, E, K, shared, H, I = 2, 13, 3, 2, True, 64, 32
     x, idx, p, _, W, dy, exact = interleaved_case(L, T, E, K, shared, 29)
