@@ -159,17 +159,13 @@ class Fp8WgradScratch:
     gxam_H: torch.Tensor  # fp32 column max |x| over every rank's tokens
     gdyam_H: torch.Tensor  # fp32 column max |dY| over every rank's tokens
     bmax_LBF: torch.Tensor | None = None  # bwd_fp8_block_colmax: r h, dG/dU column max per block
-    # bwd_fp8_wgrad_blocks: the scales of hqT_LIP (first I) and gqT_LFP (next 2I) per row block
-    sblk_LBF: torch.Tensor | None = None
 
     @staticmethod
     def empty(L: int, H: int, I: int, P: int, G: int, device: torch.device | str,
-              blocks: int = 0, scale_blocks: int = 0) -> Fp8WgradScratch:
+              blocks: int = 0) -> Fp8WgradScratch:
         f8, f32 = torch.float8_e4m3fn, torch.float32
         return Fp8WgradScratch(
             bmax_LBF=torch.empty(L, blocks, 3 * I, dtype=f32, device=device) if blocks else None,
-            sblk_LBF=(torch.empty(L, scale_blocks, 3 * I, dtype=f32, device=device)
-                      if scale_blocks else None),
             xqT_LHP=torch.empty(L, H, P, dtype=f8, device=device),
             dyqT_LHP=torch.empty(L, H, P, dtype=f8, device=device),
             hqT_LIP=torch.empty(L, I, P, dtype=f8, device=device),
@@ -201,8 +197,7 @@ def backward_scratch(ws: Workspace) -> BackwardScratch:
         gq_LPG=(torch.empty(L, P, dgu_row_elements(I), dtype=bf, device=dev)
                 if cfg.bwd_fp8_dx else None),
         wgrad8=(Fp8WgradScratch.empty(L, H, I, P, ws.E + int(ws.shared), dev,
-                                      P // cfg.bwd_bm if cfg.bwd_fp8_block_colmax else 0,
-                                      P // cfg.bwd_bm if cfg.bwd_fp8_wgrad_blocks else 0)
+                                      P // cfg.bwd_bm if cfg.bwd_fp8_block_colmax else 0)
                 if w8 else None))
 
 
@@ -444,12 +439,10 @@ def _fp8_wgrad_args(cfg: MoKConfig, sc: BackwardScratch, pre_LPF: torch.Tensor) 
     ``Fp8WgradScratch``, TMA descriptors over its transposed copies ([BN/2 or BN features,
     BKW8 rows] boxes) and the Q items' descriptor over dG/dU ([BKW rows, BN/2 columns]; r h's
     is ``hs_c_desc``), with ``bwd_fp8_q_tma_store`` the Q items' store descriptors over the
-    copies ([BN/2 features, BKW rows]), with ``bwd_fp8_wgrad_blocks`` the per-row-block scales
-    (``sblk_ptr``; the per-group ones, ``srh_ptr`` / ``srg_ptr``, then go unread); all None
-    without the knob."""
+    copies ([BN/2 features, BKW rows]); all None without the knob."""
     names = ("hqT_ptr", "gqT_ptr", "srh_ptr", "srg_ptr", "hqT_desc",
              "dyqT_desc", "xqT_desc", "gqT_desc", "gxam_ptr", "gdyam_ptr", "pre_q_desc",
-             "xqT_ptr", "dyqT_ptr", "bmax_ptr", "hqT_q_desc", "gqT_q_desc", "sblk_ptr")
+             "xqT_ptr", "dyqT_ptr", "bmax_ptr", "hqT_q_desc", "gqT_q_desc")
     w8 = sc.wgrad8
     if w8 is None:
         return dict.fromkeys(names)
@@ -471,7 +464,7 @@ def _fp8_wgrad_args(cfg: MoKConfig, sc: BackwardScratch, pre_LPF: torch.Tensor) 
                 pre_q_desc=TensorDescriptor.from_tensor(pre_LPF.view(-1, pre_LPF.shape[-1]),
                                                         [wgrad_rows(cfg), bn // 2]),
                 xqT_ptr=w8.xqT_LHP, dyqT_ptr=w8.dyqT_LHP,  # the in-kernel pull's stores
-                bmax_ptr=w8.bmax_LBF, sblk_ptr=w8.sblk_LBF,
+                bmax_ptr=w8.bmax_LBF,
                 # bwd_fp8_q_tma_store: the Q items' TMA stores ([BN/2 features, BKW rows])
                 hqT_q_desc=(desc_rows(w8.hqT_LIP, bn // 2, wgrad_rows(cfg))
                             if cfg.bwd_fp8_q_tma_store else None),
@@ -508,7 +501,7 @@ def backward_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots:
                 DXBAND=cfg.bwd_dx_band, DWT=cfg.bwd_dw_tiles,
                 DWSC=3 if cfg.bwd_dw_stages == 4 else 2, DWSD=cfg.bwd_dw_stages,
                 LEAN=cfg.bwd_lean_epilogue, QTMA=cfg.bwd_fp8_q_tma_store,
-                WB=cfg.bwd_fp8_wgrad_blocks, QLEAD=cfg.bwd_q_lead)
+                QLEAD=cfg.bwd_q_lead)
 
 
 def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tensor,

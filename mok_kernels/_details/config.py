@@ -209,15 +209,6 @@ class MoKConfig:
         so the same gradients; off: results/20261203-061457-h200-fp8-backward timed it
         slower at three of four shapes (against the byte-wide stores of then; the plain
         stores are 16-byte vectors since).
-    bwd_fp8_wgrad_blocks: with ``bwd_fp8_wgrad``: r h and dG/dU take one scale per column per
-        backward row block (128 x 1 blocks along the rows, the reduction dimension of the
-        weight gradients: TransformerEngine's Float8BlockScaling scales its weight gradients'
-        columnwise copies so) instead of one per column over the expert's rows. The A item
-        that computes a tile quantises it right after its epilogue, transposed, reading its
-        own bf16 stores back from L2 (it covers the block's rows: no group-wide max is
-        needed), so there are no Q items and no pass over a whole expert's rows; the C and
-        D items rescale their accumulator at each row block (an fp32 multiply per step). x
-        and dY keep their global column scales. Off by default until timed.
     bwd_q_lead: the order of the FP8 weight gradients' quantisation (Q) and dW_down (C)
         items (``bwd_fp8_wgrad``): 0, every Q item before the C items, so the Q stage runs
         alone between the dX and weight-gradient GEMMs (2.1 ms of a 24.6 ms traced FP8
@@ -323,7 +314,6 @@ class MoKConfig:
     bwd_fp8_block_colmax: bool = False
     bwd_fp8_requant_tma: bool = False
     bwd_fp8_q_tma_store: bool = False
-    bwd_fp8_wgrad_blocks: bool = False
     bwd_dx_band: int = 0
     bwd_q_lead: int = 0
     bwd_pull_by_token: bool = False
@@ -443,13 +433,6 @@ class MoKConfig:
         _check(not self.bwd_fp8_q_tma_store or self.bwd_fp8_wgrad, "bwd_fp8_q_tma_store",
                self.bwd_fp8_q_tma_store,
                "false unless bwd_fp8_wgrad is set (it serves the weight gradients' Q items)")
-        _check(isinstance(self.bwd_fp8_wgrad_blocks, bool), "bwd_fp8_wgrad_blocks",
-               self.bwd_fp8_wgrad_blocks, "true | false")
-        _check(not self.bwd_fp8_wgrad_blocks or (
-            self.bwd_fp8_wgrad and not self.bwd_fp8_block_colmax
-            and not self.bwd_fp8_q_tma_store), "bwd_fp8_wgrad_blocks",
-            self.bwd_fp8_wgrad_blocks, "false unless bwd_fp8_wgrad is set, and false with "
-            "bwd_fp8_block_colmax or bwd_fp8_q_tma_store (they serve the Q items it removes)")
         _check(isinstance(self.bwd_pull_dedup, bool), "bwd_pull_dedup", self.bwd_pull_dedup,
                "true | false")
         _check(not (self.bwd_pull_dedup and self.bwd_fused_pull),

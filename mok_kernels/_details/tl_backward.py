@@ -155,8 +155,7 @@ def mok_backward_kernel(
         DXBAND: tl.constexpr = 0,
         DWT: tl.constexpr = 1, DWSC: tl.constexpr = 2, DWSD: tl.constexpr = 2,
         LEAN: tl.constexpr = False, QTMA: tl.constexpr = False, hqT_q_desc=None,
-        gqT_q_desc=None, WB: tl.constexpr = False, sblk_ptr=None,
-        QLEAD: tl.constexpr = 0):
+        gqT_q_desc=None, QLEAD: tl.constexpr = 0):
     """One persistent program per SM; see the module docstring for the work order. The C
     and D items fence the async proxy after their group's acquire (they read through TMA
     rows written with plain stores). FP8DA (``bwd_fp8_da``): the A items' FP8 tiles read dY
@@ -192,16 +191,14 @@ def mok_backward_kernel(
     wait inside an item counts as the item's time.
     LEAN (``bwd_lean_epilogue``): the A items' epilogue in fewer instructions
     (``_swiglu_bwd_half``). QTMA (``bwd_fp8_q_tma_store``): the Q items store through TMA
-    (``hqT_q_desc``, ``gqT_q_desc``). WB (``bwd_fp8_wgrad_blocks``, with FP8W): no Q items;
-    each A item, after its epilogue, quantises its tiles of r h and dG/dU into the
-    transposed copies with one scale per column per row block (``sblk_ptr`` [L, NBMAX, 3I]:
-    r h's I, then dG/dU's 2I), and the C and D items, after their group's A items, weight
-    each row step's product by its block's scales."""
+    (``hqT_q_desc``, ``gqT_q_desc``). QLEAD (``bwd_q_lead``) > 0: the Q and C items claimed
+    in another order, the Q items QLEAD groups ahead of their C items (``_q_lead_ticket``:
+    each ticket of that section stands for one of the default order)."""
     HALF: tl.constexpr = BN // 2
     BKA: tl.constexpr = BK8 if FP8DA else BK  # reduction steps of the A, B, C and D items:
     BKX: tl.constexpr = BK8 if FP8DX else BK  # ``bwd_fp8_block_k`` (BK8, BKW8) for the FP8
     BKWF: tl.constexpr = BKW8 if FP8W else BKW  # ones
-    NQ: tl.constexpr = 3 * I // HALF if FP8W and not WB else 0  # Q items per group
+    NQ: tl.constexpr = 3 * I // HALF if FP8W else 0  # Q items per group
     NA: tl.constexpr = I // (DAC * DAT)  # A items per row block
     NB: tl.constexpr = H // (BN * DXT)  # B items per row block
     NCJ: tl.constexpr = H // (BN * DWT)  # H tile groups of a C item's I tile
@@ -225,7 +222,6 @@ def mok_backward_kernel(
     gqT = gqT_ptr + lr.to(tl.int64) * (2 * I) * P if FP8W else gqT_ptr
     srh = srh_ptr + lr * NG * I if FP8W else srh_ptr
     srg = srg_ptr + lr * NG * (2 * I) if FP8W else srg_ptr
-    sblk = sblk_ptr + lr.to(tl.int64) * NBMAX * (3 * I) if WB else sblk_ptr
     qready = ctr + 1 + NBMAX + NG  # FP8W: [NG] Q items done per group, after PULL's counters
     if PULLG:
         qready = qready + NBMAX + 1 + NG
@@ -287,7 +283,7 @@ def mok_backward_kernel(
                                      DAC, F32_DOT, INTERLEAVED, tab16, DAT,
                                      FP8DA, dyq_base, w2q_desc, ws2q_desc, sw2q_ptr,
                                      sws2q_ptr, FP8DX, gq, GQW, RQC, POW2, QBM, bmax_ptr,
-                                     RQT, hs_a_desc, NOEPI, LEAN, WB, hqT, gqT, sblk)
+                                     RQT, hs_a_desc, NOEPI, LEAN)
         elif vt < end_b:
             i = vt - end_a
             if PHASES & 2:
@@ -323,7 +319,7 @@ def mok_backward_kernel(
                                       E, NBMAX, budget, H, I, HAS_SHARED, BM, BN, BKWF,
                                       DAC, F32_DOT,
                                       FP8W, qready, NQ, hqT_desc, dyqT_desc, srh, gdyam_ptr,
-                                      POW2, PULLG, xgrp, DWT, DWSC, WB, sblk)
+                                      POW2, PULLG, xgrp, DWT, DWSC)
         else:
             if PHASES & 8:
                 i = vt - end_c
@@ -334,7 +330,7 @@ def mok_backward_kernel(
                                          dws1_ptr, E, NBMAX, budget, H, I, HAS_SHARED,
                                          BM, BN, BKWF, DAC, F32_DOT, INTERLEAVED,
                                          xgrp, PULLG, FP8W, qready, NQ, xqT_desc, gqT_desc,
-                                         srg, gxam_ptr, POW2, DWT, DWSD, WB, sblk)
+                                         srg, gxam_ptr, POW2, DWT, DWSD)
         if TRACE:
             kind = tl.where(vt < end_a, 0, tl.where(vt < end_b, 1, tl.where(
                 vt < end_q, 2, tl.where(vt < end_c, 3, 4))))

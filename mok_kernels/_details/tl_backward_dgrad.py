@@ -47,57 +47,6 @@ def _home_rows(base, tab, rank, t, valid, H: tl.constexpr):
 
 
 @triton.jit
-def _quant_block_t(v, valid, dst, sc, feats, rows, P, POW2: tl.constexpr,
-                   F32_DOT: tl.constexpr):
-    """``bwd_fp8_wgrad_blocks``: v [BM, n] (the row block's rows ``rows``, features
-    ``feats``) as e4m3 with one scale per feature over the block's ``valid`` rows (padding
-    rows 0; NaN read as +inf, so its feature's scale turns NaN), the scales to ``sc`` +
-    feature, the values transposed (feature-major, rows contiguous) to ``dst`` [F, P]."""
-    v = tl.where(valid[:, None], v, 0.0)
-    inv, scale = e4m3_scales(finite_amax(v, 0), POW2)
-    tl.store(sc + feats, scale)
-    q = to_e4m3(v * inv[None, :], F32_DOT)
-    tl.store(dst + feats.to(tl.int64)[None, :] * P + rows[:, None], q)
-
-
-@triton.jit
-def _quant_cols_t(src_rows, c0, N: tl.constexpr, CH: tl.constexpr, valid, dst, sc, rows, P,
-                  POW2: tl.constexpr, F32_DOT: tl.constexpr):
-    """``bwd_fp8_wgrad_blocks``: columns c0 .. c0 + N of the BM bf16 rows at ``src_rows``
-    (this CTA's own stores, ordered by the caller's barrier; read from L2), CH at a time,
-    through ``_quant_block_t`` (feature = column)."""
-    for cc in tl.static_range(0, N, CH):
-        cols = c0 + cc + tl.arange(0, CH)
-        v = to_f32(tl.load(src_rows[:, None] + cols[None, :]), F32_DOT)
-        _quant_block_t(v, valid, dst, sc, cols, rows, P, POW2, F32_DOT)
-
-
-@triton.jit
-def _quant_da_tile_t(jt, rows, valid, pre, hs, hqT, gqT, sb, P, I: tl.constexpr,
-                     DAC: tl.constexpr, INTERLEAVED: tl.constexpr, POW2: tl.constexpr,
-                     F32_DOT: tl.constexpr):
-    """``bwd_fp8_wgrad_blocks``: after the A item's epilogue for I tile jt stored r h and
-    dG/dU (bf16) for the row block's ``rows``, a barrier, then those columns read back
-    (their own stores, in L2) and quantised with one scale per column over the block into
-    the weight gradients' transposed copies (``hqT`` [I, P], ``gqT`` [2I, P] in the kernel
-    column layout; scales at ``sb``: r h's I, then dG/dU's 2I). Done after the epilogue,
-    not inside it: inside, with the dA accumulator live, the A items spilled 720 bytes
-    (sm_90, Kimi K2 48), after it none more than the epilogue's own."""
-    CH: tl.constexpr = 32 if DAC >= 32 else DAC
-    tl.debug_barrier()
-    hs_rows = hs + rows.to(tl.int64) * I
-    pre_rows = pre + rows.to(tl.int64) * (2 * I)
-    _quant_cols_t(hs_rows, jt * DAC, DAC, CH, valid, hqT, sb, rows, P, POW2, F32_DOT)
-    if INTERLEAVED:  # gate c at 2c, up c at 2c + 1
-        _quant_cols_t(pre_rows, 2 * jt * DAC, 2 * DAC, CH, valid, gqT, sb + I, rows, P, POW2,
-                      F32_DOT)
-    else:
-        _quant_cols_t(pre_rows, jt * DAC, DAC, CH, valid, gqT, sb + I, rows, P, POW2, F32_DOT)
-        _quant_cols_t(pre_rows, I + jt * DAC, DAC, CH, valid, gqT, sb + I, rows, P, POW2,
-                      F32_DOT)
-
-
-@triton.jit
 def _swiglu_bwd_half(da_raw, c0, prow, pre_desc, pre_rows, hs_rows, r, I: tl.constexpr,
                      BM: tl.constexpr, Q: tl.constexpr, INTERLEAVED: tl.constexpr,
                      LEAN: tl.constexpr = False, F32_DOT: tl.constexpr = False):
@@ -323,8 +272,7 @@ def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, 
                      RQC: tl.constexpr = 128, POW2: tl.constexpr = False,
                      QBM: tl.constexpr = False, bmax=None, RQT: tl.constexpr = False,
                      hs_a_desc=None, NOEPI: tl.constexpr = False,
-                     LEAN: tl.constexpr = False, WB: tl.constexpr = False, hqT=None,
-                     gqT=None, sblk=None):
+                     LEAN: tl.constexpr = False):
     """A item: dA[rows of block b, I tiles jt0*DAT .. of DAC columns] and its epilogue
     (``_da_epilogue``); DAT tiles per item in one flattened loop (the next tile's loads
     overlap a tile's epilogue), and the item signals +DAT. FP8DA: FP8 tiles
@@ -335,16 +283,12 @@ def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, 
     through ``pre_a_desc`` as pipelined copies (``_requant_dgu_rows_tma``; with QBM it also
     takes the column maxima there, r h's through ``hs_a_desc``). NOEPI (profiling only, phase
     bit 16): the one-tile item skips its epilogue (``_da_sums_only``). LEAN
-    (``bwd_lean_epilogue``): the epilogue in fewer instructions (``_swiglu_bwd_half``). WB
-    (``bwd_fp8_wgrad_blocks``): after each tile's epilogue, its r h and dG/dU columns
-    quantised into the transposed copies ``hqT`` / ``gqT`` with this row block's scales
-    (``sblk`` + block * 3I; ``_quant_da_tile_t``)."""
+    (``bwd_lean_epilogue``): the epilogue in fewer instructions (``_swiglu_bwd_half``)."""
     g = tl.load(grp + b)
     rows = b * BM + tl.arange(0, BM)
     valid, rank, t, k, routed = _row_meta(src, rows, T, S, K)
     d2, w_row0 = _weight_desc(lr, g, E, w2_desc, ws2_desc, I, True, HAS_SHARED)
     prow = lr * P + b * BM
-    sb = sblk + b.to(tl.int64) * (3 * I) if WB else sblk
     if DAT == 1:  # one tile, no loop: the instructions of the GPU-tested one-tile item
         if FP8DA:
             acc = _da_tile_fp8(jt0, rank, t, valid, lr, g, E, dyq_base, tab16, w2q_desc,
@@ -357,9 +301,6 @@ def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, 
         else:
             _da_epilogue(acc, jt0, rows, prow, pre, hs, rank, t, k, routed, p_base, drp_base,
                          tab32, pre_a_desc, I, K, BM, BN, DAC, INTERLEAVED, LEAN, F32_DOT)
-            if WB:
-                _quant_da_tile_t(jt0, rows, valid, pre, hs, hqT, gqT, sb, P, I, DAC,
-                                 INTERLEAVED, POW2, F32_DOT)
     else:
         for jj in tl.range(0, DAT, flatten=True):
             jt = jt0 * DAT + jj
@@ -371,9 +312,6 @@ def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, 
                 acc = _da_tile(jt, prow, d2, w_row0, dyg_a_desc, H, BM, BK, DAC, F32_DOT)
             _da_epilogue(acc, jt, rows, prow, pre, hs, rank, t, k, routed, p_base, drp_base,
                          tab32, pre_a_desc, I, K, BM, BN, DAC, INTERLEAVED, LEAN, F32_DOT)
-            if WB:
-                _quant_da_tile_t(jt, rows, valid, pre, hs, hqT, gqT, sb, P, I, DAC,
-                                 INTERLEAVED, POW2, F32_DOT)
     if (withhold != 3) | (b != 0) | (jt0 != 0):
         tl.debug_barrier()
         if FP8DX:  # the item that completes the row block quantises its dG/dU rows

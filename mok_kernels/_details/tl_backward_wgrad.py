@@ -168,39 +168,15 @@ def _wgrad_wait(g, gst, total, ctr, err, NBMAX, budget, I: tl.constexpr, BM: tl.
 
 @triton.jit
 def _fp8_wgrad_tile(a_desc, a_row, b_desc, b_row, start, end, HALF: tl.constexpr,
-                    BN: tl.constexpr, BKW: tl.constexpr, F32_DOT: tl.constexpr,
-                    WB: tl.constexpr = False, sb=None, sfeat=None,
-                    SROW: tl.constexpr = True, BM: tl.constexpr = 128, I: tl.constexpr = 0):
+                    BN: tl.constexpr, BKW: tl.constexpr, F32_DOT: tl.constexpr):
     """``FP8W``: the unscaled [HALF, BN] fp32 sum over rows start..end of A^T B, from the
     transposed e4m3 copies (feature rows ``a_row`` .. of ``a_desc``, ``b_row`` .. of
-    ``b_desc``; [HALF, BKW] and [BN, BKW] boxes, K-major): a pure FP8 K loop.
-    WB (``bwd_fp8_wgrad_blocks``): each step's product weighted by its row block's scales of
-    the features ``sfeat`` (at ``sb`` + block * 3I; over the tile's rows, SROW: A's
-    features, or its columns, B's) with one accumulator: before a step the sum so far is
-    rescaled by the previous step's scales over this one's, and the last step's scales
-    multiply the result (the other operand's global column scales are left to the caller).
-    A second accumulator per step would double the registers of a [BN/2, BN] tile."""
+    ``b_desc``; [HALF, BKW] and [BN, BKW] boxes, K-major): a pure FP8 K loop."""
     acc = tl.zeros((HALF, BN), dtype=tl.float32)
-    if WB:  # the first block's scales (1 for an empty group: its tile stays 0)
-        s_prev = tl.load(sb + (start // BM) * (3 * I) + sfeat, mask=sfeat * 0 + start < end,
-                         other=1.0)
     for r0 in range(start, end, BKW):
         a = a_desc.load([a_row, r0])
         b = b_desc.load([b_row, r0])
-        if WB:
-            s = tl.load(sb + (r0 // BM) * (3 * I) + sfeat)
-            ratio = s_prev / s
-            if SROW:
-                acc = acc * ratio[:, None]
-            else:
-                acc = acc * ratio[None, :]
-            s_prev = s
         acc = _dot8(a, tl.trans(b), acc, F32_DOT)
-    if WB:
-        if SROW:
-            acc = acc * s_prev[:, None]
-        else:
-            acc = acc * s_prev[None, :]
     return acc
 
 
@@ -213,8 +189,7 @@ def _wgrad_down_item(g, it, jn, lr, gst, total, P, hs_c_desc, dyg_c_desc, ctr, e
                      NQ: tl.constexpr = 0,
                      hqT_desc=None, dyqT_desc=None, srh=None, gdyam=None,
                      POW2: tl.constexpr = False, XW: tl.constexpr = False, xgrp=None,
-                     DWT: tl.constexpr = 1, DWS: tl.constexpr = 2, WB: tl.constexpr = False,
-                     sblk=None):
+                     DWT: tl.constexpr = 1, DWS: tl.constexpr = 2):
     """C item: dW_down[g][I tile it, H tiles jn * DWT ..] = sum over g's rows of (r h)^T dY;
     waits for every A item of g (they write r h). DWT tiles (``bwd_dw_tiles``) in one
     flattened loop of DWS pipeline stages, so the software pipeline loads a tile's first rows
@@ -223,8 +198,7 @@ def _wgrad_down_item(g, it, jn, lr, gst, total, P, hs_c_desc, dyg_c_desc, ctr, e
     tiles of the transposed copies (``hqT_desc`` [L*I, P], ``dyqT_desc`` [L*H, P]: K-major,
     a pure FP8 K loop), then the column scales (r h's of group g in ``srh``, dY's from the
     global column max ``gdyam``); waits for g's Q items instead. XW: also for g's pulled
-    rows (``_pulled_rows``). WB (``bwd_fp8_wgrad_blocks``): r h's scales per row block
-    (``sblk``), after g's A items (no Q items)."""
+    rows (``_pulled_rows``)."""
     HALF: tl.constexpr = BN // 2
     start, end, ok = _wgrad_wait(g, gst, total, ctr, err, NBMAX, budget, I, BM, DAC, F32_DOT,
                                  FP8W, qready, NQ)
@@ -235,7 +209,7 @@ def _wgrad_down_item(g, it, jn, lr, gst, total, P, hs_c_desc, dyg_c_desc, ctr, e
         if DWT == 1:  # one tile, no loop; the output rows after the GEMM (fewer live values)
             acc = _wgrad_down_tile(jn, it, icols, g, lr, start, end, P, hs_c_desc, dyg_c_desc,
                                    H, I, BN, BKW, F32_DOT, FP8W, hqT_desc, dyqT_desc, srh,
-                                   gdyam, POW2, WB, sblk, BM)
+                                   gdyam, POW2)
             out_rows = _dw_rows(dw2, dws2, lr, g, E, icols, I * H, H, HAS_SHARED)
             tl.store(out_rows + (jn * BN + tl.arange(0, BN))[None, :], acc.to(tl.bfloat16))
         else:  # one flattened loop: the next tile's loads overlap a tile's store
@@ -244,7 +218,7 @@ def _wgrad_down_item(g, it, jn, lr, gst, total, P, hs_c_desc, dyg_c_desc, ctr, e
                 jt = jn * DWT + jj
                 acc = _wgrad_down_tile(jt, it, icols, g, lr, start, end, P, hs_c_desc,
                                        dyg_c_desc, H, I, BN, BKW, F32_DOT, FP8W, hqT_desc,
-                                       dyqT_desc, srh, gdyam, POW2, WB, sblk, BM)
+                                       dyqT_desc, srh, gdyam, POW2)
                 tl.store(out_rows + (jt * BN + tl.arange(0, BN))[None, :],
                          acc.to(tl.bfloat16))
     return ok
@@ -266,21 +240,16 @@ def _dw_rows(dw, dws, lr, g, E, rows, SIZE: tl.constexpr, ROW: tl.constexpr,
 def _wgrad_down_tile(jn, it, icols, g, lr, start, end, P, hs_c_desc, dyg_c_desc,
                      H: tl.constexpr, I: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr,
                      F32_DOT: tl.constexpr, FP8W: tl.constexpr, hqT_desc, dyqT_desc, srh,
-                     gdyam, POW2: tl.constexpr, WB: tl.constexpr = False, sblk=None,
-                     BM: tl.constexpr = 128):
+                     gdyam, POW2: tl.constexpr):
     """dW_down[g][I tile it, H tile jn] as fp32 [BN / 2, BN]: the sum over rows start..end
     of (r h)^T dY (see ``_wgrad_down_item``)."""
     HALF: tl.constexpr = BN // 2
     hcols = jn * BN + tl.arange(0, BN)
     if FP8W:  # (r h)^T and dY^T copies
         acc = _fp8_wgrad_tile(hqT_desc, lr * I + it * HALF, dyqT_desc, lr * H + jn * BN,
-                              start, end, HALF, BN, BKW, F32_DOT, WB, sblk, icols, True, BM,
-                              I)
+                              start, end, HALF, BN, BKW, F32_DOT)
         s_dy = e4m3_scales(tl.load(gdyam + hcols), POW2)[1]
-        if WB:  # r h's scales applied per row block in the loop
-            acc = acc * s_dy[None, :]
-        else:
-            acc = acc * tl.load(srh + g * I + icols)[:, None] * s_dy[None, :]
+        acc = acc * tl.load(srh + g * I + icols)[:, None] * s_dy[None, :]
     else:
         acc = tl.zeros((HALF, BN), dtype=tl.float32)
         for r0 in range(start, end, BKW):
@@ -300,15 +269,14 @@ def _wgrad_gate_up_item(g, it, jn, lr, gst, total, P, pre_d_desc, xg_d_desc, ctr
                         FP8W: tl.constexpr = False, qready=None, NQ: tl.constexpr = 0,
                         xqT_desc=None, gqT_desc=None, srg=None, gxam=None,
                         POW2: tl.constexpr = False, DWT: tl.constexpr = 1,
-                        DWS: tl.constexpr = 2, WB: tl.constexpr = False, sblk=None):
+                        DWS: tl.constexpr = 2):
     """D item: dW_gate_up[g][H tile it, 2I tiles jn * DWT ..] = sum over g's rows of
     x^T [dG dU], DWT tiles in one flattened loop (as the C items).
     XW (``bwd_fused_pull`` with dA items that do not wait for the pull): also waits until
     every row block of g has its rows pulled (``_pulled_rows``).
     FP8W: e4m3 tiles of the transposed copies (``xqT_desc`` [L*H, P], ``gqT_desc``
     [L*2I, P]), then the column scales (x's from the global column max ``gxam``, dG/dU's
-    of group g in ``srg``); waits for g's Q items instead. WB (``bwd_fp8_wgrad_blocks``):
-    dG/dU's scales per row block (``sblk``), after g's A items (no Q items)."""
+    of group g in ``srg``); waits for g's Q items instead."""
     HALF: tl.constexpr = BN // 2
     start, end, ok = _wgrad_wait(g, gst, total, ctr, err, NBMAX, budget, I, BM, DAC, F32_DOT,
                                  FP8W, qready, NQ)
@@ -319,7 +287,7 @@ def _wgrad_gate_up_item(g, it, jn, lr, gst, total, P, pre_d_desc, xg_d_desc, ctr
         if DWT == 1:  # one tile, no loop; the output rows after the GEMM (fewer live values)
             acc = _wgrad_gate_up_tile(jn, it, hcols, g, lr, start, end, P, pre_d_desc,
                                       xg_d_desc, H, I, BN, BKW, F32_DOT, FP8W, xqT_desc,
-                                      gqT_desc, srg, gxam, POW2, WB, sblk, BM)
+                                      gqT_desc, srg, gxam, POW2)
             out_rows = _dw_rows(dw1, dws1, lr, g, E, hcols, H * 2 * I, 2 * I, HAS_SHARED)
             _store_dw_gate_up(out_rows, acc, jn, I, BN, INTERLEAVED)
         else:  # one flattened loop: the next tile's loads overlap a tile's store
@@ -328,7 +296,7 @@ def _wgrad_gate_up_item(g, it, jn, lr, gst, total, P, pre_d_desc, xg_d_desc, ctr
                 jt = jn * DWT + jj
                 acc = _wgrad_gate_up_tile(jt, it, hcols, g, lr, start, end, P, pre_d_desc,
                                           xg_d_desc, H, I, BN, BKW, F32_DOT, FP8W, xqT_desc,
-                                          gqT_desc, srg, gxam, POW2, WB, sblk, BM)
+                                          gqT_desc, srg, gxam, POW2)
                 _store_dw_gate_up(out_rows, acc, jt, I, BN, INTERLEAVED)
     return ok
 
@@ -337,21 +305,16 @@ def _wgrad_gate_up_item(g, it, jn, lr, gst, total, P, pre_d_desc, xg_d_desc, ctr
 def _wgrad_gate_up_tile(jn, it, hcols, g, lr, start, end, P, pre_d_desc, xg_d_desc,
                         H: tl.constexpr, I: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr,
                         F32_DOT: tl.constexpr, FP8W: tl.constexpr, xqT_desc, gqT_desc, srg,
-                        gxam, POW2: tl.constexpr, WB: tl.constexpr = False, sblk=None,
-                        BM: tl.constexpr = 128):
+                        gxam, POW2: tl.constexpr):
     """dW_gate_up[g][H tile it, 2I tile jn] as fp32 [BN / 2, BN]: the sum over rows
     start..end of x^T [dG dU] (see ``_wgrad_gate_up_item``)."""
     HALF: tl.constexpr = BN // 2
     fcols = jn * BN + tl.arange(0, BN)
     if FP8W:  # x^T and [dG dU]^T copies
         acc = _fp8_wgrad_tile(xqT_desc, lr * H + it * HALF, gqT_desc,
-                              lr * (2 * I) + jn * BN, start, end, HALF, BN, BKW, F32_DOT,
-                              WB, sblk, I + fcols, False, BM, I)
+                              lr * (2 * I) + jn * BN, start, end, HALF, BN, BKW, F32_DOT)
         s_x = e4m3_scales(tl.load(gxam + hcols), POW2)[1]
-        if WB:  # dG/dU's scales applied per row block in the loop
-            acc = acc * s_x[:, None]
-        else:
-            acc = acc * s_x[:, None] * tl.load(srg + g * (2 * I) + fcols)[None, :]
+        acc = acc * s_x[:, None] * tl.load(srg + g * (2 * I) + fcols)[None, :]
     else:
         acc = tl.zeros((HALF, BN), dtype=tl.float32)
         for r0 in range(start, end, BKW):

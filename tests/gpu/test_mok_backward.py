@@ -404,26 +404,6 @@ def test_fp8_weight_gradients_match_the_quantised_reference(ranks, shared, knobs
             assert err < TOL, (name, err)
 
 
-@pytest.mark.parametrize("ranks, shared", [(1, True), (2, False)])
-def test_fp8_weight_gradients_with_row_block_scales_match_the_quantised_reference(ranks,
-                                                                                  shared):
-    """``bwd_fp8_wgrad_blocks`` on the whole FP8 backward (128-row blocks, 128-deep steps):
-    every weight gradient against the same products on r h and dG/dU quantised per column
-    per row block (``tests.unit.fp8_reference``, scale_rows; bf16 tolerance), every gradient
-    within the FP8 bound of the exact layer, bitwise reruns."""
-    from tests.unit.fp8_reference import wgrad_of_fp8_columns
-
-    knobs = {"bwd_fp8_da": True, "bwd_fp8_dx": True, "bwd_fp8_wgrad": True,
-             "bwd_fp8_block_k": 128, "bwd_block_m": 128, "bwd_fp8_wgrad_blocks": True}
-    r = _fp8_backward_runs(ranks, shared, knobs, 21)
-    q = wgrad_of_fp8_columns(r.saved, r.pre_LPF, r.x, r.dy, r.p, ranks, r.E, r.K,
-                             r.K + int(shared), r.cfg.block_m, r.I, scale_rows=r.cfg.bwd_bm)
-    for name, want in zip(("dw1", "dw2", "dws1", "dws2"), q, strict=True):
-        if r.mine[name] is not None:
-            err = ((r.mine[name].float() - want).norm() / want.norm()).item()
-            assert err < TOL, (name, err)
-
-
 def _fp8_variant_is_bitwise(ranks: int, shared: bool, knobs: dict, seed: int) -> None:
     """The whole FP8 backward (128-deep steps, 128-row blocks) with ``knobs`` gives every
     gradient bitwise the one without them (each run's reruns checked bitwise by

@@ -25,29 +25,16 @@ def colq(v: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
     return (v * inv).to(torch.float8_e4m3fn).float() / inv
 
 
-def colq_blocks(v: torch.Tensor, block_n: torch.Tensor) -> torch.Tensor:
-    """``colq`` with one scale per column over each block's rows (``block_n``: the block of
-    each row of v)."""
-    out = torch.empty_like(v)
-    for b in block_n.unique():
-        mine = block_n == b
-        out[mine] = colq(v[mine], v[mine].abs().amax(0))
-    return out
-
-
 def wgrad_of_fp8_columns(saved, pre_LPF: torch.Tensor, x: torch.Tensor, dy: torch.Tensor,
                          p: torch.Tensor, L: int, E: int, K: int, S: int, BM: int, I: int,
-                         cast: Callable[[torch.Tensor], torch.Tensor] = round_bf16,
-                         scale_rows: int = 0) -> tuple:
+                         cast: Callable[[torch.Tensor], torch.Tensor] = round_bf16) -> tuple:
     """(dW_gate_up [L*E, H, 2I] canonical, dW_down [L*E, I, H], shared dW_gate_up [H, 2I],
     shared dW_down [I, H]) from the FP8 operands the kernel builds: x and dY scaled per
     column over every token; r h (from the forward's bf16 pre-activations ``pre_LPF``, the
     interleaved layout, cast to bf16 by ``cast``) and the backward's bf16 dG/dU rows (left in
     ``saved.pre_LPF``) per column over the expert's rows. BM: the forward's row blocks (the
     schedule's ``group_LB`` names their groups); the shared expert summed over the loopback
-    ranks; products in fp32. scale_rows (``bwd_fp8_wgrad_blocks``: the backward's row
-    block): r h and dG/dU scaled per column over each block of that many schedule rows
-    instead of over the expert's rows."""
+    ranks; products in fp32."""
     st = saved.schedule.tensors
     H, dev = x.shape[1], x.device
     gx, gdy = x.float().abs().amax(0), dy.float().abs().amax(0)
@@ -71,11 +58,7 @@ def wgrad_of_fp8_columns(saved, pre_LPF: torch.Tensor, x: torch.Tensor, dy: torc
             gate, up = pre[:, 0::2], pre[:, 1::2]
             rh = cast(gate * (1.0 / (1.0 + torch.exp(-gate))) * up * r[:, None])
             dgu = saved.pre_LPF[lr, mine].float()
-            if scale_rows:
-                rhq, dguq = colq_blocks(rh, mine // scale_rows), colq_blocks(dgu,
-                                                                            mine // scale_rows)
-            else:
-                rhq, dguq = colq(rh, rh.abs().amax(0)), colq(dgu, dgu.abs().amax(0))
+            rhq, dguq = colq(rh, rh.abs().amax(0)), colq(dgu, dgu.abs().amax(0))
             d2 = rhq.T @ colq(dy[tok].float(), gdy)
             d1 = colq(x[tok].float(), gx).T @ dguq
             d1 = torch.cat([d1[:, 0::2], d1[:, 1::2]], 1)

@@ -75,6 +75,17 @@ COMMON = textwrap.dedent("""
         # run_fp8_pre's (gradients, forward context)
         return run_fp8_pre(cfg, L, T, E, K, shared, H, I, x, idx, p, W, dy)[:2]
 
+    def run_traced(cfg, L, T, E, K, shared, H, I, x, idx, p, W, dy):
+        # as run_fp8, with the backward's item trace: (gradients, [L, tickets, 4] trace)
+        ws = mk.get_workspace(cfg, tokens=T, hidden=H, intermediate=I, local_experts=E,
+                              topk=K, shared=shared, device="cpu", loopback_ranks=L)
+        w8 = mk.quantize_backward_weights(cfg, W[1], W[3], W[0], W[2])
+        y, saved = mk.forward_train(cfg, ws, mk.build_schedule(ws, idx), x, p, *W)
+        tr = torch.full((L, mk.backward_trace_capacity(ws), 4), -1, dtype=torch.int64)
+        g = mk.backward(cfg, ws, saved, dy, *W, fp8_weights=w8, _trace=tr)
+        mk.check_errors(ws)
+        return g, tr
+
     def assert_bitwise(a, b, what):
         for u, v in zip(vars(a).values(), vars(b).values()):
             assert (u is None and v is None) or torch.equal(u, v), what
@@ -638,78 +649,6 @@ def test_quantisation_items_storing_through_tma_give_the_same_gradients_bitwise(
     _prints(run_interpreted(Q_TMA_SCRIPT), "q tma store ok", 3)
 
 
-WGRAD_BLOCKS_SCRIPT = COMMON + textwrap.dedent("""
-    from tests.unit.fp8_reference import trunc_bf16, wgrad_of_fp8_columns
-
-    # bwd_fp8_wgrad_blocks: r h and dG/dU scaled per column per backward row block
-    for L, T, E, K, shared, il, dgrad8, bm in [(1, 40, 3, 2, True, True, True, 16),
-                                               (2, 13, 3, 2, False, True, False, 16),
-                                               (2, 11, 3, 2, True, False, True, 16),
-                                               (1, 40, 3, 2, True, True, True, 32)]:
-        H, I = 64, 32
-        x, idx, p, canon, W, dy, exact = interleaved_case(L, T, E, K, shared, 29 + L)
-        W = W if il else canon
-        out = {}
-        for blocks in (False, True):
-            cfg = mk.MoKConfig(minibatch=64, macrobatch=128, block_m=16, block_n=32,
-                               block_k=16, num_warps=4, num_stages=1, spin_budget=1000,
-                               tma=True, gate_up_interleaved=il, bwd_fp8_da=dgrad8,
-                               bwd_fp8_dx=dgrad8, bwd_fp8_wgrad=True,
-                               bwd_fp8_wgrad_blocks=blocks, bwd_block_m=bm)
-            g, saved, pre_LPF = run_fp8_pre(cfg, L, T, E, K, shared, H, I, x, idx, p, W, dy)
-            out[blocks] = g
-            if not blocks:
-                continue
-            if not il:  # the reference reads the interleaved layout
-                pre_LPF = mk.interleave_gate_up(pre_LPF)
-                saved.pre_LPF = mk.interleave_gate_up(saved.pre_LPF)
-            q1, q2, qs1, qs2 = wgrad_of_fp8_columns(saved, pre_LPF, x, dy, p, L, E, K,
-                                                    K + int(shared), cfg.block_m, I,
-                                                    trunc_bf16, scale_rows=cfg.bwd_bm)
-            for val, want_q, name in ((g.w_gate_up, q1, "w1_EHF"), (g.w_down, q2, "w2_EIH"),
-                                      (g.shared_gate_up, qs1, "ws1_HF"),
-                                      (g.shared_down, qs2, "ws2_IH")):
-                if val is None:
-                    continue
-                assert rel(val, want_q) < 2e-2, (L, il, bm, name, rel(val, want_q))
-                assert rel(val, exact.dweights[name]) < 1e-1, (L, il, bm, name)
-        # the dgrad side is untouched: dx and the router gradient bitwise the Q items' run
-        assert torch.equal(out[True].dx_TH, out[False].dx_TH), (L, il, bm)
-        assert torch.equal(out[True].d_router_weights_TK, out[False].d_router_weights_TK)
-        print("wgrad blocks ok", L, il, bm)
-
-    # an expert with no tokens: its weight gradients exactly 0 (no row block to scale by)
-    L, T, E, K, shared, H, I = 1, 24, 4, 2, False, 64, 32
-    torch.manual_seed(3)
-    x, idx, p, w1, w2, ws1, ws2, dy = layer(L, T, E, K, shared, H, I, experts=E - 1)
-    W = (mk.interleave_gate_up(w1), w2, None, None)
-    cfg = mk.MoKConfig(minibatch=64, macrobatch=128, block_m=16, block_n=32, block_k=16,
-                       num_warps=4, num_stages=1, spin_budget=1000, tma=True,
-                       gate_up_interleaved=True, bwd_fp8_wgrad=True, bwd_fp8_wgrad_blocks=True)
-    g, _ = run_fp8(cfg, L, T, E, K, shared, H, I, x, idx, p, W, dy)
-    assert torch.equal(g.w_gate_up[E - 1], torch.zeros_like(g.w_gate_up[E - 1]))
-    assert torch.equal(g.w_down[E - 1], torch.zeros_like(g.w_down[E - 1]))
-    assert torch.isfinite(g.w_gate_up.float()).all() and g.w_down[0].abs().sum() > 0
-    print("wgrad blocks empty expert ok")
-""")
-
-
-def test_fp8_weight_gradients_with_row_block_scales_match_the_quantised_reference():
-    """``bwd_fp8_wgrad_blocks`` (each A item, after its epilogue, quantises its r h and dG/dU
-    columns into the transposed copies with one scale per column per row block; no Q items;
-    the C and D items scale each row step by its block's scales): every weight gradient
-    against the same products on the
-    operands quantised per row block (``fp8_reference``, scale_rows) within 2e-2, and the
-    exact layer within the FP8 bound; dx and the router gradient bitwise the Q items' run;
-    with and without the FP8 dgrad items, interleaved and split gate/up columns, one and two
-    loopback ranks, 16- and 32-row blocks (a scale read from the wrong block or feature, or
-    a tile stored at the wrong row, breaks the reference match); an expert with no tokens
-    gets exactly zero weight gradients."""
-    out = run_interpreted(WGRAD_BLOCKS_SCRIPT)
-    _prints(out, "wgrad blocks ok", 4)
-    assert "wgrad blocks empty expert ok" in out.stdout, out.stdout
-
-
 TRACE_SCRIPT = COMMON + textwrap.dedent("""
     L, T, E, K, shared, H, I = 2, 13, 3, 2, True, 64, 32
     x, idx, p, _, W, dy, _ = interleaved_case(L, T, E, K, shared, 5)
@@ -783,13 +722,7 @@ ORDER_SCRIPT = COMMON + textwrap.dedent("""
     L, T, E, K, shared, H, I = 2, 13, 3, 2, True, 64, 32
     x, idx, p, _, W, dy, exact = interleaved_case(L, T, E, K, shared, 23)
     cfg = config(True, bwd_fp8_da=True, bwd_fp8_dx=True, bwd_fp8_wgrad=True)
-    ws = mk.get_workspace(cfg, tokens=T, hidden=H, intermediate=I, local_experts=E,
-                          topk=K, shared=shared, device="cpu", loopback_ranks=L)
-    w8 = mk.quantize_backward_weights(cfg, W[1], W[3], W[0], W[2])
-    y, saved = mk.forward_train(cfg, ws, mk.build_schedule(ws, idx), x, p, *W)
-    tr = torch.full((L, mk.backward_trace_capacity(ws), 4), -1, dtype=torch.int64)
-    g = mk.backward(cfg, ws, saved, dy, *W, fp8_weights=w8, _trace=tr)
-    mk.check_errors(ws)
+    g, tr = run_traced(cfg, L, T, E, K, shared, H, I, x, idx, p, W, dy)
     assert rel(g.dx_TH, exact.dx_TH) < 1e-1
     for r in range(L):  # every ticket recorded once, in sections A, B, Q, C, D
         k = tr[r, :, 3]
@@ -823,13 +756,7 @@ Q_LEAD_SCRIPT = COMMON + textwrap.dedent("""
     # 3), every ticket recorded once; by default the kinds are sorted
     for lead, interleaved in ((0, False), (1, True)):
         cfg = config(True, **f8, bwd_q_lead=lead)
-        ws = mk.get_workspace(cfg, tokens=T, hidden=H, intermediate=I, local_experts=E,
-                              topk=K, shared=shared, device="cpu", loopback_ranks=L)
-        w8 = mk.quantize_backward_weights(cfg, W[1], W[3], W[0], W[2])
-        y, saved = mk.forward_train(cfg, ws, mk.build_schedule(ws, idx), x, p, *W)
-        tr = torch.full((L, mk.backward_trace_capacity(ws), 4), -1, dtype=torch.int64)
-        mk.backward(cfg, ws, saved, dy, *W, fp8_weights=w8, _trace=tr)
-        mk.check_errors(ws)
+        tr = run_traced(cfg, L, T, E, K, shared, H, I, x, idx, p, W, dy)[1]
         for r in range(L):
             k = tr[r, :, 3]
             kinds = k[k >= 0].tolist()
