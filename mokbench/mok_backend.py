@@ -86,11 +86,11 @@ def fp8_backward_fields(arch: int = 90) -> dict:
     (unverified there): the bf16 backward. Any of these knobs can be set back by a variant
     (``mok@bwd_fp8_wgrad=false``). The weight-gradient and dX tiles per item are the bf16
     cells' (``default_config_fields``: four of each on one Hopper rank at the shapes timed):
-    at Kimi K2 48 x 16384 on one H200 the profiling script timed this FP8 backward at 26.537
-    ms (min 25.926, max 26.880) against 27.442 (min 27.012, max 27.987) with one of each, as
-    it ran before, and 28.139 with four weight-gradient tiles but one dX tile (one process
-    each, CUDA-event medians of 10; notes/mok-kernel.md); the four-tile FP8 weight-gradient
-    items spill more (312 against 164 bytes at Kimi K2, Triton 3.9). And the row pull, not
+    in results/20261204-015950-h200-fp8-backward the FP8 backward took 27.637 ms against
+    28.524 with one of each, as it ran before, at Kimi K2 48 x 16384, and 30.603 against
+    31.755 at Kimi K2.7 Code (lower medians, overlapping p10-p90 spreads; the profiling
+    script had it faster too, notes/mok-kernel.md); the four-tile FP8 weight-gradient items
+    spill more (312 against 164 bytes at Kimi K2, Triton 3.9). And the row pull, not
     the bf16 pull by token (``bwd_pull_by_token``), which the FP8 weight gradients' pull
     replaces."""
     if arch >= 100:

@@ -95,15 +95,16 @@ def _banded(i, nb, NB: tl.constexpr, G: tl.constexpr):
 
 
 @triton.jit
-def _q_lead_ticket(tk, end_b, NG, NQ: tl.constexpr, NC: tl.constexpr, QLEAD: tl.constexpr):
+def _q_lead_ticket(tk, end_b, end_q, NG, NQ: tl.constexpr, NC: tl.constexpr,
+                   QLEAD: tl.constexpr):
     """The default order's ticket that ticket tk stands for when the Q and C items run with
     the Q items QLEAD groups ahead (``bwd_q_lead``); tickets outside that section (from end_b,
-    NG x (NQ + NC) of them) stand for themselves. The section's order: the Q items of the
-    first QLEAD groups, then per group s its C items, each group's preceded by the Q items of
-    group s + QLEAD while there is one, then the C items of the last QLEAD groups (groups in
-    the default's largest-first order). A bijection on the section that keeps each group's
-    Q items before its C items and each kind's items in their default order, so every wait
-    still points at an earlier ticket."""
+    NG x (NQ + NC) of them; the C items from end_q = end_b + NG x NQ) stand for themselves.
+    The section's order: the Q items of the first QLEAD groups, then per group s its C
+    items, each group's preceded by the Q items of group s + QLEAD while there is one, then
+    the C items of the last QLEAD groups (groups in the default's largest-first order). A
+    bijection on the section that keeps each group's Q items before its C items and each
+    kind's items in their default order, so every wait still points at an earlier ticket."""
     lead = tl.minimum(NG, QLEAD)
     pre = lead * NQ
     full = NG - lead  # groups whose C items follow a later group's Q items
@@ -113,7 +114,6 @@ def _q_lead_ticket(tk, end_b, NG, NQ: tl.constexpr, NC: tl.constexpr, QLEAD: tl.
     s = j // seg
     w = j - s * seg
     k = j - full * seg
-    end_q = end_b + NG * NQ
     q_pre = end_b + i  # the first groups' Q items (i < pre)
     in_seg = tl.where(w < NQ, end_b + (s + lead) * NQ + w, end_q + s * NC + (w - NQ))
     tail = end_q + (full * NC + k)  # the last groups' C items (k >= 0)
@@ -262,7 +262,7 @@ def mok_backward_kernel(
     while (tk < n_items) & (ok != 0):
         vt = tk  # the default order's ticket this one stands for
         if QLEAD > 0:
-            vt = _q_lead_ticket(tk, end_b, NG, NQ, NC, QLEAD)
+            vt = _q_lead_ticket(tk, end_b, end_q, NG, NQ, NC, QLEAD)
         if TRACE:
             t0 = globaltimer(tk, F32_DOT)
         if vt < end_a:

@@ -89,6 +89,21 @@ COMMON = textwrap.dedent("""
     def assert_bitwise(a, b, what):
         for u, v in zip(vars(a).values(), vars(b).values()):
             assert (u is None and v is None) or torch.equal(u, v), what
+
+    def same_gradients_over(knob_sets, seed):
+        # two loopback ranks, bf16 and the whole FP8 backward, each with every knob set of
+        # knob_sets: every gradient bitwise the first set's, dx near the exact layer; returns
+        # the case (L, T, E, K, shared, H, I, x, idx, p, W, dy)
+        L, T, E, K, shared, H, I = 2, 13, 3, 2, True, 64, 32
+        x, idx, p, _, W, dy, exact = interleaved_case(L, T, E, K, shared, seed)
+        f8 = dict(bwd_fp8_da=True, bwd_fp8_dx=True, bwd_fp8_wgrad=True)
+        for base in ({}, f8):
+            out = [run_fp8(config(True, **base, **knobs), L, T, E, K, shared, H, I, x, idx,
+                           p, W, dy)[0] for knobs in knob_sets]
+            for i in range(1, len(out)):
+                assert_bitwise(out[0], out[i], (bool(base), i))
+            assert rel(out[0].dx_TH, exact.dx_TH) < (1e-1 if base else 2e-2)
+        return L, T, E, K, shared, H, I, x, idx, p, W, dy
 """)
 
 SCRIPT = COMMON + textwrap.dedent("""
@@ -740,18 +755,10 @@ def test_item_trace_records_the_ticket_order_by_section():
 
 
 Q_LEAD_SCRIPT = COMMON + textwrap.dedent("""
-    L, T, E, K, shared, H, I = 2, 13, 3, 2, True, 64, 32
-    x, idx, p, _, W, dy, exact = interleaved_case(L, T, E, K, shared, 31)
+    L, T, E, K, shared, H, I, x, idx, p, W, dy = same_gradients_over(
+        ({}, {"bwd_q_lead": 1}, {"bwd_q_lead": 2}, {"bwd_q_lead": 1024},
+         {"bwd_q_lead": 1, "bwd_dw_tiles": 2}), 31)
     f8 = dict(bwd_fp8_da=True, bwd_fp8_dx=True, bwd_fp8_wgrad=True)
-    for base in ({}, f8):
-        out = []
-        for knobs in ({}, {"bwd_q_lead": 1}, {"bwd_q_lead": 2}, {"bwd_q_lead": 1024},
-                      {"bwd_q_lead": 1, "bwd_dw_tiles": 2}):
-            cfg = config(True, **base, **knobs)
-            out.append(run_fp8(cfg, L, T, E, K, shared, H, I, x, idx, p, W, dy)[0])
-        for i in range(1, len(out)):
-            assert_bitwise(out[0], out[i], (bool(base), i))
-        assert rel(out[0].dx_TH, exact.dx_TH) < (1e-1 if base else 2e-2)
     # the trace: with the Q items one group ahead, a Q item follows a C item (kinds 2 after
     # 3), every ticket recorded once; by default the kinds are sorted
     for lead, interleaved in ((0, False), (1, True)):
@@ -777,18 +784,8 @@ def test_q_items_ahead_of_their_c_items_give_the_same_gradients_bitwise():
 
 
 BAND_SCRIPT = COMMON + textwrap.dedent("""
-    L, T, E, K, shared, H, I = 2, 13, 3, 2, True, 64, 32
-    x, idx, p, _, W, dy, exact = interleaved_case(L, T, E, K, shared, 29)
-    f8 = dict(bwd_fp8_da=True, bwd_fp8_dx=True, bwd_fp8_wgrad=True)
-    for base in ({}, f8):
-        out = []
-        for knobs in ({}, {"bwd_dx_band": 2}, {"bwd_dx_band": 3}, {"bwd_dx_band": 1024},
-                      {"bwd_dx_band": 3, "bwd_dx_tiles": 2}):
-            cfg = config(True, **base, **knobs)
-            out.append(run_fp8(cfg, L, T, E, K, shared, H, I, x, idx, p, W, dy)[0])
-        for i in range(1, len(out)):
-            assert_bitwise(out[0], out[i], (bool(base), i))
-        assert rel(out[0].dx_TH, exact.dx_TH) < (1e-1 if base else 2e-2)
+    same_gradients_over(({}, {"bwd_dx_band": 2}, {"bwd_dx_band": 3}, {"bwd_dx_band": 1024},
+                         {"bwd_dx_band": 3, "bwd_dx_tiles": 2}), 29)
     print("band ok")
 """)
 
