@@ -209,16 +209,6 @@ class MoKConfig:
         so the same gradients; off: results/20261203-061457-h200-fp8-backward timed it
         slower at three of four shapes (against the byte-wide stores of then; the plain
         stores are 16-byte vectors since).
-    bwd_q_lead: the order of the FP8 weight gradients' quantisation (Q) and dW_down (C)
-        items (``bwd_fp8_wgrad``): 0, every Q item before the C items, so the Q stage runs
-        alone between the dX and weight-gradient GEMMs (2.1 ms of a 24.6 ms traced FP8
-        backward at Kimi K2 48 x 16384 on one H200, its reads and writes at about 1.9 TB/s:
-        notes/mok-kernel.md); n >= 1, the Q items of the first n groups, then each group's
-        C items preceded by the Q items of the group n places later (largest-first, as the
-        C items run), so the memory-bound Q items run beside the C items' GEMMs. The same
-        items, so the same gradients; a C item still waits only on its own group's Q items,
-        which come earlier. No effect without Q items. Unmeasured on a GPU; 0 here and in
-        the mok backend.
     bwd_dx_band: the order of the backward's dX (B) items: 0 or 1 row block by row block
         (a row block's H tiles one after another); G > 1 in bands of G row blocks, inside a
         band the H tiles outer and the row blocks inner (the last band may hold fewer). The
@@ -315,7 +305,6 @@ class MoKConfig:
     bwd_fp8_requant_tma: bool = False
     bwd_fp8_q_tma_store: bool = False
     bwd_dx_band: int = 0
-    bwd_q_lead: int = 0
     bwd_pull_by_token: bool = False
     bwd_dw_tiles: int = 1
     bwd_dw_stages: int = 2
@@ -407,9 +396,6 @@ class MoKConfig:
         _check(isinstance(self.bwd_dx_band, int) and not isinstance(self.bwd_dx_band, bool)
                and 0 <= self.bwd_dx_band <= 1024, "bwd_dx_band", self.bwd_dx_band,
                "an integer in 0..1024 (0 or 1 = row block by row block)")
-        _check(isinstance(self.bwd_q_lead, int) and not isinstance(self.bwd_q_lead, bool)
-               and 0 <= self.bwd_q_lead <= 1024, "bwd_q_lead", self.bwd_q_lead,
-               "an integer in 0..1024 (0 = every Q item before the C items)")
         _check(isinstance(self.bwd_dw_tiles, int) and not isinstance(self.bwd_dw_tiles, bool)
                and 1 <= self.bwd_dw_tiles <= 64, "bwd_dw_tiles", self.bwd_dw_tiles,
                "an integer in 1..64 (a divisor of the weight gradients' tiles per row)")

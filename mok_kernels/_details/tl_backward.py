@@ -95,33 +95,6 @@ def _banded(i, nb, NB: tl.constexpr, G: tl.constexpr):
 
 
 @triton.jit
-def _q_lead_ticket(tk, end_b, end_q, NG, NQ: tl.constexpr, NC: tl.constexpr,
-                   QLEAD: tl.constexpr):
-    """The default order's ticket that ticket tk stands for when the Q and C items run with
-    the Q items QLEAD groups ahead (``bwd_q_lead``); tickets outside that section (from end_b,
-    NG x (NQ + NC) of them; the C items from end_q = end_b + NG x NQ) stand for themselves.
-    The section's order: the Q items of the first QLEAD groups, then per group s its C
-    items, each group's preceded by the Q items of group s + QLEAD while there is one, then
-    the C items of the last QLEAD groups (groups in the default's largest-first order). A
-    bijection on the section that keeps each group's Q items before its C items and each
-    kind's items in their default order, so every wait still points at an earlier ticket."""
-    lead = tl.minimum(NG, QLEAD)
-    pre = lead * NQ
-    full = NG - lead  # groups whose C items follow a later group's Q items
-    seg: tl.constexpr = NQ + NC
-    i = tk - end_b
-    j = i - pre
-    s = j // seg
-    w = j - s * seg
-    k = j - full * seg
-    q_pre = end_b + i  # the first groups' Q items (i < pre)
-    in_seg = tl.where(w < NQ, end_b + (s + lead) * NQ + w, end_q + s * NC + (w - NQ))
-    tail = end_q + (full * NC + k)  # the last groups' C items (k >= 0)
-    v = tl.where(i < pre, q_pre, tl.where(k < 0, in_seg, tail))
-    return tl.where((i >= 0) & (i < NG * seg), v, tk)
-
-
-@triton.jit
 def mok_backward_kernel(
         p_base, drp_base, tab32,  # router weights, router-gradient partials; [R] fp32 offsets
         comb_base, comb_tab,  # dX slots [T, S, H] per rank (peer memory)
@@ -155,7 +128,7 @@ def mok_backward_kernel(
         DXBAND: tl.constexpr = 0,
         DWT: tl.constexpr = 1, DWSC: tl.constexpr = 2, DWSD: tl.constexpr = 2,
         LEAN: tl.constexpr = False, QTMA: tl.constexpr = False, hqT_q_desc=None,
-        gqT_q_desc=None, QLEAD: tl.constexpr = 0):
+        gqT_q_desc=None):
     """One persistent program per SM; see the module docstring for the work order. The C
     and D items fence the async proxy after their group's acquire (they read through TMA
     rows written with plain stores). FP8DA (``bwd_fp8_da``): the A items' FP8 tiles read dY
@@ -191,9 +164,7 @@ def mok_backward_kernel(
     wait inside an item counts as the item's time.
     LEAN (``bwd_lean_epilogue``): the A items' epilogue in fewer instructions
     (``_swiglu_bwd_half``). QTMA (``bwd_fp8_q_tma_store``): the Q items store through TMA
-    (``hqT_q_desc``, ``gqT_q_desc``). QLEAD (``bwd_q_lead``) > 0: the Q and C items claimed
-    in another order, the Q items QLEAD groups ahead of their C items (``_q_lead_ticket``:
-    each ticket of that section stands for one of the default order)."""
+    (``hqT_q_desc``, ``gqT_q_desc``)."""
     HALF: tl.constexpr = BN // 2
     BKA: tl.constexpr = BK8 if FP8DA else BK  # reduction steps of the A, B, C and D items:
     BKX: tl.constexpr = BK8 if FP8DX else BK  # ``bwd_fp8_block_k`` (BK8, BKW8) for the FP8
@@ -260,14 +231,11 @@ def mok_backward_kernel(
                 pt = tl.atomic_add(pulled + NBMAX, 1, sem="relaxed", scope="gpu")
     tk = tl.atomic_add(ctr, 1, sem="relaxed", scope="gpu")
     while (tk < n_items) & (ok != 0):
-        vt = tk  # the default order's ticket this one stands for
-        if QLEAD > 0:
-            vt = _q_lead_ticket(tk, end_b, end_q, NG, NQ, NC, QLEAD)
         if TRACE:
             t0 = globaltimer(tk, F32_DOT)
-        if vt < end_a:
+        if tk < end_a:
             if PHASES & 1:
-                b = vt // NA
+                b = tk // NA
                 if PULL:  # its rows pulled by an item of this launch (plain stores; TMA here)
                     if PULLG:  # dY's rows read at home: nothing to wait for
                         pass
@@ -277,15 +245,15 @@ def mok_backward_kernel(
                         if ok != 0:
                             async_proxy_fence(ok, F32_DOT)
                 if ok != 0:
-                    _dgrad_down_item(b, vt % NA, lr, src, grp, P, pre, hs, ctr, dyg_a_desc,
+                    _dgrad_down_item(b, tk % NA, lr, src, grp, P, pre, hs, ctr, dyg_a_desc,
                                      p_base, drp_base, tab32, w2_desc, ws2_desc, pre_a_desc, T,
                                      E, NBMAX, withhold, H, I, S, K, HAS_SHARED, BM, BN, BKA,
                                      DAC, F32_DOT, INTERLEAVED, tab16, DAT,
                                      FP8DA, dyq_base, w2q_desc, ws2q_desc, sw2q_ptr,
                                      sws2q_ptr, FP8DX, gq, GQW, RQC, POW2, QBM, bmax_ptr,
                                      RQT, hs_a_desc, NOEPI, LEAN)
-        elif vt < end_b:
-            i = vt - end_a
+        elif tk < end_b:
+            i = tk - end_a
             if PHASES & 2:
                 bx = i // NB
                 jx = i % NB
@@ -297,19 +265,19 @@ def mok_backward_kernel(
                                          pre_b_desc, P, DXTMA,
                                          FP8DX, gq, GQW, w1q_desc, ws1q_desc, sw1q_ptr,
                                          sws1q_ptr)
-        elif vt < end_q:
+        elif tk < end_q:
             if FP8W:  # Q items (none otherwise), largest group first
                 if PHASES & 12:
-                    i = vt - end_b
+                    i = tk - end_b
                     gq_i = NG - 1 - i // NQ
                     ok = _wgrad_quant_item(gq_i, i % NQ, lr, gst, total, src, P,
                                            hs_c_desc, pre_q_desc, hqT, gqT, srh, srg, ctr,
                                            err, qready, NBMAX, budget, withhold, NG, I, BM,
                                            BN, BKW, DAC, F32_DOT, POW2, QBM, bmax_ptr,
                                            QTMA, hqT_q_desc, gqT_q_desc)
-        elif vt < end_c:
+        elif tk < end_c:
             if PHASES & 4:
-                i = vt - end_q
+                i = tk - end_q
                 g = NG - 1 - i // NC
                 c = i % NC
                 ic = c // NCJ  # I tile, then H tile (group)
@@ -322,7 +290,7 @@ def mok_backward_kernel(
                                       POW2, PULLG, xgrp, DWT, DWSC)
         else:
             if PHASES & 8:
-                i = vt - end_c
+                i = tk - end_c
                 g = NG - 1 - i // ND
                 d = i % ND
                 ok = _wgrad_gate_up_item(g, d // NDJ, d % NDJ, lr, gst,
@@ -332,8 +300,8 @@ def mok_backward_kernel(
                                          xgrp, PULLG, FP8W, qready, NQ, xqT_desc, gqT_desc,
                                          srg, gxam_ptr, POW2, DWT, DWSD)
         if TRACE:
-            kind = tl.where(vt < end_a, 0, tl.where(vt < end_b, 1, tl.where(
-                vt < end_q, 2, tl.where(vt < end_c, 3, 4))))
+            kind = tl.where(tk < end_a, 0, tl.where(tk < end_b, 1, tl.where(
+                tk < end_q, 2, tl.where(tk < end_c, 3, 4))))
             record_item(trace_ptr + lr.to(tl.int64) * MAXT * 4, tk, MAXT, t0,
                         globaltimer(tk, F32_DOT), pid - lr * PROGS, kind)
         tk = tl.atomic_add(ctr, 1, sem="relaxed", scope="gpu")

@@ -446,15 +446,6 @@ def test_ticket_order_knobs_give_the_same_gradients_bitwise(ranks, shared, knobs
     _fp8_variant_is_bitwise(ranks, shared, knobs, 17)
 
 
-@pytest.mark.parametrize("ranks, shared, lead", [(1, True, 1), (2, False, 2), (1, False, 1024)])
-def test_fp8_q_items_ahead_of_their_c_items_give_the_same_gradients_bitwise(ranks, shared, lead):
-    """``bwd_q_lead`` (each group's Q items claimed ``lead`` groups ahead of its C items, beside
-    an earlier group's C items; 1024: every Q item before the first C item) on the whole FP8
-    backward, four weight-gradient tiles per item as in FP8 cells: every gradient bitwise the
-    default order's on the GPU's real concurrency, reruns bitwise equal."""
-    _fp8_variant_is_bitwise(ranks, shared, {"bwd_dw_tiles": 4, "bwd_q_lead": lead}, 19)
-
-
 @pytest.mark.parametrize("ranks, shared, colmax", [(1, True, False), (2, False, True)])
 def test_requantisation_through_tma_gives_the_same_gradients_bitwise(ranks, shared, colmax):
     """``bwd_fp8_requant_tma`` (the block-completing dA item's requantisation reads the dG/dU

@@ -25,8 +25,6 @@ from mok_kernels import MoKConfig, MoKConfigError, plan
     ({"bwd_pull_programs": 16}, "bwd_pull_programs"),
     ({"bwd_dx_tiles": 0}, "bwd_dx_tiles"),
     ({"bwd_dw_tiles": 0}, "bwd_dw_tiles"),
-    ({"bwd_q_lead": -1}, "bwd_q_lead"),
-    ({"bwd_q_lead": True}, "bwd_q_lead"),
     ({"bwd_dw_tiles": True}, "bwd_dw_tiles"),
     ({"bwd_da_tiles": 65}, "bwd_da_tiles"),
     ({"bwd_dx_tma": 1}, "bwd_dx_tma"),

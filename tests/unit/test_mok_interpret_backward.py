@@ -92,8 +92,7 @@ COMMON = textwrap.dedent("""
 
     def same_gradients_over(knob_sets, seed):
         # two loopback ranks, bf16 and the whole FP8 backward, each with every knob set of
-        # knob_sets: every gradient bitwise the first set's, dx near the exact layer; returns
-        # the case (L, T, E, K, shared, H, I, x, idx, p, W, dy)
+        # knob_sets: every gradient bitwise the first set's, dx near the exact layer
         L, T, E, K, shared, H, I = 2, 13, 3, 2, True, 64, 32
         x, idx, p, _, W, dy, exact = interleaved_case(L, T, E, K, shared, seed)
         f8 = dict(bwd_fp8_da=True, bwd_fp8_dx=True, bwd_fp8_wgrad=True)
@@ -103,7 +102,6 @@ COMMON = textwrap.dedent("""
             for i in range(1, len(out)):
                 assert_bitwise(out[0], out[i], (bool(base), i))
             assert rel(out[0].dx_TH, exact.dx_TH) < (1e-1 if base else 2e-2)
-        return L, T, E, K, shared, H, I, x, idx, p, W, dy
 """)
 
 SCRIPT = COMMON + textwrap.dedent("""
@@ -752,35 +750,6 @@ def test_item_trace_records_the_ticket_order_by_section():
     """The FP8 backward's item trace (two loopback ranks): every item's ticket recorded once,
     with an end after its start, the kinds in the order A, B, Q, C, D."""
     _prints(run_interpreted(ORDER_SCRIPT), "item order ok", 1)
-
-
-Q_LEAD_SCRIPT = COMMON + textwrap.dedent("""
-    L, T, E, K, shared, H, I, x, idx, p, W, dy = same_gradients_over(
-        ({}, {"bwd_q_lead": 1}, {"bwd_q_lead": 2}, {"bwd_q_lead": 1024},
-         {"bwd_q_lead": 1, "bwd_dw_tiles": 2}), 31)
-    f8 = dict(bwd_fp8_da=True, bwd_fp8_dx=True, bwd_fp8_wgrad=True)
-    # the trace: with the Q items one group ahead, a Q item follows a C item (kinds 2 after
-    # 3), every ticket recorded once; by default the kinds are sorted
-    for lead, interleaved in ((0, False), (1, True)):
-        cfg = config(True, **f8, bwd_q_lead=lead)
-        tr = run_traced(cfg, L, T, E, K, shared, H, I, x, idx, p, W, dy)[1]
-        for r in range(L):
-            k = tr[r, :, 3]
-            kinds = k[k >= 0].tolist()
-            assert set(kinds) == {0, 1, 2, 3, 4}, kinds
-            after = any(a == 3 and b == 2 for a, b in zip(kinds, kinds[1:]))
-            assert after == interleaved and (kinds == sorted(kinds)) != interleaved, kinds
-            assert kinds.count(2) == 3 * (E + 1) * I // (cfg.block_n // 2), kinds
-    print("q lead ok")
-""")
-
-
-def test_q_items_ahead_of_their_c_items_give_the_same_gradients_bitwise():
-    """``bwd_q_lead`` (the FP8 weight gradients' Q items one, two or all groups ahead of
-    their group's C items, with one and two weight-gradient tiles per item): every gradient
-    bitwise the default order's, the whole FP8 backward and bf16 (no Q items: no effect),
-    two loopback ranks; the item trace shows Q items after C items, each kind's count kept."""
-    _prints(run_interpreted(Q_LEAD_SCRIPT), "q lead ok", 1)
 
 
 BAND_SCRIPT = COMMON + textwrap.dedent("""

@@ -475,23 +475,6 @@ def test_requantisation_through_tma_is_pipelined():
     assert prologue_copies(both, "hs_a_desc") == 1
 
 
-def test_q_items_ahead_of_their_c_items_build_within_bounds():
-    """``bwd_q_lead`` at the backend's FP8 defaults (Kimi shape): the ticket remap adds a few
-    integer operations per item; the kernel still fits in shared memory, runs only e4m3
-    MMAs and spills within the same bound as the default order (360 against 336 bytes with
-    Triton 3.9)."""
-    from mokbench.mok_backend import fp8_backward_fields
-
-    fields = {**_row_pull(H, I, 16384, 8, 132, 1, 48, 90), **fp8_backward_fields(90),
-              "bwd_q_lead": 1}
-    cfg = mk.MoKConfig.for_shape(H, I, **fields)
-    lw = mk.compile_megakernel(cfg, H, I, shared=True, kernel="backward")
-    assert lw.shared_bytes <= SMEM_LIMIT
-    assert not lw.mma_serialized, lw.ptxas_log
-    assert set(lw.mma_instructions) == {"wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3"}
-    assert _spill_bytes(lw.ptxas_log) <= 384, lw.ptxas_log
-
-
 def test_quantisation_items_store_through_tma():
     """``bwd_fp8_q_tma_store`` with the Q and C items alone (Kimi shape): the transposed e4m3
     copies go out as TMA stores over both copies' descriptors, each waited for in full
