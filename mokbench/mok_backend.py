@@ -333,6 +333,8 @@ def variant_text(c, hidden: int, intermediate: int, *, fp8: bool, graphed: bool)
                if c.bwd_pull_programs else "")
             + (f",dx_tiles={c.bwd_dx_tiles}" if c.bwd_dx_tiles > 1 else "")
             + (f",dx_band={c.bwd_dx_band}" if c.bwd_dx_band > 1 else "")
+            + (f",q_rows={c.bwd_q_rows}" if c.bwd_q_rows else "")
+            + (f",q_stages={c.bwd_q_stages}" if c.bwd_q_stages != 3 else "")
             + (",pull_by_token=1" if c.bwd_pull_by_token else "")
             + (f",dw_tiles={c.bwd_dw_tiles}" if c.bwd_dw_tiles > 1 else "")
             + (f",dw_stages={c.bwd_dw_stages}" if c.bwd_dw_stages != 2 else "")
@@ -387,7 +389,8 @@ class MoKBackend(BackendBase):
         passes=("forward", "backward"), precisions=("bf16", "fp8"), needs_gpu=True,
         min_cc=(9, 0), packages=("triton",), is_baseline=False,
         notes="Triton persistent megakernels, forward and backward; fp8 = FP8 forward "
-              "(weights quantised at setup), bf16 backward")
+              "(weights quantised at setup) and, on Hopper, FP8 backward (bf16 backward on "
+              "Blackwell until a GPU has run it there)")
 
     def setup(self, scenario, ctx, weights) -> None:
         import mok_kernels
