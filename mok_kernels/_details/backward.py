@@ -455,7 +455,6 @@ def _fp8_wgrad_args(cfg: MoKConfig, sc: BackwardScratch, pre_LPF: torch.Tensor) 
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     bn, bkw, qr = cfg.block_n, fp8_wgrad_rows(cfg), q_rows(cfg)
-    hs_LPI = sc.hs_LPI
 
     def desc_rows(t: torch.Tensor, feats: int, rows: int) -> TensorDescriptor:
         return TensorDescriptor.from_tensor(t.view(-1, t.shape[-1]), [feats, rows])
@@ -470,7 +469,7 @@ def _fp8_wgrad_args(cfg: MoKConfig, sc: BackwardScratch, pre_LPF: torch.Tensor) 
                 gxam_ptr=w8.gxam_H, gdyam_ptr=w8.gdyam_H,
                 pre_q_desc=TensorDescriptor.from_tensor(pre_LPF.view(-1, pre_LPF.shape[-1]),
                                                         [qr, bn // 2]),
-                hs_q_desc=TensorDescriptor.from_tensor(hs_LPI.view(-1, hs_LPI.shape[-1]),
+                hs_q_desc=TensorDescriptor.from_tensor(sc.hs_LPI.view(-1, sc.hs_LPI.shape[-1]),
                                                        [qr, bn // 2]),
                 xqT_ptr=w8.xqT_LHP, dyqT_ptr=w8.dyqT_LHP,  # the in-kernel pull's stores
                 bmax_ptr=w8.bmax_LBF,
