@@ -396,12 +396,6 @@ def wgrad_rows(cfg: MoKConfig) -> int:
     return min(64, cfg.bwd_bm)
 
 
-def q_rows(cfg: MoKConfig) -> int:
-    """Rows per step of the Q items' passes (QROWS: ``bwd_q_rows``, 0 = the weight-gradient
-    items' step, ``wgrad_rows``)."""
-    return cfg.bwd_q_rows or wgrad_rows(cfg)
-
-
 def backward_groups(cfg: MoKConfig, group_LB: torch.Tensor) -> torch.Tensor:
     """Group of every backward row block, int32 [L, P / bwd_bm], from the schedule's group of
     every forward row block (block_m rows): with ``bwd_block_m`` a multiple of block_m, the
@@ -443,18 +437,18 @@ def _activation_descriptors(cfg: MoKConfig, pre_LPF: torch.Tensor, hs_LPI: torch
 def _fp8_wgrad_args(cfg: MoKConfig, sc: BackwardScratch, pre_LPF: torch.Tensor) -> dict:
     """The FP8 weight-gradient items' arguments (``bwd_fp8_wgrad``): the scratch of
     ``Fp8WgradScratch``, TMA descriptors over its transposed copies ([BN/2 or BN features,
-    BKW8 rows] boxes) and the Q items' descriptors over dG/dU and r h ([QROWS rows, BN/2
-    columns]: ``q_rows``), with ``bwd_fp8_q_tma_store`` the Q items' store descriptors over
-    the copies ([BN/2 features, QROWS rows]); all None without the knob."""
+    BKW8 rows] boxes) and the Q items' descriptor over dG/dU ([BKW rows, BN/2 columns]; r h's
+    is ``hs_c_desc``), with ``bwd_fp8_q_tma_store`` the Q items' store descriptors over the
+    copies ([BN/2 features, BKW rows]); all None without the knob."""
     names = ("hqT_ptr", "gqT_ptr", "srh_ptr", "srg_ptr", "hqT_desc",
              "dyqT_desc", "xqT_desc", "gqT_desc", "gxam_ptr", "gdyam_ptr", "pre_q_desc",
-             "xqT_ptr", "dyqT_ptr", "bmax_ptr", "hqT_q_desc", "gqT_q_desc", "hs_q_desc")
+             "xqT_ptr", "dyqT_ptr", "bmax_ptr", "hqT_q_desc", "gqT_q_desc")
     w8 = sc.wgrad8
     if w8 is None:
         return dict.fromkeys(names)
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    bn, bkw, qr = cfg.block_n, fp8_wgrad_rows(cfg), q_rows(cfg)
+    bn, bkw = cfg.block_n, fp8_wgrad_rows(cfg)
 
     def desc_rows(t: torch.Tensor, feats: int, rows: int) -> TensorDescriptor:
         return TensorDescriptor.from_tensor(t.view(-1, t.shape[-1]), [feats, rows])
@@ -468,15 +462,13 @@ def _fp8_wgrad_args(cfg: MoKConfig, sc: BackwardScratch, pre_LPF: torch.Tensor) 
                 xqT_desc=desc(w8.xqT_LHP, bn // 2), gqT_desc=desc(w8.gqT_LFP, bn),
                 gxam_ptr=w8.gxam_H, gdyam_ptr=w8.gdyam_H,
                 pre_q_desc=TensorDescriptor.from_tensor(pre_LPF.view(-1, pre_LPF.shape[-1]),
-                                                        [qr, bn // 2]),
-                hs_q_desc=TensorDescriptor.from_tensor(sc.hs_LPI.view(-1, sc.hs_LPI.shape[-1]),
-                                                       [qr, bn // 2]),
+                                                        [wgrad_rows(cfg), bn // 2]),
                 xqT_ptr=w8.xqT_LHP, dyqT_ptr=w8.dyqT_LHP,  # the in-kernel pull's stores
                 bmax_ptr=w8.bmax_LBF,
-                # bwd_fp8_q_tma_store: the Q items' TMA stores ([BN/2 features, QROWS rows])
-                hqT_q_desc=(desc_rows(w8.hqT_LIP, bn // 2, qr)
+                # bwd_fp8_q_tma_store: the Q items' TMA stores ([BN/2 features, BKW rows])
+                hqT_q_desc=(desc_rows(w8.hqT_LIP, bn // 2, wgrad_rows(cfg))
                             if cfg.bwd_fp8_q_tma_store else None),
-                gqT_q_desc=(desc_rows(w8.gqT_LFP, bn // 2, qr)
+                gqT_q_desc=(desc_rows(w8.gqT_LFP, bn // 2, wgrad_rows(cfg))
                             if cfg.bwd_fp8_q_tma_store else None))
 
 
@@ -508,8 +500,7 @@ def backward_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots:
                 QBM=cfg.bwd_fp8_block_colmax, RQT=cfg.bwd_fp8_requant_tma,
                 DXBAND=cfg.bwd_dx_band, DWT=cfg.bwd_dw_tiles,
                 DWSC=3 if cfg.bwd_dw_stages == 4 else 2, DWSD=cfg.bwd_dw_stages,
-                LEAN=cfg.bwd_lean_epilogue, QTMA=cfg.bwd_fp8_q_tma_store,
-                QROWS=q_rows(cfg), QST=cfg.bwd_q_stages)
+                LEAN=cfg.bwd_lean_epilogue, QTMA=cfg.bwd_fp8_q_tma_store)
 
 
 def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tensor,

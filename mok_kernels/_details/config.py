@@ -209,16 +209,6 @@ class MoKConfig:
         so the same gradients; off: results/20261203-061457-h200-fp8-backward timed it
         slower at three of four shapes (against the byte-wide stores of then; the plain
         stores are 16-byte vectors since).
-    bwd_q_rows: with ``bwd_fp8_wgrad``: rows per step of the Q items' two passes over r h
-        and dG/dU (their TMA boxes: rows x block_n / 2 columns of bf16): 0, the weight-
-        gradient items' row step (64, or the backward's row block if smaller); else a power
-        of two in 16..256, at most the backward's row block (groups are padded to whole row
-        blocks, so a step never reads the next group's rows). With ``bwd_q_stages`` it sets
-        the bytes a Q item has in flight: the Q items ran at about 15 GB/s per SM at the
-        default (notes/mok-kernel.md: 64-row, 16 KB boxes, two buffers), far under an SM's
-        share of the H200's bandwidth. The same values and maxima, so the same gradients.
-    bwd_q_stages: with ``bwd_fp8_wgrad``: pipeline stages of the Q items' passes (the
-        copies in flight are one fewer): an integer in 2..8, default 3.
     bwd_dx_band: the order of the backward's dX (B) items: 0 or 1 row block by row block
         (a row block's H tiles one after another); G > 1 in bands of G row blocks, inside a
         band the H tiles outer and the row blocks inner (the last band may hold fewer). The
@@ -315,8 +305,6 @@ class MoKConfig:
     bwd_fp8_requant_tma: bool = False
     bwd_fp8_q_tma_store: bool = False
     bwd_dx_band: int = 0
-    bwd_q_rows: int = 0
-    bwd_q_stages: int = 3
     bwd_pull_by_token: bool = False
     bwd_dw_tiles: int = 1
     bwd_dw_stages: int = 2
@@ -431,15 +419,6 @@ class MoKConfig:
         _check(not self.bwd_fp8_q_tma_store or self.bwd_fp8_wgrad, "bwd_fp8_q_tma_store",
                self.bwd_fp8_q_tma_store,
                "false unless bwd_fp8_wgrad is set (it serves the weight gradients' Q items)")
-        _check(isinstance(self.bwd_q_rows, int) and not isinstance(self.bwd_q_rows, bool)
-               and (self.bwd_q_rows == 0 or (_is_pow2(self.bwd_q_rows)
-                                             and 16 <= self.bwd_q_rows <= min(256, self.bwd_bm))),
-               "bwd_q_rows", self.bwd_q_rows,
-               f"0 or a power of two in 16..{min(256, self.bwd_bm)} (at most the backward's row "
-               "block: bwd_block_m or block_m)")
-        _check(isinstance(self.bwd_q_stages, int) and not isinstance(self.bwd_q_stages, bool)
-               and 2 <= self.bwd_q_stages <= 8, "bwd_q_stages", self.bwd_q_stages,
-               "an integer in 2..8")
         _check(isinstance(self.bwd_pull_dedup, bool), "bwd_pull_dedup", self.bwd_pull_dedup,
                "true | false")
         _check(not (self.bwd_pull_dedup and self.bwd_fused_pull),

@@ -128,7 +128,7 @@ def mok_backward_kernel(
         DXBAND: tl.constexpr = 0,
         DWT: tl.constexpr = 1, DWSC: tl.constexpr = 2, DWSD: tl.constexpr = 2,
         LEAN: tl.constexpr = False, QTMA: tl.constexpr = False, hqT_q_desc=None,
-        gqT_q_desc=None, hs_q_desc=None, QROWS: tl.constexpr = 64, QST: tl.constexpr = 3):
+        gqT_q_desc=None):
     """One persistent program per SM; see the module docstring for the work order. The C
     and D items fence the async proxy after their group's acquire (they read through TMA
     rows written with plain stores). FP8DA (``bwd_fp8_da``): the A items' FP8 tiles read dY
@@ -164,9 +164,7 @@ def mok_backward_kernel(
     wait inside an item counts as the item's time.
     LEAN (``bwd_lean_epilogue``): the A items' epilogue in fewer instructions
     (``_swiglu_bwd_half``). QTMA (``bwd_fp8_q_tma_store``): the Q items store through TMA
-    (``hqT_q_desc``, ``gqT_q_desc``). QROWS, QST (``bwd_q_rows``, ``bwd_q_stages``): rows
-    per step and pipeline stages of the Q items' passes (r h through ``hs_q_desc``, dG/dU
-    through ``pre_q_desc``, both [QROWS, BN/2] boxes)."""
+    (``hqT_q_desc``, ``gqT_q_desc``)."""
     HALF: tl.constexpr = BN // 2
     BKA: tl.constexpr = BK8 if FP8DA else BK  # reduction steps of the A, B, C and D items:
     BKX: tl.constexpr = BK8 if FP8DX else BK  # ``bwd_fp8_block_k`` (BK8, BKW8) for the FP8
@@ -273,10 +271,10 @@ def mok_backward_kernel(
                     i = tk - end_b
                     gq_i = NG - 1 - i // NQ
                     ok = _wgrad_quant_item(gq_i, i % NQ, lr, gst, total, src, P,
-                                           hs_q_desc, pre_q_desc, hqT, gqT, srh, srg, ctr,
+                                           hs_c_desc, pre_q_desc, hqT, gqT, srh, srg, ctr,
                                            err, qready, NBMAX, budget, withhold, NG, I, BM,
-                                           BN, QROWS, DAC, F32_DOT, POW2, QBM, bmax_ptr,
-                                           QTMA, hqT_q_desc, gqT_q_desc, QST)
+                                           BN, BKW, DAC, F32_DOT, POW2, QBM, bmax_ptr,
+                                           QTMA, hqT_q_desc, gqT_q_desc)
         elif tk < end_c:
             if PHASES & 4:
                 i = tk - end_q

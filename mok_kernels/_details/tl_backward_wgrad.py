@@ -47,8 +47,7 @@ def _group_ready(g, gst, total, ctr, err, NBMAX, budget, I: tl.constexpr, BM: tl
 def _quant_cols(desc, row0, dst, sc, col0, start, end, src, P, QC: tl.constexpr,
                 BKW: tl.constexpr, POW2: tl.constexpr, F32_DOT: tl.constexpr,
                 BMX: tl.constexpr = False, bmax=None, BM: tl.constexpr = 128,
-                W: tl.constexpr = 0, QTMA: tl.constexpr = False, dst_desc=None, drow0=0,
-                QST: tl.constexpr = 3):
+                W: tl.constexpr = 0, QTMA: tl.constexpr = False, dst_desc=None, drow0=0):
     """Columns col0 .. col0 + QC of one group's rows start..end of a [P, W] bf16 matrix (r h
     or dG/dU; read through ``desc``, [BKW, QC] boxes of this logical rank's rows from
     ``row0``) as e4m3 with one scale per column over those rows: a first pass takes the
@@ -62,8 +61,6 @@ def _quant_cols(desc, row0, dst, sc, col0, start, end, src, P, QC: tl.constexpr,
     at a time, the Q items were a large part of the FP8 backward; folding the maxima into
     the A items instead, to read once here, slowed the A items by more than it saved (both
     timed by the profiling script benchmarks/mok_backward_time.py; notes/mok-kernel.md).
-    BKW and QST are the Q items' rows per step and pipeline stages (``bwd_q_rows``,
-    ``bwd_q_stages``): a step reads a [BKW, QC] bf16 box, and QST - 1 of them are in flight.
     BMX (``bwd_fp8_block_colmax``): the column max from the row blocks' maxima at ``bmax``
     (these columns of block b at ``bmax + b * W``; start and end are multiples of BM)
     instead of the first pass: the same max, exactly. QTMA (``bwd_fp8_q_tma_store``): the
@@ -76,7 +73,7 @@ def _quant_cols(desc, row0, dst, sc, col0, start, end, src, P, QC: tl.constexpr,
             amax = tl.maximum(amax, tl.load(bmax + b * W + tl.arange(0, QC)))
     else:  # an elementwise running max, reduced over the rows once after the loop
         run = tl.zeros((BKW, QC), dtype=tl.float32)
-        for r0 in tl.range(start, end, BKW, num_stages=QST):
+        for r0 in tl.range(start, end, BKW, num_stages=3):
             rows = r0 + tl.arange(0, BKW)
             live = tl.load(src + rows) >= 0
             v = tl.where(live[:, None], to_f32(desc.load([row0 + r0, col0]), F32_DOT), 0.0)
@@ -84,7 +81,7 @@ def _quant_cols(desc, row0, dst, sc, col0, start, end, src, P, QC: tl.constexpr,
         amax = tl.max(run, axis=0)
     inv, scale = e4m3_scales(amax, POW2)
     tl.store(sc + cols, scale)
-    for r0 in tl.range(start, end, BKW, num_stages=QST):
+    for r0 in tl.range(start, end, BKW, num_stages=3):
         rows = r0 + tl.arange(0, BKW)
         live = tl.load(src + rows) >= 0
         v = tl.where(live[:, None], to_f32(desc.load([row0 + r0, col0]), F32_DOT), 0.0)
@@ -101,7 +98,7 @@ def _wgrad_quant_item(g, c, lr, gst, total, src, P, hs_q_desc, pre_q_desc, hqT, 
                       BM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr,
                       DAC: tl.constexpr, F32_DOT: tl.constexpr, POW2: tl.constexpr,
                       QBM: tl.constexpr = False, bmax=None, QTMA: tl.constexpr = False,
-                      hqT_q_desc=None, gqT_q_desc=None, QST: tl.constexpr = 3):
+                      hqT_q_desc=None, gqT_q_desc=None):
     """Q item (``bwd_fp8_wgrad``): column tile c (BN/2 columns; r h's I / (BN/2) tiles, then
     dG/dU's 2I / (BN/2)) of group g in FP8 (``_quant_cols``), once every A item of g is done
     (they wrote r h and dG/dU with plain stores, read here through TMA: the acquire fences
@@ -126,11 +123,11 @@ def _wgrad_quant_item(g, c, lr, gst, total, src, P, hs_q_desc, pre_q_desc, hqT, 
         if c < NH:
             _quant_cols(hs_q_desc, lr * P, hqT, srh + g * I, c * HALF, start, end, src, P,
                         HALF, BKW, POW2, F32_DOT, QBM, bm, BM, 3 * I, QTMA, hqT_q_desc,
-                        lr * I, QST)
+                        lr * I)
         else:
             _quant_cols(pre_q_desc, lr * P, gqT, srg + g * (2 * I), (c - NH) * HALF, start,
                         end, src, P, HALF, BKW, POW2, F32_DOT, QBM, bm, BM, 3 * I, QTMA,
-                        gqT_q_desc, lr * (2 * I), QST)
+                        gqT_q_desc, lr * (2 * I))
         if QTMA:
             ok = bulk_store_wait(ok, F32_DOT)
         if (withhold != 4) | (g != NG - 1) | (c != 0):

@@ -446,16 +446,6 @@ def test_ticket_order_knobs_give_the_same_gradients_bitwise(ranks, shared, knobs
     _fp8_variant_is_bitwise(ranks, shared, knobs, 17)
 
 
-@pytest.mark.parametrize("ranks, shared, knobs", [
-    (1, True, {"bwd_q_rows": 128, "bwd_q_stages": 4}),
-    (2, False, {"bwd_q_rows": 32, "bwd_q_stages": 6})])
-def test_fp8_q_item_steps_give_the_same_gradients_bitwise(ranks, shared, knobs):
-    """``bwd_q_rows`` / ``bwd_q_stages`` (the Q items' rows per step and pipeline stages) on
-    the whole FP8 backward: every gradient bitwise the default steps', on the GPU's real
-    TMA pipelines, reruns bitwise equal."""
-    _fp8_variant_is_bitwise(ranks, shared, {"bwd_dw_tiles": 4, **knobs}, 23)
-
-
 @pytest.mark.parametrize("ranks, shared, colmax", [(1, True, False), (2, False, True)])
 def test_requantisation_through_tma_gives_the_same_gradients_bitwise(ranks, shared, colmax):
     """``bwd_fp8_requant_tma`` (the block-completing dA item's requantisation reads the dG/dU

@@ -769,23 +769,6 @@ def test_dx_bands_give_the_same_gradients_bitwise():
     _prints(run_interpreted(BAND_SCRIPT), "band ok", 1)
 
 
-Q_STEPS_SCRIPT = COMMON + textwrap.dedent("""
-    rows32 = {"bwd_block_m": 32}
-    same_gradients_over((rows32, {**rows32, "bwd_q_rows": 16}, {**rows32, "bwd_q_stages": 2},
-                         {**rows32, "bwd_q_rows": 16, "bwd_q_stages": 5}), 31)
-    print("q steps ok")
-""")
-
-
-def test_q_item_steps_give_the_same_gradients_bitwise():
-    """``bwd_q_rows`` and ``bwd_q_stages`` (the Q items' rows per step and pipeline stages,
-    32-row backward blocks: the default step of 32 rows against 16, two and five stages):
-    every gradient bitwise the default's, bf16 and the whole FP8 backward, two loopback
-    ranks (the column maxima are exact in any order, and a step that missed rows or read
-    another group's would change a scale or leave a copy's rows unwritten)."""
-    _prints(run_interpreted(Q_STEPS_SCRIPT), "q steps ok", 1)
-
-
 DW_TILES_SCRIPT = COMMON + textwrap.dedent("""
     L, T, E, K, shared, H, I = 2, 13, 3, 2, True, 64, 32
     f8 = dict(bwd_fp8_da=True, bwd_fp8_dx=True, bwd_fp8_wgrad=True)
