@@ -73,7 +73,7 @@ STANDS = [
       "kimi-k2.7-code-E48H7168I2048k8+se-T16384-ep1-fp8",
       "kimi-k2-e384-E384H7168I2048k8-T4096-ep1-fp8",
       "qwen3.5-397b-E64H4096I1024k10+se-T16384-ep1-fp8"]),
-    ("| one GPU, FP8, the whole FP8 backward", ["20261204-043825-h200-fp8-backward"],
+    ("| one GPU, FP8, the whole FP8 backward", ["20261204-072613-h200-fp8-backward"],
      ["kimi-k2-e48-", "kimi-k2.7-code-", "qwen3.5-397b-"]),
     ("| two GPUs, EP 2, bf16, with DeepEP", ["20261130-233319-h200x2"],
      ["kimi-k2.7-code-E12H7168I2048k8+se-T8192-ep2-bf16-uniform",
