@@ -500,7 +500,8 @@ def backward_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots:
                 QBM=cfg.bwd_fp8_block_colmax, RQT=cfg.bwd_fp8_requant_tma,
                 DXBAND=cfg.bwd_dx_band, DWT=cfg.bwd_dw_tiles,
                 DWSC=3 if cfg.bwd_dw_stages == 4 else 2, DWSD=cfg.bwd_dw_stages,
-                LEAN=cfg.bwd_lean_epilogue, QTMA=cfg.bwd_fp8_q_tma_store)
+                LEAN=cfg.bwd_lean_epilogue, QTMA=cfg.bwd_fp8_q_tma_store,
+                QCNT=cfg.bwd_q_count_rows)
 
 
 def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tensor,
@@ -535,6 +536,7 @@ def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tens
         drp_base=bb.drp_LTKJ, tab32=bb.tab32_R, comb_base=ws.comb_LTSH, comb_tab=ws.comb_tab_R,
         src_ptr=st.src_LP, group_ptr=backward_groups(cfg, st.group_LB), total_ptr=st.total_L,
         gstart_ptr=group_starts(st.counts_LG, cfg.row_align),
+        gcount_ptr=st.counts_LG.contiguous() if cfg.bwd_q_count_rows else None,
         pre_ptr=pre_LPF, hs_ptr=sc.hs_LPI, ctr_ptr=bb.counters_LC, err_ptr=ws.errors_L4,
         dw1_ptr=sc.dw1_EHF, dw2_ptr=sc.dw2_EIH, dws1_ptr=sc.dws1_LHF, dws2_ptr=sc.dws2_LIH,
         **descs, **pull, **_fp8_da_args(ws, bb, fp8_weights),

@@ -209,6 +209,11 @@ class MoKConfig:
         so the same gradients; off: results/20261203-061457-h200-fp8-backward timed it
         slower at three of four shapes (against the byte-wide stores of then; the plain
         stores are 16-byte vectors since).
+    bwd_q_count_rows: with ``bwd_fp8_wgrad``: the Q items tell a group's padding rows from
+        its real row count (the schedule's counts, loaded once per item: a group's real
+        rows come first, its padding last) instead of loading each step's slot ids
+        (an async copy of 64 int32 and its wait, two CTA barriers per step). The same
+        rows, so the same gradients; off until timed.
     bwd_dx_band: the order of the backward's dX (B) items: 0 or 1 row block by row block
         (a row block's H tiles one after another); G > 1 in bands of G row blocks, inside a
         band the H tiles outer and the row blocks inner (the last band may hold fewer). The
@@ -305,6 +310,7 @@ class MoKConfig:
     bwd_fp8_requant_tma: bool = False
     bwd_fp8_q_tma_store: bool = False
     bwd_dx_band: int = 0
+    bwd_q_count_rows: bool = False
     bwd_pull_by_token: bool = False
     bwd_dw_tiles: int = 1
     bwd_dw_stages: int = 2
@@ -418,6 +424,11 @@ class MoKConfig:
                self.bwd_fp8_q_tma_store, "true | false")
         _check(not self.bwd_fp8_q_tma_store or self.bwd_fp8_wgrad, "bwd_fp8_q_tma_store",
                self.bwd_fp8_q_tma_store,
+               "false unless bwd_fp8_wgrad is set (it serves the weight gradients' Q items)")
+        _check(isinstance(self.bwd_q_count_rows, bool), "bwd_q_count_rows",
+               self.bwd_q_count_rows, "true | false")
+        _check(not self.bwd_q_count_rows or self.bwd_fp8_wgrad, "bwd_q_count_rows",
+               self.bwd_q_count_rows,
                "false unless bwd_fp8_wgrad is set (it serves the weight gradients' Q items)")
         _check(isinstance(self.bwd_pull_dedup, bool), "bwd_pull_dedup", self.bwd_pull_dedup,
                "true | false")

@@ -128,7 +128,7 @@ def mok_backward_kernel(
         DXBAND: tl.constexpr = 0,
         DWT: tl.constexpr = 1, DWSC: tl.constexpr = 2, DWSD: tl.constexpr = 2,
         LEAN: tl.constexpr = False, QTMA: tl.constexpr = False, hqT_q_desc=None,
-        gqT_q_desc=None):
+        gqT_q_desc=None, gcount_ptr=None, QCNT: tl.constexpr = False):
     """One persistent program per SM; see the module docstring for the work order. The C
     and D items fence the async proxy after their group's acquire (they read through TMA
     rows written with plain stores). FP8DA (``bwd_fp8_da``): the A items' FP8 tiles read dY
@@ -164,7 +164,8 @@ def mok_backward_kernel(
     wait inside an item counts as the item's time.
     LEAN (``bwd_lean_epilogue``): the A items' epilogue in fewer instructions
     (``_swiglu_bwd_half``). QTMA (``bwd_fp8_q_tma_store``): the Q items store through TMA
-    (``hqT_q_desc``, ``gqT_q_desc``)."""
+    (``hqT_q_desc``, ``gqT_q_desc``). QCNT (``bwd_q_count_rows``): the Q items' padding
+    rows from the groups' real row counts (``gcount_ptr``, int32 [L, NG])."""
     HALF: tl.constexpr = BN // 2
     BKA: tl.constexpr = BK8 if FP8DA else BK  # reduction steps of the A, B, C and D items:
     BKX: tl.constexpr = BK8 if FP8DX else BK  # ``bwd_fp8_block_k`` (BK8, BKW8) for the FP8
@@ -185,6 +186,7 @@ def mok_backward_kernel(
     grp = group_ptr + lr * (P // BM)
     total = tl.load(total_ptr + lr)
     gst = gstart_ptr + lr * (NG + 1)
+    gcount = gcount_ptr + lr * NG if QCNT else gcount_ptr
     pre = pre_ptr + lr.to(tl.int64) * P * (2 * I)
     hs = hs_ptr + lr.to(tl.int64) * P * I
     gq = gq_ptr + lr.to(tl.int64) * P * GQW if FP8DX else gq_ptr
@@ -274,7 +276,7 @@ def mok_backward_kernel(
                                            hs_c_desc, pre_q_desc, hqT, gqT, srh, srg, ctr,
                                            err, qready, NBMAX, budget, withhold, NG, I, BM,
                                            BN, BKW, DAC, F32_DOT, POW2, QBM, bmax_ptr,
-                                           QTMA, hqT_q_desc, gqT_q_desc)
+                                           QTMA, hqT_q_desc, gqT_q_desc, QCNT, gcount)
         elif tk < end_c:
             if PHASES & 4:
                 i = tk - end_q

@@ -47,7 +47,8 @@ def _group_ready(g, gst, total, ctr, err, NBMAX, budget, I: tl.constexpr, BM: tl
 def _quant_cols(desc, row0, dst, sc, col0, start, end, src, P, QC: tl.constexpr,
                 BKW: tl.constexpr, POW2: tl.constexpr, F32_DOT: tl.constexpr,
                 BMX: tl.constexpr = False, bmax=None, BM: tl.constexpr = 128,
-                W: tl.constexpr = 0, QTMA: tl.constexpr = False, dst_desc=None, drow0=0):
+                W: tl.constexpr = 0, QTMA: tl.constexpr = False, dst_desc=None, drow0=0,
+                QCNT: tl.constexpr = False, live_end=0):
     """Columns col0 .. col0 + QC of one group's rows start..end of a [P, W] bf16 matrix (r h
     or dG/dU; read through ``desc``, [BKW, QC] boxes of this logical rank's rows from
     ``row0``) as e4m3 with one scale per column over those rows: a first pass takes the
@@ -65,7 +66,9 @@ def _quant_cols(desc, row0, dst, sc, col0, start, end, src, P, QC: tl.constexpr,
     (these columns of block b at ``bmax + b * W``; start and end are multiples of BM)
     instead of the first pass: the same max, exactly. QTMA (``bwd_fp8_q_tma_store``): the
     second pass stores each transposed [QC, BKW] tile through ``dst_desc`` (feature rows from
-    ``drow0`` + col0) instead of plain stores from registers: the same bytes."""
+    ``drow0`` + col0) instead of plain stores from registers: the same bytes. QCNT
+    (``bwd_q_count_rows``): rows below ``live_end`` are the real ones (a group's padding
+    rows come last), instead of each step's slot ids loaded from ``src``."""
     cols = col0 + tl.arange(0, QC)
     amax = tl.zeros((QC,), dtype=tl.float32)
     if BMX:
@@ -75,7 +78,7 @@ def _quant_cols(desc, row0, dst, sc, col0, start, end, src, P, QC: tl.constexpr,
         run = tl.zeros((BKW, QC), dtype=tl.float32)
         for r0 in tl.range(start, end, BKW, num_stages=3):
             rows = r0 + tl.arange(0, BKW)
-            live = tl.load(src + rows) >= 0
+            live = rows < live_end if QCNT else tl.load(src + rows) >= 0
             v = tl.where(live[:, None], to_f32(desc.load([row0 + r0, col0]), F32_DOT), 0.0)
             run = tl.maximum(run, finite_abs(v))
         amax = tl.max(run, axis=0)
@@ -83,7 +86,7 @@ def _quant_cols(desc, row0, dst, sc, col0, start, end, src, P, QC: tl.constexpr,
     tl.store(sc + cols, scale)
     for r0 in tl.range(start, end, BKW, num_stages=3):
         rows = r0 + tl.arange(0, BKW)
-        live = tl.load(src + rows) >= 0
+        live = rows < live_end if QCNT else tl.load(src + rows) >= 0
         v = tl.where(live[:, None], to_f32(desc.load([row0 + r0, col0]), F32_DOT), 0.0)
         q = to_e4m3(v * inv[None, :], F32_DOT)
         if QTMA:
@@ -98,7 +101,8 @@ def _wgrad_quant_item(g, c, lr, gst, total, src, P, hs_q_desc, pre_q_desc, hqT, 
                       BM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr,
                       DAC: tl.constexpr, F32_DOT: tl.constexpr, POW2: tl.constexpr,
                       QBM: tl.constexpr = False, bmax=None, QTMA: tl.constexpr = False,
-                      hqT_q_desc=None, gqT_q_desc=None):
+                      hqT_q_desc=None, gqT_q_desc=None, QCNT: tl.constexpr = False,
+                      gcount=None):
     """Q item (``bwd_fp8_wgrad``): column tile c (BN/2 columns; r h's I / (BN/2) tiles, then
     dG/dU's 2I / (BN/2)) of group g in FP8 (``_quant_cols``), once every A item of g is done
     (they wrote r h and dG/dU with plain stores, read here through TMA: the acquire fences
@@ -107,7 +111,8 @@ def _wgrad_quant_item(g, c, lr, gst, total, src, P, hs_q_desc, pre_q_desc, hqT, 
     ``withhold`` is 4: a test's way to make the C and D items' bounded wait expire).
     QTMA: the transposed copies go out as TMA stores (``hqT_q_desc`` over [L*I, P],
     ``gqT_q_desc`` over [L*2I, P], [BN/2, BKW] boxes); the item waits for its bulk stores to
-    complete before that fence and signal."""
+    complete before that fence and signal. QCNT: the group's real rows end at start + its
+    count (``gcount[g]``)."""
     HALF: tl.constexpr = BN // 2
     NH: tl.constexpr = I // HALF
     start, end, ok = _group_ready(g, gst, total, ctr, err, NBMAX, budget, I, BM, DAC, F32_DOT)
@@ -120,14 +125,15 @@ def _wgrad_quant_item(g, c, lr, gst, total, src, P, hs_q_desc, pre_q_desc, hqT, 
     start = tl.multiple_of(start, 16)
     if ok != 0:
         bm = bmax + lr * NBMAX * (3 * I) + c * HALF if QBM else bmax  # r h, then dG/dU
+        live_end = start + tl.load(gcount + g) if QCNT else end
         if c < NH:
             _quant_cols(hs_q_desc, lr * P, hqT, srh + g * I, c * HALF, start, end, src, P,
                         HALF, BKW, POW2, F32_DOT, QBM, bm, BM, 3 * I, QTMA, hqT_q_desc,
-                        lr * I)
+                        lr * I, QCNT, live_end)
         else:
             _quant_cols(pre_q_desc, lr * P, gqT, srg + g * (2 * I), (c - NH) * HALF, start,
                         end, src, P, HALF, BKW, POW2, F32_DOT, QBM, bm, BM, 3 * I, QTMA,
-                        gqT_q_desc, lr * (2 * I))
+                        gqT_q_desc, lr * (2 * I), QCNT, live_end)
         if QTMA:
             ok = bulk_store_wait(ok, F32_DOT)
         if (withhold != 4) | (g != NG - 1) | (c != 0):

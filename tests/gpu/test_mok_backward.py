@@ -446,6 +446,14 @@ def test_ticket_order_knobs_give_the_same_gradients_bitwise(ranks, shared, knobs
     _fp8_variant_is_bitwise(ranks, shared, knobs, 17)
 
 
+@pytest.mark.parametrize("ranks, shared", [(1, True), (2, False)])
+def test_fp8_q_items_counting_rows_give_the_same_gradients_bitwise(ranks, shared):
+    """``bwd_q_count_rows`` (the Q items' padding rows from the groups' real row counts) on
+    the whole FP8 backward: every gradient bitwise the slot ids', on the GPU's real TMA
+    pipelines, reruns bitwise equal."""
+    _fp8_variant_is_bitwise(ranks, shared, {"bwd_dw_tiles": 4, "bwd_q_count_rows": True}, 29)
+
+
 @pytest.mark.parametrize("ranks, shared, colmax", [(1, True, False), (2, False, True)])
 def test_requantisation_through_tma_gives_the_same_gradients_bitwise(ranks, shared, colmax):
     """``bwd_fp8_requant_tma`` (the block-completing dA item's requantisation reads the dG/dU

@@ -46,6 +46,8 @@ from mok_kernels import MoKConfig, MoKConfigError, plan
     ({"dispatch_dedup": True}, "dispatch_dedup"),
     ({"dispatch_dedup": 1, "fwd_comm_sms": 8}, "dispatch_dedup"),
     ({"bwd_dx_band": -1}, "bwd_dx_band"),
+    ({"bwd_q_count_rows": 1}, "bwd_q_count_rows"),
+    ({"bwd_q_count_rows": True}, "bwd_q_count_rows"),
     ({"bwd_dx_band": True}, "bwd_dx_band"),
     ({"bwd_block_m": 96}, "bwd_block_m"),
     ({"bwd_block_m": True}, "bwd_block_m"),
