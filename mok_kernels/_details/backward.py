@@ -571,6 +571,28 @@ def _col_amax(v_LTH: torch.Tensor) -> torch.Tensor:
     return torch.maximum(hi.float(), -lo.float())
 
 
+def interleaved_block_order(counts_LG: torch.Tensor, total_L: torch.Tensor, row_align: int,
+                            P: int, rows: int) -> torch.Tensor:
+    """Row blocks of ``rows`` schedule rows in the order of their place inside their group,
+    int32 [L, P / rows] (``bwd_pull_interleave``), from the schedule's real rows per group
+    ``counts_LG`` [L, G] and rows in use ``total_L`` [L]: a stable sort of each block's first row's
+    offset in its group over the group's padded size, so every group's first block comes
+    first, then every group's second, and so on; blocks at or past the rank's total rows
+    last. Device ops only (no host sync), deterministic."""
+    L = counts_LG.shape[0]
+    gst_LG1 = group_starts(counts_LG, row_align).to(torch.int64)  # [L, G + 1]
+    G = gst_LG1.shape[1] - 1
+    first_LB = (torch.arange(0, P, rows, device=gst_LG1.device, dtype=torch.int64)
+                .view(1, -1).expand(L, -1).contiguous())
+    g_LB = torch.searchsorted(gst_LG1[:, 1:].contiguous(), first_LB, right=True).clamp_(max=G - 1)
+    g0_LB = torch.gather(gst_LG1, 1, g_LB)
+    size_LB = torch.gather(gst_LG1, 1, g_LB + 1) - g0_LB
+    place_LB = (first_LB - g0_LB).double() / size_LB.clamp(min=1).double()
+    place_LB = torch.where(first_LB < total_L.view(L, 1).to(torch.int64), place_LB,
+                           torch.full_like(place_LB, 2.0))
+    return torch.argsort(place_LB, dim=1, stable=True).to(torch.int32)
+
+
 def _pull_fp8_copies(ws: Workspace, bb: BackwardBuffers, st: ScheduleTensors,
                      sc: BackwardScratch, x_src: torch.Tensor, dy_src: torch.Tensor) -> None:
     """``bwd_fp8_wgrad``: the global column maxima of x and dY (after the barrier: every
@@ -590,13 +612,16 @@ def _pull_fp8_copies(ws: Workspace, bb: BackwardBuffers, st: ScheduleTensors,
         return
     br = wgrad_rows(cfg)
     dy16 = sc.dyg_LPH is not None
+    order = (interleaved_block_order(st.counts_LG, st.total_L, cfg.row_align, ws.P, br)
+             if cfg.bwd_pull_interleave else None)
     for phase in (1, 2) if cfg.bwd_pull_dedup else (0,):
         pull_rows_fp8t_kernel[(ws.L, ws.P // br)](
             st.src_LP, st.total_L, x_src, ws.x_tab_R, dy_src, bb.tab16_R,
             sc.dyg_LPH if dy16 else w8.gdyam_H, w8.xqT_LHP, w8.dyqT_LHP, w8.gxam_H,
             w8.gdyam_H, ws.T, ws.P, H=H, S=ws.S, BR=br, CH=ch, DY16=dy16,
             POW2=cfg.fp8_pow2_scales, SOFT_CAST=_interpreting(), first_ptr=st.first_LP,
-            xg_ptr=sc.xg_LPH, PHASE=phase, num_warps=4)
+            xg_ptr=sc.xg_LPH, PHASE=phase, order_ptr=order, ORDER=order is not None,
+            num_warps=4)
 
 
 PULL_TOKENS = 16  # tokens per program of the token-by-token pull (``bwd_pull_by_token``)

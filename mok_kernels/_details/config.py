@@ -214,6 +214,15 @@ class MoKConfig:
         rows come first, its padding last) instead of loading each step's slot ids
         (an async copy of 64 int32 and its wait, two CTA barriers per step). The same
         rows, so the same gradients; off until timed.
+    bwd_pull_interleave: with ``bwd_fp8_wgrad`` and the separate pull: the pull's programs
+        take the row blocks in the order of their place inside their group (every group's
+        first block, then every group's second, ...; a stable sort of each block's
+        relative position, on the device) instead of row order. A group's rows are its
+        tokens in ascending order, so the blocks that run at once read the same tokens'
+        x and dY rows for the k groups each token went to, and L2 serves the repeats
+        instead of HBM (in row order the programs of one wave cover a few groups, so a
+        token's rows are read in different waves). The same rows, so the same gradients;
+        off until timed.
     bwd_dx_band: the order of the backward's dX (B) items: 0 or 1 row block by row block
         (a row block's H tiles one after another); G > 1 in bands of G row blocks, inside a
         band the H tiles outer and the row blocks inner (the last band may hold fewer). The
@@ -311,6 +320,7 @@ class MoKConfig:
     bwd_fp8_q_tma_store: bool = False
     bwd_dx_band: int = 0
     bwd_q_count_rows: bool = False
+    bwd_pull_interleave: bool = False
     bwd_pull_by_token: bool = False
     bwd_dw_tiles: int = 1
     bwd_dw_stages: int = 2
@@ -413,6 +423,13 @@ class MoKConfig:
             self.bwd_fused_pull or self.bwd_pull_dedup or self.bwd_fp8_wgrad),
             "bwd_pull_by_token", self.bwd_pull_by_token, "false when bwd_fused_pull, "
             "bwd_pull_dedup or bwd_fp8_wgrad is set (it replaces the bf16 separate pull only)")
+        _check(isinstance(self.bwd_pull_interleave, bool), "bwd_pull_interleave",
+               self.bwd_pull_interleave, "true | false")
+        _check(not self.bwd_pull_interleave or (self.bwd_fp8_wgrad
+                                                and not self.bwd_fused_pull),
+               "bwd_pull_interleave", self.bwd_pull_interleave,
+               "false unless bwd_fp8_wgrad is set without bwd_fused_pull (it orders the "
+               "separate FP8 pull)")
         _check(isinstance(self.bwd_lean_epilogue, bool), "bwd_lean_epilogue",
                self.bwd_lean_epilogue, "true | false")
         _check(isinstance(self.bwd_fp8_requant_tma, bool), "bwd_fp8_requant_tma",

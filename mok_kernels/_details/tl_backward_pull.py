@@ -219,7 +219,8 @@ def pull_rows_fp8t_kernel(src_ptr, total_ptr, x_base, x_tab, dy_base, tab16, dyg
                           xqT_ptr, dyqT_ptr, gxam_ptr, gdyam_ptr, T, P, H: tl.constexpr,
                           S: tl.constexpr, BR: tl.constexpr, CH: tl.constexpr,
                           DY16: tl.constexpr, POW2: tl.constexpr, SOFT_CAST: tl.constexpr,
-                          first_ptr=None, xg_ptr=None, PHASE: tl.constexpr = 0):
+                          first_ptr=None, xg_ptr=None, PHASE: tl.constexpr = 0,
+                          order_ptr=None, ORDER: tl.constexpr = False):
     """``bwd_fp8_wgrad``'s reverse-combine pull: the x and dY rows of BR schedule rows from
     the tokens' home ranks, written as e4m3 transposed copies [L, H, P] (feature-major, the
     rows contiguous: the K-major operands of the FP8 weight-gradient tiles), each column
@@ -228,9 +229,13 @@ def pull_rows_fp8t_kernel(src_ptr, total_ptr, x_base, x_tab, dy_base, tab16, dyg
     Padding rows write 0. PHASE 1 and 2 (``bwd_pull_dedup``, two launches, ``first_ptr``
     the schedule's first_LP): a token's first row on this rank from home (its bf16 x and dY
     rows also into ``xg_ptr`` / ``dyg_ptr``, DY16 then set), then its other rows from those
-    (``_row_sources``)."""
+    (``_row_sources``). ORDER (``bwd_pull_interleave``): program j of rank lr takes row
+    block ``order_ptr[lr, j]`` (a permutation of the P / BR blocks) instead of block j."""
     lr = tl.program_id(0)
-    r0 = tl.program_id(1) * BR
+    if ORDER:
+        r0 = tl.load(order_ptr + lr * tl.num_programs(1) + tl.program_id(1)) * BR
+    else:
+        r0 = tl.program_id(1) * BR
     total = tl.load(total_ptr + lr)
     if r0 < total:
         _pull_fp8t_rows(r0 + tl.arange(0, BR), lr, src_ptr, x_base, x_tab, dy_base, tab16,

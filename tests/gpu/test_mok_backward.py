@@ -454,6 +454,15 @@ def test_fp8_q_items_counting_rows_give_the_same_gradients_bitwise(ranks, shared
     _fp8_variant_is_bitwise(ranks, shared, {"bwd_dw_tiles": 4, "bwd_q_count_rows": True}, 29)
 
 
+@pytest.mark.parametrize("ranks, shared", [(1, True), (2, False)])
+def test_fp8_interleaved_pull_gives_the_same_gradients_bitwise(ranks, shared):
+    """``bwd_pull_interleave`` (the FP8 pull's programs take the row blocks by their place
+    in their group) on the whole FP8 backward: every gradient bitwise the row order's, on
+    the GPU, reruns bitwise equal."""
+    _fp8_variant_is_bitwise(ranks, shared, {"bwd_dw_tiles": 4, "bwd_pull_interleave": True},
+                            31)
+
+
 @pytest.mark.parametrize("ranks, shared, colmax", [(1, True, False), (2, False, True)])
 def test_requantisation_through_tma_gives_the_same_gradients_bitwise(ranks, shared, colmax):
     """``bwd_fp8_requant_tma`` (the block-completing dA item's requantisation reads the dG/dU

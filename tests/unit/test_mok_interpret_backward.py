@@ -662,7 +662,7 @@ def test_quantisation_items_storing_through_tma_give_the_same_gradients_bitwise(
     _prints(run_interpreted(Q_TMA_SCRIPT), "q tma store ok", 3)
 
 
-Q_COUNT_SCRIPT = COMMON + textwrap.dedent("""
+ROWS_SCRIPT = COMMON + textwrap.dedent("""
     for L, T, E, K, shared, colmax, experts in [(1, 24, 4, 2, True, False, None),
                                                 (2, 13, 3, 2, False, True, None),
                                                 (2, 11, 4, 2, True, False, 2)]:
@@ -673,27 +673,31 @@ Q_COUNT_SCRIPT = COMMON + textwrap.dedent("""
         W = (il(w1), w2, il(ws1) if shared else None, ws2)
         exact = reference_all_experts(x, idx, p, w1, w2, ws1, ws2, dy_NH=dy)
         out = []
-        for counted in (False, True):
+        for knobs in ({}, {"bwd_q_count_rows": True}, {"bwd_pull_interleave": True}):
             cfg = config(True, bwd_fp8_da=True, bwd_fp8_dx=True, bwd_fp8_wgrad=True,
-                         bwd_fp8_block_colmax=colmax, bwd_q_count_rows=counted)
+                         bwd_fp8_block_colmax=colmax, **knobs)
             out.append(run_fp8(cfg, L, T, E, K, shared, H, I, x, idx, p, W, dy)[0])
-        assert_bitwise(out[0], out[1], (L, colmax, experts, "q count rows"))
+        for i in range(1, len(out)):
+            assert_bitwise(out[0], out[i], (L, colmax, experts, i))
         assert rel(out[1].w_gate_up, exact.dweights["w1_EHF"]) < 1e-1
         assert rel(out[1].w_down, exact.dweights["w2_EIH"]) < 1e-1
         if experts:  # experts 2.. got no rows: their Q items run no step, zero gradients
             assert not out[1].w_gate_up[experts:].any() and not out[1].w_down[experts:].any()
-        print("q count rows ok", L)
+        print("rows ok", L)
 """)
 
 
-def test_quantisation_items_counting_rows_give_the_same_gradients_bitwise():
+def test_q_items_counting_rows_and_the_interleaved_pull_give_the_same_gradients_bitwise():
     """``bwd_q_count_rows`` (the Q items tell padding rows from the group's real row count
-    instead of loading each step's slot ids): every gradient bitwise the slot ids', one and
-    two loopback ranks, with and without the shared expert and the block maxima, with
-    experts that get no rows (groups of row counts that are not multiples of the row block,
-    so every group has padding rows: a real row taken for padding, or the other way round,
-    changes a scale or a product), and the weight gradients near the float32 reference."""
-    _prints(run_interpreted(Q_COUNT_SCRIPT), "q count rows ok", 3)
+    instead of loading each step's slot ids) and ``bwd_pull_interleave`` (the FP8 pull's
+    programs take the row blocks in the order of their place in their group): every gradient
+    bitwise the defaults', one and two loopback ranks, with and without the shared expert
+    and the block maxima, with experts that get no rows (groups of row counts that are not
+    multiples of the row block, so every group has padding rows: a real row taken for
+    padding, or the other way round, changes a scale or a product; a block pulled twice or
+    not at all changes or poisons a copy), and the weight gradients near the float32
+    reference."""
+    _prints(run_interpreted(ROWS_SCRIPT), "rows ok", 3)
 
 
 TRACE_SCRIPT = COMMON + textwrap.dedent("""

@@ -84,3 +84,21 @@ def test_forward_trace_capacity_counts_the_tiles_the_kernel_runs(skew):
     minibatches = -(-ws.P // 256)
     per_mb = 2 * (1 + 6)  # two row blocks of 128: one gate+up item and six down items each
     assert mk.forward_trace_capacity(ws) == minibatches * per_mb + (2 if skew else 0)
+
+
+def test_interleaved_pull_order_is_a_permutation_by_place_in_group():
+    """``interleaved_block_order`` (``bwd_pull_interleave``): for each rank a permutation of
+    the row blocks, every group's first block before any group's second (groups of 3, 1 and
+    2 blocks: place 0, 1/3, 1/2, 2/3), blocks past the rank's total rows last, ties in row
+    order; a rank whose schedule overflowed (total 0) keeps row order."""
+    import torch
+
+    from mok_kernels._details.backward import interleaved_block_order
+
+    counts_LG = torch.tensor([[40, 16, 17], [0, 0, 0]], dtype=torch.int32)  # 16-row blocks
+    total_L = torch.tensor([96, 0], dtype=torch.int32)
+    order = interleaved_block_order(counts_LG, total_L, 16, 128, 16)
+    assert order.dtype == torch.int32 and order.shape == (2, 8)
+    # rank 0: group 0 = blocks 0-2, group 1 = block 3, group 2 = blocks 4-5; 6, 7 past total
+    assert order[0].tolist() == [0, 3, 4, 1, 5, 2, 6, 7]
+    assert order[1].tolist() == list(range(8))
