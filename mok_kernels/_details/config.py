@@ -212,8 +212,8 @@ class MoKConfig:
     bwd_q_count_rows: with ``bwd_fp8_wgrad``: the Q items tell a group's padding rows from
         its real row count (the schedule's counts, loaded once per item: a group's real
         rows come first, its padding last) instead of loading each step's slot ids
-        (an async copy of 64 int32 and its wait, two CTA barriers per step). The same
-        rows, so the same gradients; off until timed.
+        (an async copy of 64 int32 and its wait per step). The same rows, so the same
+        gradients; off until timed.
     bwd_pull_interleave: with ``bwd_fp8_wgrad`` and the separate pull: the pull's programs
         take the row blocks in the order of their place inside their group (every group's
         first block, then every group's second, ...; a stable sort of each block's
