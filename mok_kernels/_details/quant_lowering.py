@@ -107,7 +107,7 @@ def compile_fp8_ffn_kernel(kernel: str, recipe: str, *, arch: int = 90, hidden: 
 
 
 def compile_pull_kernel(kind: str = "bf16", phase: int = 0, *, hidden: int = 7168,
-                        arch: int = 90) -> Lowered:
+                        arch: int = 90, interleave: bool = False) -> Lowered:
     """Compile the backward's separate pull for sm_<arch> as the backward launches it: kind
     "bf16" (``pull_rows_kernel``: token rows gathered by loaded offsets into [L, P, H] bf16
     rows, PULL_ROWS rows and ``_row_chunk(H)`` columns per step) or "fp8t"
@@ -115,7 +115,8 @@ def compile_pull_kernel(kind: str = "bf16", phase: int = 0, *, hidden: int = 716
     and 128 columns per step, with the bf16 dY rows in phases 1 and 2) or "bf16_by_token"
     (``pull_rows_by_token_kernel``, ``bwd_pull_by_token``: PULL_TOKENS tokens per program,
     their rows written to up to 9 slot rows each); ``phase`` 0 (one pass) or 1 / 2
-    (``bwd_pull_dedup``)."""
+    (``bwd_pull_dedup``); ``interleave`` ("fp8t" only, ``bwd_pull_interleave``): each
+    program's row block from the block order."""
     from mok_kernels._details.backward import PULL_ROWS, PULL_TOKENS
     from mok_kernels._details.forward import _row_chunk
     from mok_kernels._details.tl_backward_pull import (
@@ -130,11 +131,13 @@ def compile_pull_kernel(kind: str = "bf16", phase: int = 0, *, hidden: int = 716
              "xg_ptr": "*bf16" + a, "dyg_ptr": "*bf16" + a, "first_ptr": "*i32" + a,
              "xqT_ptr": "*fp8e4nv" + a, "dyqT_ptr": "*fp8e4nv" + a, "gxam_ptr": "*fp32" + a,
              "gdyam_ptr": "*fp32" + a, "T": "i32", "P": "i32" + a,
-             "slot_rows_ptr": "*i32" + a, "N": "i32"}
+             "slot_rows_ptr": "*i32" + a, "N": "i32", "order_ptr": "*i32" + a}
     if kind == "fp8t":
         fn = pull_rows_fp8t_kernel
         consts: dict[str, object] = {"BR": 64, "CH": 128, "DY16": phase > 0, "POW2": False,
-                                     "SOFT_CAST": False}
+                                     "SOFT_CAST": False, "ORDER": interleave}
+        if not interleave:
+            consts["order_ptr"] = None
         if phase == 0:
             consts["xg_ptr"] = None
     elif kind == "bf16":
@@ -146,6 +149,9 @@ def compile_pull_kernel(kind: str = "bf16", phase: int = 0, *, hidden: int = 716
     else:
         raise ValueError(f"kind={kind!r}, phase={phase} is invalid: allowed bf16 | fp8t "
                          "(phase 0, 1, 2) | bf16_by_token (phase 0)")
+    if interleave and kind != "fp8t":
+        raise ValueError(f"interleave=True with kind={kind!r} is invalid: allowed with fp8t "
+                         "only")
     consts = {"S": 16, **consts, "H": hidden, "PHASE": phase}
     if phase == 0:
         consts["first_ptr"] = None

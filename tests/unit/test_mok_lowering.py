@@ -411,19 +411,21 @@ def test_dispatch_dedup_builds_without_spills(fp8_forward):
     assert not lw.spills, lw.ptxas_log
 
 
-@pytest.mark.parametrize("kind, phase", [("bf16", 0), ("bf16", 1), ("bf16", 2), ("fp8t", 0),
-                                         ("fp8t", 1), ("fp8t", 2), ("bf16_by_token", 0)])
-def test_separate_pulls_move_rows_in_16_byte_vectors(kind, phase):
+@pytest.mark.parametrize("kind, phase, interleave", [
+    ("bf16", 0, False), ("bf16", 1, False), ("bf16", 2, False), ("fp8t", 0, False),
+    ("fp8t", 1, False), ("fp8t", 2, False), ("bf16_by_token", 0, False), ("fp8t", 0, True)])
+def test_separate_pulls_move_rows_in_16_byte_vectors(kind, phase, interleave):
     """The backward's separate pulls (the bf16 one, ``bwd_pull_by_token``'s token by token,
     and ``bwd_fp8_wgrad``'s transposing one; one pass, or the two of ``bwd_pull_dedup``)
     build for sm_90 and load the gathered bf16 rows and store their copies as 16-byte
     vectors. Without the rows' alignment said (their
     offsets are loaded values) every bf16 was loaded alone; with a row mask on the
     transposed stores every byte was stored alone, and the transposing pull took most of the
-    FP8 backward's time on an H200."""
+    FP8 backward's time on an H200. With ``bwd_pull_interleave`` (a program's row block from
+    the block order) the same."""
     from mok_kernels._details.quant_lowering import compile_pull_kernel
 
-    lw = compile_pull_kernel(kind, phase, hidden=4096)
+    lw = compile_pull_kernel(kind, phase, hidden=4096, interleave=interleave)
     ops = re.findall(r"\b((?:ld|st)\.global(?:\.[a-z0-9]+)+)", lw.ptx)
     narrow = [op for op in ops if op.endswith((".b8", ".u8", ".b16", ".u16"))]
     assert not narrow, sorted(set(ops))
