@@ -477,20 +477,22 @@ def test_requantisation_through_tma_is_pipelined():
     assert prologue_copies(both, "hs_a_desc") == 1
 
 
+def _q_and_c_items(**knobs):
+    """sm_90 build of the FP8 backward's Q and C items alone (phase mask 4, Kimi shape, FP8
+    weight gradients, one tile per item) with ``knobs``."""
+    fields = {**_row_pull(H, I, 16384, 8, 132, 1, 48, 90), "bwd_fp8_wgrad": True,
+              "bwd_dw_tiles": 1, "bwd_dx_tiles": 1, **knobs}
+    cfg = mk.MoKConfig.for_shape(H, I, **fields)
+    return mk.compile_megakernel(cfg, H, I, shared=True, kernel="backward", phases=4)
+
+
 def test_quantisation_items_store_through_tma():
     """``bwd_fp8_q_tma_store`` with the Q and C items alone (Kimi shape): the transposed e4m3
     copies go out as TMA stores over both copies' descriptors, each waited for in full
     (``cp.async.bulk.wait_group 0``, not ``.read``) before the item's release; without it as
     16-byte vectors (the group's first row a multiple of 16: no byte-wide stores), which
     the TMA build no longer has; no spills, within shared memory."""
-    fields = {**_row_pull(H, I, 16384, 8, 132, 1, 48, 90), "bwd_fp8_wgrad": True,
-              "bwd_dw_tiles": 1, "bwd_dx_tiles": 1}
-
-    def build(qtma: bool):
-        cfg = mk.MoKConfig.for_shape(H, I, bwd_fp8_q_tma_store=qtma, **fields)
-        return mk.compile_megakernel(cfg, H, I, shared=True, kernel="backward", phases=4)
-
-    plain, tma = build(False), build(True)
+    plain, tma = _q_and_c_items(), _q_and_c_items(bwd_fp8_q_tma_store=True)
     for desc in ("hqT_q_desc", "gqT_q_desc"):
         assert re.search(rf"async_tma_copy_local_to_global %{desc}\[", tma.ttgir), desc
         assert desc not in plain.ttgir
@@ -537,14 +539,7 @@ def test_quantisation_items_counting_rows_load_no_slot_ids():
     slot ids (no pipelined int32 copies, half the async-copy waits), and the whole FP8
     backward with it still fits shared memory, spilling about as little as without it
     (Triton 3.9: 360 bytes against 336)."""
-    fields = {**_row_pull(H, I, 16384, 8, 132, 1, 48, 90), "bwd_fp8_wgrad": True,
-              "bwd_dw_tiles": 1, "bwd_dx_tiles": 1}
-
-    def build(counted: bool):
-        cfg = mk.MoKConfig.for_shape(H, I, bwd_q_count_rows=counted, **fields)
-        return mk.compile_megakernel(cfg, H, I, shared=True, kernel="backward", phases=4)
-
-    plain, counted = build(False), build(True)
+    plain, counted = _q_and_c_items(), _q_and_c_items(bwd_q_count_rows=True)
     assert re.search(r"memdesc<\d+x64xi32", plain.ttgir)
     assert not re.search(r"memdesc<\d+x64xi32", counted.ttgir)
     assert counted.ptx.count("cp.async.wait_group") < plain.ptx.count("cp.async.wait_group")
