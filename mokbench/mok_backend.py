@@ -92,11 +92,17 @@ def fp8_backward_fields(arch: int = 90) -> dict:
     script had it faster too, notes/mok-kernel.md); the four-tile FP8 weight-gradient items
     spill more (312 against 164 bytes at Kimi K2, Triton 3.9). And the row pull, not
     the bf16 pull by token (``bwd_pull_by_token``), which the FP8 weight gradients' pull
-    replaces."""
+    replaces. The Q items tell a group's padding rows from its row count
+    (``bwd_q_count_rows``) instead of loading each step's slot ids: in two sweeps of
+    sweeps/h200-fp8-backward.toml on one H200 (2026-12-04, whose run folders were lost with
+    their machine; their logs in notes/mok-kernel.md) the backward took 27.604 against 28.105
+    and 27.438 against 28.149 ms at Kimi K2 48 x 16384, and the profiling script's item trace
+    had the Q items at 1.731 against 2.184 ms per program; the sweep that made it the default
+    is named in README.md."""
     if arch >= 100:
         return {}
     return {"bwd_fp8_da": True, "bwd_fp8_dx": True, "bwd_fp8_wgrad": True,
-            "bwd_fp8_block_k": 128, "bwd_pull_by_token": False}
+            "bwd_fp8_block_k": 128, "bwd_pull_by_token": False, "bwd_q_count_rows": True}
 
 
 def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int,
@@ -253,8 +259,8 @@ def config_from_env(hidden: int, intermediate: int, defaults: dict,
     a knob that replaces the backward's separate pull (``_NO_SEPARATE_PULL``) turns off the
     defaults that need it unless they are asked for too (then the conflict is the error; the
     pull by token yields the same way to ``bwd_pull_dedup`` and ``bwd_fp8_wgrad``),
-    and one ring slot (macrobatch = minibatch) turns off the default ``skew_down`` the same
-    way."""
+    one ring slot (macrobatch = minibatch) turns off the default ``skew_down`` the same
+    way, and a backward without FP8 weight gradients the default ``bwd_q_count_rows``."""
     from mok_kernels import MoKConfig
 
     fields = dict(defaults)
@@ -273,6 +279,8 @@ def config_from_env(hidden: int, intermediate: int, defaults: dict,
         yield_defaults(("bwd_pull_dedup",), False)
     if any(over.get(k) for k in _NO_SEPARATE_PULL + ("bwd_pull_dedup", "bwd_fp8_wgrad")):
         yield_defaults(("bwd_pull_by_token",), False)  # a pull the token pull cannot be
+    if not over.get("bwd_fp8_wgrad", fields.get("bwd_fp8_wgrad")):
+        yield_defaults(("bwd_q_count_rows",), False)  # no Q items without the FP8 wgrad
     if "minibatch" in over and "macrobatch" not in over:
         fields["macrobatch"] = 3 * over["minibatch"]
     fields.update(over)

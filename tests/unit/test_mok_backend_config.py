@@ -258,3 +258,21 @@ def test_the_row_variant_is_what_the_gpu_runs_recorded(monkeypatch):
     text = variant_text(scenario_config(cell, {"bwd_da_tiles": 2}), 7168, 2048, fp8=False,
                         graphed=False)
     assert ",da_tiles=2," in text and {text.replace(",da_tiles=2", "")} == recorded, text
+
+
+def test_fp8_cells_count_the_q_rows_unless_the_weight_gradients_are_bf16(monkeypatch):
+    """FP8 cells on Hopper default to ``bwd_q_count_rows``; a variant without FP8 weight
+    gradients (which have no Q items) turns that default off instead of failing, while asking
+    for both is the one-line error; bf16 cells leave it off."""
+    from mokbench.mok_backend import scenario_config
+    from mokbench.scenario import ModelShape, Scenario
+
+    monkeypatch.delenv(CONFIG_ENV, raising=False)
+    shape = ModelShape("kimi", 48, 7168, 2048, 8)
+    fp8 = Scenario(shape, tokens_per_rank=16384, precision="fp8")
+    assert scenario_config(fp8).bwd_q_count_rows
+    assert not scenario_config(fp8, {"bwd_fp8_wgrad": False}).bwd_q_count_rows
+    assert not scenario_config(fp8, {"bwd_q_count_rows": False}).bwd_q_count_rows
+    assert not scenario_config(Scenario(shape, tokens_per_rank=16384)).bwd_q_count_rows
+    with pytest.raises(MoKConfigError, match=r"^bwd_q_count_rows=True is invalid"):
+        scenario_config(fp8, {"bwd_fp8_wgrad": False, "bwd_q_count_rows": True})
