@@ -269,10 +269,11 @@ def test_fp8_cells_count_the_q_rows_unless_the_weight_gradients_are_bf16(monkeyp
 
     monkeypatch.delenv(CONFIG_ENV, raising=False)
     shape = ModelShape("kimi", 48, 7168, 2048, 8)
-    fp8 = Scenario(shape, tokens_per_rank=16384, precision="fp8")
+    fp8 = Scenario(shape, tokens_per_rank=16384, world_size=1, precision="fp8")
     assert scenario_config(fp8).bwd_q_count_rows
     assert not scenario_config(fp8, {"bwd_fp8_wgrad": False}).bwd_q_count_rows
     assert not scenario_config(fp8, {"bwd_q_count_rows": False}).bwd_q_count_rows
-    assert not scenario_config(Scenario(shape, tokens_per_rank=16384)).bwd_q_count_rows
+    bf16 = Scenario(shape, tokens_per_rank=16384, world_size=1)
+    assert not scenario_config(bf16).bwd_q_count_rows
     with pytest.raises(MoKConfigError, match=r"^bwd_q_count_rows=True is invalid"):
         scenario_config(fp8, {"bwd_fp8_wgrad": False, "bwd_q_count_rows": True})
