@@ -93,12 +93,11 @@ def fp8_backward_fields(arch: int = 90) -> dict:
     spill more (312 against 164 bytes at Kimi K2, Triton 3.9). And the row pull, not
     the bf16 pull by token (``bwd_pull_by_token``), which the FP8 weight gradients' pull
     replaces. The Q items tell a group's padding rows from its row count
-    (``bwd_q_count_rows``) instead of loading each step's slot ids: in two sweeps of
-    sweeps/h200-fp8-backward.toml on one H200 (2026-12-04, whose run folders were lost with
-    their machine; their logs in notes/mok-kernel.md) the backward took 27.604 against 28.105
-    and 27.438 against 28.149 ms at Kimi K2 48 x 16384, and the profiling script's item trace
-    had the Q items at 1.731 against 2.184 ms per program; the sweep that made it the default
-    is named in README.md."""
+    (``bwd_q_count_rows``) instead of loading each step's slot ids: in
+    results/20261204-102834-h200-fp8-backward the backward took 27.065 against 27.638 ms at
+    Kimi K2 48 x 16384, 30.191 against 30.691 at Kimi K2.7 Code, 12.437 against 12.767 at
+    Qwen3.5 and 28.009 against 28.605 at Kimi K2 384 (two earlier sweeps' logs and the item
+    trace agree: notes/mok-kernel.md, the leases of 2026-12-04 10:02-10:27)."""
     if arch >= 100:
         return {}
     return {"bwd_fp8_da": True, "bwd_fp8_dx": True, "bwd_fp8_wgrad": True,
