@@ -267,8 +267,8 @@ def counters_per_rank(cfg: MoKConfig, P: int, E: int) -> int:
     one per group (E + 1 with the shared expert slot); with ``bwd_fused_pull`` also one
     pulled flag per row block and the pull ticket, and with it and ``bwd_fp8_da`` then one
     pulled count per group; with ``bwd_fp8_wgrad`` one Q count per
-    group."""
-    n = 1 + P // cfg.bwd_bm + E + 1
+    group; with ``bwd_split_launch`` the second launch's ticket, in the last slot."""
+    n = 1 + P // cfg.bwd_bm + E + 1 + int(cfg.bwd_split_launch)
     if cfg.bwd_fused_pull:
         n += P // cfg.bwd_bm + 1
     if pulls_per_group(cfg):
@@ -481,8 +481,10 @@ def backward_stages(cfg: MoKConfig) -> int:
 
 def backward_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots: int,
                        shared: bool, programs: int, interpreting: bool = False,
-                       phases: int = 15) -> dict:
-    """The backward kernel's compile-time arguments (part of :func:`backward_kernel_args`)."""
+                       phases: int = 15, split: int = 0) -> dict:
+    """The backward kernel's compile-time arguments (part of :func:`backward_kernel_args`).
+    ``split`` (``bwd_split_launch``): 0 one launch of every item kind, 1 the dgrad launch,
+    2 the weight-gradient launch."""
     return dict(H=hidden, I=intermediate, S=slots, K=slots - int(shared), PROGS=programs,
                 HAS_SHARED=shared, BM=cfg.bwd_bm, BN=cfg.block_n, BK=backward_block_k(cfg),
                 BKW=wgrad_rows(cfg), DAC=cfg.da_cols(intermediate), F32_DOT=interpreting,
@@ -501,19 +503,21 @@ def backward_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots:
                 DXBAND=cfg.bwd_dx_band, DWT=cfg.bwd_dw_tiles,
                 DWSC=3 if cfg.bwd_dw_stages == 4 else 2, DWSD=cfg.bwd_dw_stages,
                 LEAN=cfg.bwd_lean_epilogue, QTMA=cfg.bwd_fp8_q_tma_store,
-                QCNT=cfg.bwd_q_count_rows)
+                QCNT=cfg.bwd_q_count_rows, SPLIT=split)
 
 
 def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tensor,
                          weights: tuple, sc: BackwardScratch, *,
                          withhold: int, programs: int, phases: int,
-                         interpreting: bool, x_src: torch.Tensor | None = None,
+                         interpreting: bool, split: int = 0,
+                         x_src: torch.Tensor | None = None,
                          fp8_weights: BackwardFp8Weights | None = None,
                          dy_src: torch.Tensor | None = None) -> dict[str, object]:
     """Every argument of ``mok_backward_kernel`` by name: buffers, TMA descriptors, scalars
     and compile-time constants. The one list of them, for the launch and for
     ``lowering.compile_megakernel`` (which derives the types from it). ``pre_LPF``: the
     training forward's pre-activations; ``programs``: programs per logical rank;
+    ``split``: which launch of ``bwd_split_launch`` (``backward_constants``);
     ``x_src``: where the x rows are pulled from (``bwd_fused_pull``;
     default the workspace's token buffer); ``fp8_weights``: ``bwd_fp8_da``'s W_down copies;
     ``dy_src``: where the dY rows are read from (``_dy_source``; default the carved buffer)."""
@@ -545,7 +549,7 @@ def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tens
         budget=cfg.spin_budget, withhold=withhold, trace_ptr=None, MAXT=0, TRACE=False,
         **backward_constants(cfg, hidden=ws.H, intermediate=ws.I, slots=ws.S,
                              shared=ws.shared, programs=programs, interpreting=interpreting,
-                             phases=phases))
+                             phases=phases, split=split))
     from mok_kernels._details.tl_backward import mok_backward_kernel
 
     return {name: args[name] for name in mok_backward_kernel.arg_names}  # parameter order
@@ -677,6 +681,19 @@ def _pull_rows(ws: Workspace, bb: BackwardBuffers, st: ScheduleTensors, x_src: t
                                          num_warps=4)
 
 
+DGRAD_PHASES = 1 | 2 | 16  # the A and B items (16: the A items without their epilogue)
+WGRAD_PHASES = 4 | 8  # the Q (either bit), C and D items
+
+
+def split_launches(cfg: MoKConfig, phases: int = 15) -> list[tuple[int, int]]:
+    """(split, phases) of each backward megakernel launch: one launch of every item kind, or
+    with ``bwd_split_launch`` the dgrad launch then the weight-gradient launch, each with its
+    share of the ``phases`` mask (a launch left with no kind is not made)."""
+    if not cfg.bwd_split_launch:
+        return [(0, phases)]
+    return [(n, phases & m) for n, m in ((1, DGRAD_PHASES), (2, WGRAD_PHASES)) if phases & m]
+
+
 def backward(config: MoKConfig, ws: Workspace, context: ForwardContext, dy_TH: torch.Tensor,
              w_gate_up: torch.Tensor, w_down: torch.Tensor,
              shared_gate_up: torch.Tensor | None = None,
@@ -726,13 +743,14 @@ def backward(config: MoKConfig, ws: Workspace, context: ForwardContext, dy_TH: t
             _pull_rows(ws, bb, st, x_src, dy_src, sc.xg_LPH, sc.dyg_LPH, phase=phase)
     progs, _ = _programs(ws)
     extra = {} if _interpreting() else {"launch_cooperative_grid": True}
-    args = backward_kernel_args(ws, st, context.pre_LPF, weights, sc,
-                                withhold=_withhold, programs=progs, phases=_phases,
-                                interpreting=_interpreting(), x_src=x_src,
-                                fp8_weights=fp8_weights, dy_src=dy_src)
-    args.update(trace_args(_trace, L, backward_trace_capacity(ws)))
-    mok_backward_kernel[(L * progs,)](**args, num_warps=config.num_warps,
-                                      num_stages=backward_stages(config), **extra)
+    for split, phases in split_launches(config, _phases):
+        args = backward_kernel_args(ws, st, context.pre_LPF, weights, sc,
+                                    withhold=_withhold, programs=progs, phases=phases,
+                                    interpreting=_interpreting(), split=split, x_src=x_src,
+                                    fp8_weights=fp8_weights, dy_src=dy_src)
+        args.update(trace_args(_trace, L, backward_trace_capacity(ws)))
+        mok_backward_kernel[(L * progs,)](**args, num_warps=config.num_warps,
+                                          num_stages=backward_stages(config), **extra)
     ws.barrier()
     dx = torch.empty(L * T, H, dtype=torch.bfloat16, device=ws.device)
     bh = _row_chunk(H)

@@ -213,7 +213,17 @@ class MoKConfig:
         its real row count (the schedule's counts, loaded once per item: a group's real
         rows come first, its padding last) instead of loading each step's slot ids
         (an async copy of 64 int32 and its wait per step). The same rows, so the same
-        gradients; off until timed.
+        gradients; off here, on in mokbench's FP8 cells on Hopper (faster at four shapes in
+        results/20261204-102834-h200-fp8-backward).
+    bwd_split_launch: the backward megakernel as two launches of one persistent grid: the
+        dgrad items (A, B), then the weight-gradient items (Q, C, D), each launch built with
+        only its item kinds, so each is given registers for its own items alone (at the Kimi
+        shape with the FP8 backward, sm_90, Triton 3.9: 12 and 96 bytes of spill stores
+        against 324 for the one launch holding all five kinds). The second launch takes its
+        tickets from a counter of its own, offset by the dgrad items' count on the device
+        (no host sync); its items' waits find their flags set. The same items, so the same
+        gradients; costs the tail of the B items (programs that finish early wait for the
+        launch to end instead of starting Q items) and one launch. Off until timed.
     bwd_pull_interleave: with ``bwd_fp8_wgrad`` and the separate pull: the pull's programs
         take the row blocks in the order of their place inside their group (every group's
         first block, then every group's second, ...; a stable sort of each block's
@@ -321,6 +331,7 @@ class MoKConfig:
     bwd_dx_band: int = 0
     bwd_q_count_rows: bool = False
     bwd_pull_interleave: bool = False
+    bwd_split_launch: bool = False
     bwd_pull_by_token: bool = False
     bwd_dw_tiles: int = 1
     bwd_dw_stages: int = 2
@@ -447,6 +458,8 @@ class MoKConfig:
         _check(not self.bwd_q_count_rows or self.bwd_fp8_wgrad, "bwd_q_count_rows",
                self.bwd_q_count_rows,
                "false unless bwd_fp8_wgrad is set (it serves the weight gradients' Q items)")
+        _check(isinstance(self.bwd_split_launch, bool), "bwd_split_launch",
+               self.bwd_split_launch, "true | false")
         _check(isinstance(self.bwd_pull_dedup, bool), "bwd_pull_dedup", self.bwd_pull_dedup,
                "true | false")
         _check(not (self.bwd_pull_dedup and self.bwd_fused_pull),

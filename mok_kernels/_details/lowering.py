@@ -93,7 +93,7 @@ def _ptxas(arch: int):
 def kernel_args(config: MoKConfig, hidden: int, intermediate: int, *, topk: int = 8,
                 shared: bool = False, comm_programs: int = 0, programs: int = 132,
                 kernel: str = "forward", phases: int = 15,
-                trace: bool = False) -> dict[str, object]:
+                trace: bool = False, split: int = 0) -> dict[str, object]:
     """The argument dict the launch would pass (``forward_kernel_args`` /
     ``backward_kernel_args``), built over a workspace, schedule and weights on the ``meta``
     device (shapes and dtypes, no memory): one logical rank, one minibatch of tokens, one
@@ -165,7 +165,8 @@ def kernel_args(config: MoKConfig, hidden: int, intermediate: int, *, topk: int 
                 fp8_weights.ws1q_HF, fp8_weights.sws1_H = e4m3(H, 2 * I), f32(H)
     args = backward_kernel_args(ws, st, meta(1, ws.P, 2 * I), w,
                                 backward_scratch(ws), withhold=0, programs=programs,
-                                phases=phases, interpreting=False, fp8_weights=fp8_weights)
+                                phases=phases, interpreting=False, split=split,
+                                fp8_weights=fp8_weights)
     if trace:
         args.update(_meta_trace(backward_trace_capacity(ws)))
     return args
@@ -215,9 +216,11 @@ def signature(kern, args: dict[str, object]) -> tuple[dict, dict, dict]:
 def compile_megakernel(config: MoKConfig, hidden: int, intermediate: int, *, topk: int = 8,
                        shared: bool = False, comm_programs: int = 0, programs: int = 132,
                        arch: int = 90, kernel: str = "forward", phases: int = 15,
-                       trace: bool = False) -> Lowered:
+                       trace: bool = False, split: int = 0) -> Lowered:
     """Compile ``mok_forward_kernel`` (``kernel="backward"``: ``mok_backward_kernel``; with
-    ``trace`` their item trace) as the launch would for this config and shape, for
+    ``trace`` their item trace; ``split``: one launch of ``bwd_split_launch``, with
+    ``phases`` its share of the mask, ``backward.split_launches``) as the launch would for
+    this config and shape, for
     ``sm_<arch>`` (90 Hopper, 100 Blackwell), then run ptxas -v on its PTX."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -230,7 +233,7 @@ def compile_megakernel(config: MoKConfig, hidden: int, intermediate: int, *, top
     config.check_shape(hidden, intermediate)
     args = kernel_args(config, hidden, intermediate, topk=topk, shared=shared,
                        comm_programs=comm_programs, programs=programs, kernel=kernel,
-                       phases=phases, trace=trace)
+                       phases=phases, trace=trace, split=split)
     kern = mok_forward_kernel if kernel == "forward" else mok_backward_kernel
     stages = config.num_stages if kernel == "forward" else backward_stages(config)
     sig, constexprs, attrs = signature(kern, args)

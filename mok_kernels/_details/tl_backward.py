@@ -128,7 +128,8 @@ def mok_backward_kernel(
         DXBAND: tl.constexpr = 0,
         DWT: tl.constexpr = 1, DWSC: tl.constexpr = 2, DWSD: tl.constexpr = 2,
         LEAN: tl.constexpr = False, QTMA: tl.constexpr = False, hqT_q_desc=None,
-        gqT_q_desc=None, gcount_ptr=None, QCNT: tl.constexpr = False):
+        gqT_q_desc=None, gcount_ptr=None, QCNT: tl.constexpr = False,
+        SPLIT: tl.constexpr = 0):
     """One persistent program per SM; see the module docstring for the work order. The C
     and D items fence the async proxy after their group's acquire (they read through TMA
     rows written with plain stores). FP8DA (``bwd_fp8_da``): the A items' FP8 tiles read dY
@@ -165,7 +166,10 @@ def mok_backward_kernel(
     LEAN (``bwd_lean_epilogue``): the A items' epilogue in fewer instructions
     (``_swiglu_bwd_half``). QTMA (``bwd_fp8_q_tma_store``): the Q items store through TMA
     (``hqT_q_desc``, ``gqT_q_desc``). QCNT (``bwd_q_count_rows``): the Q items' padding
-    rows from the groups' real row counts (``gcount_ptr``, int32 [L, NG])."""
+    rows from the groups' real row counts (``gcount_ptr``, int32 [L, NG]). SPLIT
+    (``bwd_split_launch``): 1, this launch ends after the A and B items; 2, its tickets come
+    from the counter in the last slot (``NCTR - 1``), offset by the A and B items' count, so
+    it starts at the Q (or C) items."""
     HALF: tl.constexpr = BN // 2
     BKA: tl.constexpr = BK8 if FP8DA else BK  # reduction steps of the A, B, C and D items:
     BKX: tl.constexpr = BK8 if FP8DX else BK  # ``bwd_fp8_block_k`` (BK8, BKW8) for the FP8
@@ -206,6 +210,13 @@ def mok_backward_kernel(
     end_q = end_b + NG * NQ
     end_c = end_q + NG * NC
     n_items = end_c + NG * ND
+    tkc = ctr  # the ticket counter; SPLIT 2: a second one, its tickets offset by end_b
+    tk0 = 0
+    if SPLIT == 1:
+        n_items = end_b
+    if SPLIT == 2:
+        tkc = ctr + NCTR - 1
+        tk0 = end_b
     ok = no_error(err)
     if PULL:  # pull items first (the first PULLERS programs), from their own ticket counter
         # they wait on nothing, so the programs that skip them to wait on row blocks
@@ -231,7 +242,7 @@ def mok_backward_kernel(
                 else:
                     tl.atomic_add(pulled + pt, 1, sem="release", scope="gpu")
                 pt = tl.atomic_add(pulled + NBMAX, 1, sem="relaxed", scope="gpu")
-    tk = tl.atomic_add(ctr, 1, sem="relaxed", scope="gpu")
+    tk = tl.atomic_add(tkc, 1, sem="relaxed", scope="gpu") + tk0
     while (tk < n_items) & (ok != 0):
         if TRACE:
             t0 = globaltimer(tk, F32_DOT)
@@ -306,6 +317,6 @@ def mok_backward_kernel(
                 tk < end_q, 2, tl.where(tk < end_c, 3, 4))))
             record_item(trace_ptr + lr.to(tl.int64) * MAXT * 4, tk, MAXT, t0,
                         globaltimer(tk, F32_DOT), pid - lr * PROGS, kind)
-        tk = tl.atomic_add(ctr, 1, sem="relaxed", scope="gpu")
+        tk = tl.atomic_add(tkc, 1, sem="relaxed", scope="gpu") + tk0
 
 

@@ -122,7 +122,9 @@ def test_lean_da_epilogue_and_the_plain_one_both_match_reference():
                                    "bwd_dw_tiles": 4, "bwd_dw_stages": 4},
                                   {"bwd_dx_band": 16, "bwd_dx_tma": True, "bwd_dx_tiles": 4,
                                    "bwd_dw_tiles": 4, "bwd_dw_stages": 4,
-                                   "bwd_pull_by_token": True}],
+                                   "bwd_pull_by_token": True},
+                                  {"bwd_split_launch": True},
+                                  {"bwd_split_launch": True, "bwd_fused_pull": True}],
                          ids=lambda rows: "+".join(f"{k}={v}" for k, v in rows.items()))
 def test_backward_variants_match_the_default_bitwise(ranks, rows):
     """bwd_fused_pull: the pull items inside the backward megakernel (rows written with plain
@@ -132,8 +134,9 @@ def test_backward_variants_match_the_default_bitwise(ranks, rows):
     from it in a second pass) and bwd_dx_band (the dX items in bands of row blocks) and
     bwd_pull_by_token (the pull token by token,
     then zeros in the padding rows) and bwd_dw_tiles (several weight-gradient tiles per item,
-    two or four pipeline stages deep) give the default backward's gradients (and the
-    reference's), bitwise, on a rerun as well."""
+    two or four pipeline stages deep) and bwd_split_launch (the dgrad and weight-gradient
+    items in two launches) give the default backward's gradients (and the reference's),
+    bitwise, on a rerun as well."""
     base = dict(gate_up_interleaved=True, minibatch=256, macrobatch=768, tma=True,
                 num_stages=4)
     shape = (256, 7168, 1024, 8, 8)  # T, H, I, E per rank, K (K <= E even with one rank)
@@ -461,6 +464,15 @@ def test_fp8_interleaved_pull_gives_the_same_gradients_bitwise(ranks, shared):
     the GPU, reruns bitwise equal."""
     _fp8_variant_is_bitwise(ranks, shared, {"bwd_dw_tiles": 4, "bwd_pull_interleave": True},
                             31)
+
+
+@pytest.mark.parametrize("ranks, shared", [(1, True), (2, False)])
+def test_fp8_split_launch_gives_the_same_gradients_bitwise(ranks, shared):
+    """``bwd_split_launch`` (the dgrad launch, then the weight-gradient launch on its own
+    ticket counter) on the whole FP8 backward: every gradient bitwise the one launch's, on
+    the GPU, reruns bitwise equal."""
+    _fp8_variant_is_bitwise(ranks, shared, {"bwd_dw_tiles": 4, "bwd_q_count_rows": True,
+                                            "bwd_split_launch": True}, 37)
 
 
 @pytest.mark.parametrize("ranks, shared, colmax", [(1, True, False), (2, False, True)])

@@ -48,6 +48,7 @@ from mok_kernels import MoKConfig, MoKConfigError, plan
     ({"bwd_dx_band": -1}, "bwd_dx_band"),
     ({"bwd_q_count_rows": 1}, "bwd_q_count_rows"),
     ({"bwd_q_count_rows": True}, "bwd_q_count_rows"),
+    ({"bwd_split_launch": 1}, "bwd_split_launch"),
     ({"bwd_pull_interleave": 1}, "bwd_pull_interleave"),
     ({"bwd_pull_interleave": True}, "bwd_pull_interleave"),
     ({"bwd_pull_interleave": True, "bwd_fp8_wgrad": True, "bwd_fp8_da": True,

@@ -837,6 +837,26 @@ def test_weight_gradient_items_of_several_tiles_give_the_same_gradients_bitwise(
     _prints(run_interpreted(DW_TILES_SCRIPT), "dw tiles ok", 3)
 
 
+SPLIT_SCRIPT = COMMON + textwrap.dedent("""
+    same_gradients_over(({}, {"bwd_split_launch": True},
+                         {"bwd_split_launch": True, "bwd_fused_pull": True,
+                          "bwd_pull_programs": 1},
+                         {"bwd_split_launch": True, "bwd_dw_tiles": 2, "bwd_dx_band": 3}), 37)
+    print("split ok")
+""")
+
+
+def test_split_launch_gives_the_same_gradients_bitwise():
+    """``bwd_split_launch`` (the dgrad items in one launch, the weight-gradient items in a
+    second that takes its tickets from a counter of its own, offset on the device): every
+    gradient bitwise the one launch's, bf16 and the whole FP8 backward, two loopback ranks,
+    also with pull items inside the first launch and with the dX bands and two-tile
+    weight-gradient items (the second launch's tickets offset by one item too many skip a
+    Q or weight-gradient item: its tile is left unwritten or its scales wrong, a
+    mismatch)."""
+    _prints(run_interpreted(SPLIT_SCRIPT), "split ok", 1)
+
+
 BY_TOKEN_SCRIPT = COMMON + textwrap.dedent("""
     H, I = 64, 32
     for L, T, E, K, shared, seed in ((1, 24, 4, 2, True, 31), (2, 13, 3, 2, False, 37),

@@ -102,3 +102,18 @@ def test_interleaved_pull_order_is_a_permutation_by_place_in_group():
     # rank 0: group 0 = blocks 0-2, group 1 = block 3, group 2 = blocks 4-5; 6, 7 past total
     assert order[0].tolist() == [0, 3, 4, 1, 5, 2, 6, 7]
     assert order[1].tolist() == list(range(8))
+
+
+def test_split_launches_share_the_phase_mask():
+    """``bwd_split_launch``: the dgrad launch takes the A and B bits (and the A items'
+    no-epilogue bit), the weight-gradient launch the Q, C and D bits; a launch left with no
+    bit is not made; one launch otherwise, with the whole mask."""
+    from mok_kernels._details.backward import split_launches
+
+    one = mk.MoKConfig()
+    split = mk.MoKConfig(bwd_split_launch=True)
+    assert split_launches(one, 5) == [(0, 5)]
+    assert split_launches(split) == [(1, 3), (2, 12)]
+    assert split_launches(split, 17) == [(1, 17)]
+    assert split_launches(split, 8) == [(2, 8)]
+    assert split_launches(split, 5) == [(1, 1), (2, 4)]
