@@ -743,13 +743,14 @@ def backward(config: MoKConfig, ws: Workspace, context: ForwardContext, dy_TH: t
             _pull_rows(ws, bb, st, x_src, dy_src, sc.xg_LPH, sc.dyg_LPH, phase=phase)
     progs, _ = _programs(ws)
     extra = {} if _interpreting() else {"launch_cooperative_grid": True}
-    for split, phases in split_launches(config, _phases):
-        args = backward_kernel_args(ws, st, context.pre_LPF, weights, sc,
-                                    withhold=_withhold, programs=progs, phases=phases,
-                                    interpreting=_interpreting(), split=split, x_src=x_src,
-                                    fp8_weights=fp8_weights, dy_src=dy_src)
-        args.update(trace_args(_trace, L, backward_trace_capacity(ws)))
-        mok_backward_kernel[(L * progs,)](**args, num_warps=config.num_warps,
+    args = backward_kernel_args(ws, st, context.pre_LPF, weights, sc,
+                                withhold=_withhold, programs=progs, phases=_phases,
+                                interpreting=_interpreting(), x_src=x_src,
+                                fp8_weights=fp8_weights, dy_src=dy_src)
+    args.update(trace_args(_trace, L, backward_trace_capacity(ws)))
+    for split, phases in split_launches(config, _phases):  # the launches differ in these only
+        mok_backward_kernel[(L * progs,)](**{**args, "SPLIT": split, "PHASES": phases},
+                                          num_warps=config.num_warps,
                                           num_stages=backward_stages(config), **extra)
     ws.barrier()
     dx = torch.empty(L * T, H, dtype=torch.bfloat16, device=ws.device)

@@ -448,16 +448,11 @@ class MoKConfig:
         _check(not self.bwd_fp8_requant_tma or self.bwd_fp8_dx, "bwd_fp8_requant_tma",
                self.bwd_fp8_requant_tma,
                "false unless bwd_fp8_dx is set (it serves the dX items' requantisation)")
-        _check(isinstance(self.bwd_fp8_q_tma_store, bool), "bwd_fp8_q_tma_store",
-               self.bwd_fp8_q_tma_store, "true | false")
-        _check(not self.bwd_fp8_q_tma_store or self.bwd_fp8_wgrad, "bwd_fp8_q_tma_store",
-               self.bwd_fp8_q_tma_store,
-               "false unless bwd_fp8_wgrad is set (it serves the weight gradients' Q items)")
-        _check(isinstance(self.bwd_q_count_rows, bool), "bwd_q_count_rows",
-               self.bwd_q_count_rows, "true | false")
-        _check(not self.bwd_q_count_rows or self.bwd_fp8_wgrad, "bwd_q_count_rows",
-               self.bwd_q_count_rows,
-               "false unless bwd_fp8_wgrad is set (it serves the weight gradients' Q items)")
+        for name in ("bwd_fp8_q_tma_store", "bwd_q_count_rows"):  # the Q items' knobs
+            value = getattr(self, name)
+            _check(isinstance(value, bool), name, value, "true | false")
+            _check(not value or self.bwd_fp8_wgrad, name, value, "false unless bwd_fp8_wgrad "
+                   "is set (it serves the weight gradients' Q items)")
         _check(isinstance(self.bwd_split_launch, bool), "bwd_split_launch",
                self.bwd_split_launch, "true | false")
         _check(isinstance(self.bwd_pull_dedup, bool), "bwd_pull_dedup", self.bwd_pull_dedup,
