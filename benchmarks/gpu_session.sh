@@ -30,14 +30,20 @@
 #   --until S       every step ends S seconds after the start (default 1500)
 # report   waits until the session is done or S seconds pass (default 0), prints each step's
 #          line and the logs' ends; --pack DIR writes DIR/logs.tgz (every log) and, for each
-#          sweep that has packed its run folder, DIR/run-N.tgz (N = its place on the line).
+#          sweep that has packed its run folder, DIR/run-N.tgz (N = its place on the line);
+#          for a sweep still running, DIR/run-N.partial.tgz: its run folder as it stands (the
+#          finished cells' rows and logs), so that a machine lost before the sweep's end loses
+#          only the cells unfinished at the last report (`mokbench report` makes its tables,
+#          `mokbench sweep --resume` runs the rest).
 # cut      ends the session early to fit the device time left: the running sweep is
 #          interrupted as its time limit would (finished cells kept, its run folder packed)
 #          and no later command or sweep starts; then `report --wait 60 --pack DIR`. (Not
 #          `pkill -f` from the call itself: its own command line matches the pattern.)
 #
 # Env: STATE (default /tmp/gpu-session: session.log, te.log, tier.log and tier/, commands.log,
-# sweep-N/, done), TIER_ARGS (pytest arguments for the tier, e.g. -k "not test_baselines_gpu"),
+# sweep-N/, done), TIER_ARGS (pytest arguments for the tier, split as a command line is, so
+# quotes keep a word whole: -k "fp8 or split"), MOKBENCH_GIT_SHA (the commit the log names; a
+# copy of the tree may carry an older .git),
 # COMMAND_S (each command's limit, default 300 s; a command stopped by it logs rc=124).
 # The session runs from a copy of the tree taken at the start (benchmarks/tree_snapshot.sh), so
 # a later call that re-sends the tree cannot change what it runs.
@@ -47,6 +53,17 @@ PROG=gpu_session.sh
 die() { echo "$PROG: error: $*" >&2; exit 2; }
 STATE=${STATE:-/tmp/gpu-session}
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+
+# TIER_ARGS as the words of a command line (quotes keep a word whole), one per line.
+tier_words() {
+  local words=()
+  eval "words=(${TIER_ARGS:-})" 2>/dev/null || {
+    echo "$PROG: error: TIER_ARGS: cannot split '${TIER_ARGS:-}'; allowed pytest arguments" \
+      "as on a command line, e.g. -k \"fp8 or split\"" >&2
+    return 2
+  }
+  ((${#words[@]} == 0)) || printf '%s\n' "${words[@]}"
+}
 
 number() { [[ $2 =~ ^[0-9]+$ ]] || die "$1: got '$2'; allowed a whole number of seconds"; }
 
@@ -64,6 +81,7 @@ cmd_start() {
       *) die "start: unknown argument '$1'; allowed --until, --te, --tier, --commands, --sweep, --" ;;
     esac
   done
+  tier_words >/dev/null || exit 2
   mkdir -p "$STATE" || die "cannot make $STATE"
   if ! mkdir "$STATE/begun" 2>/dev/null; then  # atomic: one session per STATE
     echo "$PROG: a session was already begun in $STATE ($( [[ -e $STATE/done ]] && echo done || echo running))"
@@ -102,7 +120,8 @@ cmd_run() {
   snapshot_tree || { log "cannot copy the tree"; touch "$STATE/done"; exit 1; }
   export PYTHONUNBUFFERED=1 SNAPSHOT=0  # the steps run from this copy as it is
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-  log "begun at $(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo '?'), until +${until_s}s"
+  local sha=${MOKBENCH_GIT_SHA:-$(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo '?')}
+  log "begun at $sha, until +${until_s}s"
   command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,clocks.max.sm,power.limit \
     --format=csv,noheader >>"$STATE/session.log" 2>&1
   if [[ -n $te ]]; then
@@ -118,8 +137,9 @@ cmd_run() {
   local tier_te=(); [[ -z $te ]] || tier_te=(--deselect "$te_tests")
   if ((tier_s > 0)); then
     log "tier: begun (at most ${tier_s}s${te:+; TE's and Megatron's tests after their install})"
-    # shellcheck disable=SC2086  # TIER_ARGS are words
-    OUT=$STATE/tier timeout "$tier_s" bash benchmarks/gpu_tier.sh --workers 4 ${TIER_ARGS:-} \
+    local tier_args=()
+    mapfile -t tier_args < <(tier_words)
+    OUT=$STATE/tier timeout "$tier_s" bash benchmarks/gpu_tier.sh --workers 4 "${tier_args[@]}" \
       "${tier_te[@]}" >"$STATE/tier.log" 2>&1
     log "tier: rc=$? ($(tier_outcome "$STATE"/tier/*.log))"
   fi
@@ -189,9 +209,19 @@ cmd_report() {
     mkdir -p "$pack" || die "cannot make $pack"
     tar czf "$pack/logs.tgz" -C "$STATE" --exclude='./sweep-*/run.tgz' --exclude='./mb-*' . \
       2>/dev/null
-    local run
+    local run n folder
     for run in "$STATE"/sweep-*/run.tgz; do
       [[ ! -f $run ]] || cp "$run" "$pack/run-$(basename "$(dirname "$run")" | cut -d- -f2).tgz"
+    done
+    for run in "$STATE"/mb-*; do  # a sweep still running: its run folder as it stands
+      n=${run##*/mb-}
+      [[ -d $run && ! -f $STATE/sweep-$n/run.tgz ]] || continue
+      folder=$(ls -d "$run"/*/ 2>/dev/null | tail -1)
+      [[ -n $folder && -f $folder/rows.jsonl ]] || continue
+      # rows.jsonl gets a whole line per finished cell; its readers skip a line cut mid-write
+      tar czf "$pack/run-$n.partial.tgz" -C "$(dirname "$folder")" "$(basename "$folder")" \
+        2>/dev/null
+      echo "--- packed run-$n.partial.tgz ($(grep -c . "$folder/rows.jsonl") rows so far)"
     done
   fi
   return 0

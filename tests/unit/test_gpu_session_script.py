@@ -116,6 +116,11 @@ def test_cut_interrupts_the_running_sweep_keeps_its_cells_and_starts_nothing_aft
     while time.monotonic() < deadline and not (
             log.exists() and " ok " in log.read_text()):  # a first finished cell
         time.sleep(1)
+    mid = sh(state, "report", "--pack", str(tmp_path / "mid"))  # the machine could go now
+    assert "packed run-1.partial.tgz" in mid.stdout, mid.stdout
+    with tarfile.open(tmp_path / "mid" / "run-1.partial.tgz") as t:
+        rows = [m for m in t.getnames() if m.endswith("/rows.jsonl")]
+        assert len(rows) == 1 and t.extractfile(rows[0]).read().strip(), rows
     cut = sh(state, "cut")
     assert cut.returncode == 0 and "interrupted the running sweep" in cut.stdout, cut
     rep = sh(state, "report", "--wait", "120", "--pack", str(pack), timeout=150)
@@ -128,6 +133,7 @@ def test_cut_interrupts_the_running_sweep_keeps_its_cells_and_starts_nothing_aft
     done = [ln for ln in text.splitlines() if ln.strip()]
     assert 1 <= len(done) < 8 * 3, len(done)  # kept, and stopped before the end
     assert not (pack / "run-2.tgz").exists()
+    assert not (pack / "run-1.partial.tgz").exists()  # packed whole once it stopped
     again = sh(state, "cut")
     assert again.returncode == 0 and "no sweep was running" in again.stdout
 
@@ -168,3 +174,21 @@ def test_tier_outcome_names_the_failures_of_a_tier_stopped_early(tmp_path: Path)
     out = subprocess.run(["bash", "-c", func, "x", str(finished)], capture_output=True,
                          text=True, check=True).stdout
     assert out.strip() == "1 failed, 160 passed, 2 skipped in 120.33s (0:02:00)", out
+
+
+def test_tier_args_split_as_a_command_line_and_bad_quoting_gets_one_line(tmp_path: Path):
+    """TIER_ARGS='-k "fp8 or split"' reaches pytest as two words, not four (which pytest
+    reads as the file names 'or' and 'split"'); an unclosed quote stops `start` at once."""
+    func = ("source <(sed -n '/^tier_words()/,/^}/p' " + str(SCRIPT) + ")\n"
+            "PROG=gpu_session.sh; tier_words")
+    env = {**os.environ, "TIER_ARGS": '-k "fp8 or split" -x'}
+    out = subprocess.run(["bash", "-c", func], capture_output=True, text=True, env=env,
+                         check=True).stdout
+    assert out.splitlines() == ["-k", "fp8 or split", "-x"], out
+    env["TIER_ARGS"] = ""
+    assert subprocess.run(["bash", "-c", func], capture_output=True, text=True, env=env,
+                          check=True).stdout == ""
+    r = sh(tmp_path / "state", "start", "--until", "5", env={"TIER_ARGS": '-k "fp8 or'})
+    lines = [ln for ln in r.stderr.splitlines() if ln]
+    assert r.returncode == 2 and len(lines) == 1 and "TIER_ARGS" in lines[0], r.stderr
+    assert not (tmp_path / "state" / "begun").exists()
