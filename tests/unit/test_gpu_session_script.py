@@ -121,6 +121,11 @@ def test_cut_interrupts_the_running_sweep_keeps_its_cells_and_starts_nothing_aft
     with tarfile.open(tmp_path / "mid" / "run-1.partial.tgz") as t:
         rows = [m for m in t.getnames() if m.endswith("/rows.jsonl")]
         assert len(rows) == 1 and t.extractfile(rows[0]).read().strip(), rows
+        t.extractall(tmp_path / "mid", filter="data")
+    partial = tmp_path / "mid" / rows[0].split("/")[0]  # a run folder: its tables are made
+    rep = subprocess.run([sys.executable, "-m", "mokbench.cli", "report", str(partial)],
+                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert rep.returncode == 0 and "nccl_torch" in rep.stdout, rep.stdout + rep.stderr
     cut = sh(state, "cut")
     assert cut.returncode == 0 and "interrupted the running sweep" in cut.stdout, cut
     rep = sh(state, "report", "--wait", "120", "--pack", str(pack), timeout=150)
