@@ -4,8 +4,8 @@
 # the GPU tier, then timing commands, then a sweep that stops in time for its files to be packed.
 #
 # Usage (on the GPU machine, from the repo root):
-#   benchmarks/gpu_session.sh start [--until S] [--te STORE] [--tier S] [--commands FILE]
-#                                   [--sweep FILE]... [-- SWEEP_ARGS...]
+#   benchmarks/gpu_session.sh start [--until S] [--te STORE] [--deepep TGZ] [--tier S]
+#                                   [--commands FILE] [--sweep FILE]... [-- SWEEP_ARGS...]
 #   benchmarks/gpu_session.sh report [--wait S] [--pack DIR]
 #   benchmarks/gpu_session.sh cut
 #
@@ -16,6 +16,11 @@
 #                   being filled by `offline_wheels.sh gather batch-N STORE` calls meanwhile; the
 #                   sweeps wait for it, since te / megatron rows need it (the tier and the
 #                   commands run beside it: they time mok and torch only)
+#   --deepep TGZ    (beside the tier) a DeepEP checkout packed as TGZ (one top folder, e.g.
+#                   `git archive --prefix=DeepEP/ hybrid-ep | gzip`) unpacked and built with
+#                   build_deepep.sh --check; the sweeps wait for it and run with the shared
+#                   libstdc++ preloaded (README "Optional: DeepEP and HybridEP": a build that
+#                   links it statically crashes in HybridEPBuffer otherwise)
 #   --tier S        benchmarks/gpu_tier.sh --workers 4 $TIER_ARGS, stopped after S seconds; with
 #                   --te, the tier's TE and Megatron-Core tests (which would import them while
 #                   pip installs them) run instead once the install is done (te-check), or,
@@ -40,7 +45,7 @@
 #          and no later command or sweep starts; then `report --wait 60 --pack DIR`. (Not
 #          `pkill -f` from the call itself: its own command line matches the pattern.)
 #
-# Env: STATE (default /tmp/gpu-session: session.log, te.log, tier.log and tier/, commands.log,
+# Env: STATE (default /tmp/gpu-session: session.log, te.log, deepep.log, tier.log and tier/, commands.log,
 # sweep-N/, done), TIER_ARGS (pytest arguments for the tier, split as a command line is, so
 # quotes keep a word whole: -k "fp8 or split"), MOKBENCH_GIT_SHA (the commit the log names; a
 # copy of the tree may carry an older .git),
@@ -68,17 +73,19 @@ tier_words() {
 number() { [[ $2 =~ ^[0-9]+$ ]] || die "$1: got '$2'; allowed a whole number of seconds"; }
 
 cmd_start() {
-  local until_s=1500 te="" tier_s=0 commands="" sweeps=() sweep_args=()
+  local until_s=1500 te="" deepep="" tier_s=0 commands="" sweeps=() sweep_args=()
   while (($#)); do
     case $1 in
       --until) number --until "${2:-}"; until_s=$2; shift 2 ;;
       --te) [[ -n ${2:-} ]] || die "--te needs a STORE folder"; te=$2; shift 2 ;;
+      --deepep) [[ -f ${2:-} ]] || die "--deepep: no such file: '${2:-}'; allowed a .tgz of a DeepEP checkout"
+        deepep=$(cd "$(dirname "$2")" && pwd)/$(basename "$2"); shift 2 ;;
       --tier) number --tier "${2:-}"; tier_s=$2; shift 2 ;;
       --commands) [[ -f ${2:-} ]] || die "--commands: no such file: '${2:-}'"
         commands=$(cd "$(dirname "$2")" && pwd)/$(basename "$2"); shift 2 ;;
       --sweep) [[ -f ${2:-} ]] || die "--sweep: no such file: '${2:-}'"; sweeps+=("$2"); shift 2 ;;
       --) shift; sweep_args=("$@"); break ;;
-      *) die "start: unknown argument '$1'; allowed --until, --te, --tier, --commands, --sweep, --" ;;
+      *) die "start: unknown argument '$1'; allowed --until, --te, --deepep, --tier, --commands, --sweep, --" ;;
     esac
   done
   tier_words >/dev/null || exit 2
@@ -89,7 +96,7 @@ cmd_start() {
   fi
   cd "$REPO" || die "cannot enter $REPO"
   local IFS=$'\n'  # the sweep files, one per line, in one argument
-  setsid nohup bash "$REPO/benchmarks/gpu_session.sh" _run "$until_s" "$te" "$tier_s" \
+  setsid nohup bash "$REPO/benchmarks/gpu_session.sh" _run "$until_s" "$te" "$deepep" "$tier_s" \
     "$commands" "${sweeps[*]}" "${sweep_args[@]}" >"$STATE/session.out" 2>&1 </dev/null &
   echo "$PROG: session begun in $STATE (pid $!), every step over $until_s s after now"
 }
@@ -109,10 +116,10 @@ tier_outcome() {
 
 # The session itself (start runs it in the background).
 cmd_run() {
-  local until_s=$1 te=$2 tier_s=$3 commands=$4 sweeps=(); shift 4
+  local until_s=$1 te=$2 deepep=$3 tier_s=$4 commands=$5 sweeps=(); shift 5
   [[ -z $1 ]] || mapfile -t sweeps <<<"$1"
   shift
-  local t0=$SECONDS deadline=$((SECONDS + until_s)) te_pid=""
+  local t0=$SECONDS deadline=$((SECONDS + until_s)) te_pid="" deepep_pid=""
   log() { echo "$(date +%T) +$((SECONDS - t0))s $*" >>"$STATE/session.log"; }
   left() { echo $((deadline - SECONDS)); }
   # shellcheck source=benchmarks/tree_snapshot.sh
@@ -130,6 +137,16 @@ cmd_run() {
      rc=$?; echo "$rc" >"$STATE/te.rc"
      log "te: rc=$rc ($(tail -1 "$STATE/te.log"))") &
     te_pid=$!
+  fi
+  if [[ -n $deepep ]]; then
+    (log "deepep: building $(basename "$deepep")"
+     src=$STATE/deepep-src
+     rm -rf "$src" && mkdir -p "$src" && tar xzf "$deepep" -C "$src" \
+       && bash benchmarks/build_deepep.sh --check "$(ls -d "$src"/*/ | head -1)" \
+            >"$STATE/deepep.log" 2>&1
+     rc=$?; echo "$rc" >"$STATE/deepep.rc"
+     log "deepep: rc=$rc ($(grep -E 'built|error' "$STATE/deepep.log" 2>/dev/null | tail -1))") &
+    deepep_pid=$!
   fi
   # The tier's tests of TE and Megatron-Core would import them while pip installs them: with
   # --te they leave the tier and run once the install is done (te-check, below).
@@ -157,6 +174,15 @@ cmd_run() {
     done <"$commands"
   fi
   [[ -z $te_pid ]] || wait "$te_pid"
+  [[ -z $deepep_pid ]] || wait "$deepep_pid"
+  if [[ -n $deepep ]]; then  # HybridEP built against a static libstdc++ needs the shared one
+    local libstdcxx
+    libstdcxx=$(g++ -print-file-name=libstdc++.so.6 2>/dev/null)
+    if [[ $libstdcxx == /* && -e $libstdcxx ]]; then
+      export LD_PRELOAD=$libstdcxx
+      log "sweeps: LD_PRELOAD=$libstdcxx"
+    fi
+  fi
   if ((tier_s > 0)) && [[ -n $te && $(cat "$STATE/te.rc" 2>/dev/null) == 0 ]]; then
     if ((${#sweeps[@]})); then  # every te / megatron row of a sweep passes the same check
       log "te-check: left to the sweeps (their te and megatron rows are checked first)"

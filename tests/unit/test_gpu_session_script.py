@@ -98,6 +98,32 @@ def test_commands_run_while_te_waits_for_its_batches_and_the_sweep_waits_for_te(
     assert not any("te-check" in ln for ln in log), log  # the install failed
 
 
+def test_a_deepep_build_runs_beside_the_commands_and_the_sweep_waits_for_it(tmp_path: Path):
+    """--deepep unpacks the carried checkout and builds it in the background; a packed folder
+    that is not a DeepEP checkout fails with build_deepep.sh's one line, logged and kept in
+    deepep.log, the command does not wait for it, and the sweep starts after it."""
+    state, src = tmp_path / "state", tmp_path / "DeepEP"
+    src.mkdir()
+    (src / "README.md").write_text("not a checkout\n")
+    tgz = tmp_path / "deepep.tgz"
+    with tarfile.open(tgz, "w:gz") as t:
+        t.add(src, arcname="DeepEP")
+    commands = tmp_path / "commands.txt"
+    commands.write_text("echo ran\n")
+    assert sh(state, "start", "--until", "300", "--deepep", str(tgz), "--commands",
+              str(commands), "--sweep", "sweeps/quick.toml", "--", "--backends", "nccl_torch",
+              "--timeout-s", "200").returncode == 0
+    rep = sh(state, "report", "--wait", "280", timeout=300)
+    assert "(done)" in rep.stdout, rep.stdout
+    log = (state / "session.log").read_text().splitlines()
+    built = next(i for i, ln in enumerate(log) if "deepep: rc=" in ln)
+    assert "deepep: rc=2" in log[built] and "not a DeepEP checkout" in log[built], log
+    assert "not a DeepEP checkout" in (state / "deepep.log").read_text()
+    sweep = next(i for i, ln in enumerate(log) if "sweep-1: sweeps/quick.toml" in ln)
+    assert built < sweep, log  # the sweep waited for the build
+    assert any("sweep-1: rc=0" in ln for ln in log), log
+
+
 def test_cut_interrupts_the_running_sweep_keeps_its_cells_and_starts_nothing_after(
         tmp_path: Path):
     """`cut` (to fit the device time left): the running sweep stops as at its time limit,
@@ -147,6 +173,7 @@ def test_cut_interrupts_the_running_sweep_keeps_its_cells_and_starts_nothing_aft
     (("start", "--until", "soon"), ("--until", "'soon'", "seconds")),
     (("start", "--sweep", "nowhere.toml"), ("--sweep", "nowhere.toml")),
     (("start", "--tie", "5"), ("--tie", "--tier")),
+    (("start", "--deepep", "nowhere.tgz"), ("--deepep", "nowhere.tgz", "DeepEP checkout")),
     (("report",), ("no session",)),
     (("nothing",), ("usage",)),
     (("cut",), ("no session",)),
