@@ -61,7 +61,6 @@ def _speedups(run: str, scenarios: list[str], pass_: str, column: str,
 
 # The "Where mok stands" table: (row label start, run, scenario id prefixes in the row's order
 # [, the row's mok backend when not plain mok, or (forward's, backward's) backends]).
-FP8_BWD = "mok@bwd_fp8_da=true,bwd_fp8_dx=true,bwd_fp8_wgrad=true"
 STANDS = [
     ("| one GPU, bf16:", ["20261202-170016-h200-bf16-train", "20261202-104809-h200-bf16-train",
                          "20261204-013620-h200-bf16-train-dsv4",
@@ -75,21 +74,19 @@ STANDS = [
       "qwen3.5-397b-E64H4096I1024k10+se-T16384-ep1-fp8"]),
     ("| one GPU, FP8, the whole FP8 backward", ["20261204-072613-h200-fp8-backward"],
      ["kimi-k2-e48-", "kimi-k2.7-code-", "qwen3.5-397b-"]),
+    ("| two GPUs, EP 2, bf16, every backend", ["20261204-145626-h200x2"],
+     ["kimi-k2.7-code-E12H7168I2048k8+se-T8192-ep2-bf16-uniform"]),
     ("| two GPUs, EP 2, bf16, with DeepEP", ["20261130-233319-h200x2"],
      ["kimi-k2.7-code-E12H7168I2048k8+se-T8192-ep2-bf16-uniform",
       "kimi-k2.7-code-E12H7168I2048k8+se-T8192-ep2-bf16-zipf1", "deepseek-v4-pro-",
       "qwen3.5-397b-", "kimi-k2.7-code-E12H7168I2048k8+se-T2048"]),
-    ("| two GPUs, EP 2, FP8, every", ["20261201-013815-h200x2-fp8"],
+    ("| two GPUs, EP 2, FP8, every", ["20261204-144655-h200x2-fp8"],
      ["kimi-k2.7-code-", "deepseek-v4-pro-", "qwen3.5-397b-"]),
     ("| two GPUs, EP 2, bf16, beside", ["20261201-102706-h200x2-mok-ep"],
      ["qwen3.5-397b-", "kimi-k2.7-code-",
       "deepseek-v4-pro-E12H7168I3072k6+se-T4096-ep2-bf16-uniform",
       "deepseek-v4-pro-E12H7168I3072k6+se-T4096-ep2-bf16-ranklocal"],
      ("mok", "mok@dispatch_dedup=true,bwd_pull_dedup=true")),
-    ("| two GPUs, EP 2, FP8, beside", ["20261201-101615-h200x2-fp8"],
-     ["kimi-k2.7-code-", "deepseek-v4-pro-", "qwen3.5-397b-"],
-     ("mok", "mok@dispatch_dedup=true,bwd_pull_dedup=true," + FP8_BWD[4:]
-      + ",bwd_fp8_block_k=128")),
 ]
 
 
