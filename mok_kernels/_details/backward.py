@@ -419,7 +419,8 @@ def _activation_descriptors(cfg: MoKConfig, pre_LPF: torch.Tensor, hs_LPI: torch
     pre = pre_LPF.view(-1, pre_LPF.shape[-1])
     hs = hs_LPI.view(-1, hs_LPI.shape[-1])
     acts = (TensorDescriptor.from_tensor(pre, [bm, 2 * q if cfg.gate_up_interleaved else q]),
-            TensorDescriptor.from_tensor(hs, [bkw, bn // 2]),
+            # r h for dW_down (bf16), or for the Q items (FP8 weight gradients: q_cols wide)
+            TensorDescriptor.from_tensor(hs, [bkw, cfg.q_cols if cfg.bwd_fp8_wgrad else bn // 2]),
             TensorDescriptor.from_tensor(pre, [bkw, bn]),
             TensorDescriptor.from_tensor(pre, [bm, backward_block_k(cfg)]))
     dyg_d = (None, None)
@@ -437,8 +438,8 @@ def _activation_descriptors(cfg: MoKConfig, pre_LPF: torch.Tensor, hs_LPI: torch
 def _fp8_wgrad_args(cfg: MoKConfig, sc: BackwardScratch, pre_LPF: torch.Tensor) -> dict:
     """The FP8 weight-gradient items' arguments (``bwd_fp8_wgrad``): the scratch of
     ``Fp8WgradScratch``, TMA descriptors over its transposed copies ([BN/2 or BN features,
-    BKW8 rows] boxes) and the Q items' descriptor over dG/dU ([BKW rows, BN/2 columns]; r h's
-    is ``hs_c_desc``), with ``bwd_fp8_q_tma_store`` the Q items' store descriptors over the
+    BKW8 rows] boxes) and the Q items' descriptor over dG/dU ([BKW rows, ``q_cols`` columns];
+    r h's is ``hs_c_desc``), with ``bwd_fp8_q_tma_store`` the Q items' store descriptors over the
     copies ([BN/2 features, BKW rows]); all None without the knob."""
     names = ("hqT_ptr", "gqT_ptr", "srh_ptr", "srg_ptr", "hqT_desc",
              "dyqT_desc", "xqT_desc", "gqT_desc", "gxam_ptr", "gdyam_ptr", "pre_q_desc",
@@ -462,7 +463,7 @@ def _fp8_wgrad_args(cfg: MoKConfig, sc: BackwardScratch, pre_LPF: torch.Tensor) 
                 xqT_desc=desc(w8.xqT_LHP, bn // 2), gqT_desc=desc(w8.gqT_LFP, bn),
                 gxam_ptr=w8.gxam_H, gdyam_ptr=w8.gdyam_H,
                 pre_q_desc=TensorDescriptor.from_tensor(pre_LPF.view(-1, pre_LPF.shape[-1]),
-                                                        [wgrad_rows(cfg), bn // 2]),
+                                                        [wgrad_rows(cfg), cfg.q_cols]),
                 xqT_ptr=w8.xqT_LHP, dyqT_ptr=w8.dyqT_LHP,  # the in-kernel pull's stores
                 bmax_ptr=w8.bmax_LBF,
                 # bwd_fp8_q_tma_store: the Q items' TMA stores ([BN/2 features, BKW rows])
@@ -503,7 +504,7 @@ def backward_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots:
                 DXBAND=cfg.bwd_dx_band, DWT=cfg.bwd_dw_tiles,
                 DWSC=3 if cfg.bwd_dw_stages == 4 else 2, DWSD=cfg.bwd_dw_stages,
                 LEAN=cfg.bwd_lean_epilogue, QTMA=cfg.bwd_fp8_q_tma_store,
-                QCNT=cfg.bwd_q_count_rows, SPLIT=split)
+                QCNT=cfg.bwd_q_count_rows, SPLIT=split, QC=cfg.q_cols)
 
 
 def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tensor,
@@ -662,7 +663,7 @@ def backward_trace_capacity(ws: Workspace) -> int:
     nb, ng, half = ws.P // cfg.bwd_bm, ws.E + int(ws.shared), bn // 2
     na = I // (cfg.da_cols(I) * cfg.bwd_da_tiles)
     nbx = H // (bn * cfg.bwd_dx_tiles)
-    per_group = (3 * I // half) + (I // half) * (H // bn) + (H // half) * (2 * I // bn)
+    per_group = (3 * I // cfg.q_cols) + (I // half) * (H // bn) + (H // half) * (2 * I // bn)
     return nb * na + nb * nbx + ng * per_group
 
 

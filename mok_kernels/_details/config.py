@@ -215,6 +215,14 @@ class MoKConfig:
         (an async copy of 64 int32 and its wait per step). The same rows, so the same
         gradients; off here, on in mokbench's FP8 cells on Hopper (faster at four shapes in
         results/20261204-102834-h200-fp8-backward).
+    bwd_q_cols: with ``bwd_fp8_wgrad``: columns of r h and dG/dU per Q item; 0 (the
+        default) block_n / 2. A Q item reads its columns twice (a column-max pass, then the
+        quantising pass) over its group's rows; at block_n / 2 the items in flight at once
+        hold more rows than L2 (132 items x 2730 rows x 128 columns x 2 bytes = 92 MB at
+        Kimi K2 48 x 16384 against H200's 50 MB), so the second pass reads DRAM again. 32 or
+        64 columns keep an item's columns in L2 between its passes (23 MB, 46 MB there),
+        in four or two times the items. The same values and scales, so the same gradients;
+        untimed. Not with ``bwd_fp8_q_tma_store`` (its store boxes are block_n / 2 wide).
     bwd_split_launch: the backward megakernel as two launches of one persistent grid: the
         dgrad items (A, B), then the weight-gradient items (Q, C, D), each launch built with
         only its item kinds, so each is given registers for its own items alone (at the Kimi
@@ -330,6 +338,7 @@ class MoKConfig:
     bwd_fp8_q_tma_store: bool = False
     bwd_dx_band: int = 0
     bwd_q_count_rows: bool = False
+    bwd_q_cols: int = 0
     bwd_pull_interleave: bool = False
     bwd_split_launch: bool = False
     bwd_pull_by_token: bool = False
@@ -453,6 +462,16 @@ class MoKConfig:
             _check(isinstance(value, bool), name, value, "true | false")
             _check(not value or self.bwd_fp8_wgrad, name, value, "false unless bwd_fp8_wgrad "
                    "is set (it serves the weight gradients' Q items)")
+        half = self.block_n // 2
+        q_cols = self.bwd_q_cols
+        _check(isinstance(q_cols, int) and not isinstance(q_cols, bool)
+               and (q_cols == 0 or (8 <= q_cols <= half and half % q_cols == 0)),
+               "bwd_q_cols", q_cols, f"0 (block_n / 2) or a divisor of block_n / 2 ({half}) "
+               "of at least 8 (a 16-byte TMA box row)")
+        _check(q_cols == 0 or self.bwd_fp8_wgrad, "bwd_q_cols", q_cols,
+               "0 unless bwd_fp8_wgrad is set (it sizes the weight gradients' Q items)")
+        _check(q_cols == 0 or not self.bwd_fp8_q_tma_store, "bwd_q_cols", q_cols,
+               "0 with bwd_fp8_q_tma_store (its store boxes are block_n / 2 wide)")
         _check(isinstance(self.bwd_split_launch, bool), "bwd_split_launch",
                self.bwd_split_launch, "true | false")
         _check(isinstance(self.bwd_pull_dedup, bool), "bwd_pull_dedup", self.bwd_pull_dedup,
@@ -514,6 +533,12 @@ class MoKConfig:
     def bwd_bm(self) -> int:
         """Rows per row block of the backward (BM there): ``bwd_block_m`` or block_m."""
         return self.bwd_block_m or self.block_m
+
+    @property
+    def q_cols(self) -> int:
+        """Columns of r h and dG/dU per Q item of the FP8 weight gradients (QC there):
+        ``bwd_q_cols`` or block_n / 2."""
+        return self.bwd_q_cols or self.block_n // 2
 
     @property
     def row_align(self) -> int:

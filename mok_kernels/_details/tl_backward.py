@@ -129,7 +129,7 @@ def mok_backward_kernel(
         DWT: tl.constexpr = 1, DWSC: tl.constexpr = 2, DWSD: tl.constexpr = 2,
         LEAN: tl.constexpr = False, QTMA: tl.constexpr = False, hqT_q_desc=None,
         gqT_q_desc=None, gcount_ptr=None, QCNT: tl.constexpr = False,
-        SPLIT: tl.constexpr = 0):
+        SPLIT: tl.constexpr = 0, QC: tl.constexpr = 128):
     """One persistent program per SM; see the module docstring for the work order. The C
     and D items fence the async proxy after their group's acquire (they read through TMA
     rows written with plain stores). FP8DA (``bwd_fp8_da``): the A items' FP8 tiles read dY
@@ -169,12 +169,12 @@ def mok_backward_kernel(
     rows from the groups' real row counts (``gcount_ptr``, int32 [L, NG]). SPLIT
     (``bwd_split_launch``): 1, this launch ends after the A and B items; 2, its tickets come
     from the counter in the last slot (``NCTR - 1``), offset by the A and B items' count, so
-    it starts at the Q (or C) items."""
+    it starts at the Q (or C) items. QC (``bwd_q_cols``): columns per Q item."""
     HALF: tl.constexpr = BN // 2
     BKA: tl.constexpr = BK8 if FP8DA else BK  # reduction steps of the A, B, C and D items:
     BKX: tl.constexpr = BK8 if FP8DX else BK  # ``bwd_fp8_block_k`` (BK8, BKW8) for the FP8
     BKWF: tl.constexpr = BKW8 if FP8W else BKW  # ones
-    NQ: tl.constexpr = 3 * I // HALF if FP8W else 0  # Q items per group
+    NQ: tl.constexpr = 3 * I // QC if FP8W else 0  # Q items per group
     NA: tl.constexpr = I // (DAC * DAT)  # A items per row block
     NB: tl.constexpr = H // (BN * DXT)  # B items per row block
     NCJ: tl.constexpr = H // (BN * DWT)  # H tile groups of a C item's I tile
@@ -287,7 +287,7 @@ def mok_backward_kernel(
                                            hs_c_desc, pre_q_desc, hqT, gqT, srh, srg, ctr,
                                            err, qready, NBMAX, budget, withhold, NG, I, BM,
                                            BN, BKW, DAC, F32_DOT, POW2, QBM, bmax_ptr,
-                                           QTMA, hqT_q_desc, gqT_q_desc, QCNT, gcount)
+                                           QTMA, hqT_q_desc, gqT_q_desc, QCNT, gcount, QC)
         elif tk < end_c:
             if PHASES & 4:
                 i = tk - end_q

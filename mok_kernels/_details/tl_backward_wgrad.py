@@ -102,19 +102,20 @@ def _wgrad_quant_item(g, c, lr, gst, total, src, P, hs_q_desc, pre_q_desc, hqT, 
                       DAC: tl.constexpr, F32_DOT: tl.constexpr, POW2: tl.constexpr,
                       QBM: tl.constexpr = False, bmax=None, QTMA: tl.constexpr = False,
                       hqT_q_desc=None, gqT_q_desc=None, QCNT: tl.constexpr = False,
-                      gcount=None):
-    """Q item (``bwd_fp8_wgrad``): column tile c (BN/2 columns; r h's I / (BN/2) tiles, then
-    dG/dU's 2I / (BN/2)) of group g in FP8 (``_quant_cols``), once every A item of g is done
-    (they wrote r h and dG/dU with plain stores, read here through TMA: the acquire fences
-    the async proxy); then fences the async proxy (the C and D items read the copies through
-    TMA) and adds 1 to ``qready[g]`` (not for the first Q item, of the largest group, when
-    ``withhold`` is 4: a test's way to make the C and D items' bounded wait expire).
+                      gcount=None, QC: tl.constexpr = 0):
+    """Q item (``bwd_fp8_wgrad``): column tile c (QC columns, ``bwd_q_cols``, 0 for BN/2;
+    r h's I / QC tiles, then dG/dU's 2I / QC) of group g in FP8 (``_quant_cols``), once
+    every A item of g is done (they wrote r h and dG/dU with plain stores, read here
+    through TMA: the acquire fences the async proxy); then fences the async proxy (the C
+    and D items read the copies through TMA) and adds 1 to ``qready[g]`` (not for the
+    first Q item, of the largest group, when ``withhold`` is 4: a test's way to make the C
+    and D items' bounded wait expire).
     QTMA: the transposed copies go out as TMA stores (``hqT_q_desc`` over [L*I, P],
     ``gqT_q_desc`` over [L*2I, P], [BN/2, BKW] boxes); the item waits for its bulk stores to
     complete before that fence and signal. QCNT: the group's real rows end at start + its
     count (``gcount[g]``)."""
-    HALF: tl.constexpr = BN // 2
-    NH: tl.constexpr = I // HALF
+    W: tl.constexpr = BN // 2 if QC == 0 else QC  # columns of this item
+    NH: tl.constexpr = I // W
     start, end, ok = _group_ready(g, gst, total, ctr, err, NBMAX, budget, I, BM, DAC, F32_DOT)
     # Groups start at multiples of the backward's row block (16 rows or more): said here,
     # ``_quant_cols`` stores its transposed e4m3 bytes as 16-byte vectors along a column's
@@ -124,15 +125,15 @@ def _wgrad_quant_item(g, c, lr, gst, total, src, P, hs_q_desc, pre_q_desc, hqT, 
     # row step it spilled 380 instead of 296, and the hint was left unsaid then).
     start = tl.multiple_of(start, 16)
     if ok != 0:
-        bm = bmax + lr * NBMAX * (3 * I) + c * HALF if QBM else bmax  # r h, then dG/dU
+        bm = bmax + lr * NBMAX * (3 * I) + c * W if QBM else bmax  # r h, then dG/dU
         live_end = start + tl.load(gcount + g) if QCNT else end
         if c < NH:
-            _quant_cols(hs_q_desc, lr * P, hqT, srh + g * I, c * HALF, start, end, src, P,
-                        HALF, BKW, POW2, F32_DOT, QBM, bm, BM, 3 * I, QTMA, hqT_q_desc,
+            _quant_cols(hs_q_desc, lr * P, hqT, srh + g * I, c * W, start, end, src, P,
+                        W, BKW, POW2, F32_DOT, QBM, bm, BM, 3 * I, QTMA, hqT_q_desc,
                         lr * I, QCNT, live_end)
         else:
-            _quant_cols(pre_q_desc, lr * P, gqT, srg + g * (2 * I), (c - NH) * HALF, start,
-                        end, src, P, HALF, BKW, POW2, F32_DOT, QBM, bm, BM, 3 * I, QTMA,
+            _quant_cols(pre_q_desc, lr * P, gqT, srg + g * (2 * I), (c - NH) * W, start,
+                        end, src, P, W, BKW, POW2, F32_DOT, QBM, bm, BM, 3 * I, QTMA,
                         gqT_q_desc, lr * (2 * I), QCNT, live_end)
         if QTMA:
             ok = bulk_store_wait(ok, F32_DOT)

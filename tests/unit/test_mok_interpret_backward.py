@@ -673,7 +673,8 @@ ROWS_SCRIPT = COMMON + textwrap.dedent("""
         W = (il(w1), w2, il(ws1) if shared else None, ws2)
         exact = reference_all_experts(x, idx, p, w1, w2, ws1, ws2, dy_NH=dy)
         out = []
-        for knobs in ({}, {"bwd_q_count_rows": True}, {"bwd_pull_interleave": True}):
+        for knobs in ({}, {"bwd_q_count_rows": True}, {"bwd_pull_interleave": True},
+                      {"bwd_q_cols": 8}, {"bwd_q_cols": 8, "bwd_q_count_rows": True}):
             cfg = config(True, bwd_fp8_da=True, bwd_fp8_dx=True, bwd_fp8_wgrad=True,
                          bwd_fp8_block_colmax=colmax, **knobs)
             out.append(run_fp8(cfg, L, T, E, K, shared, H, I, x, idx, p, W, dy)[0])
@@ -689,8 +690,11 @@ ROWS_SCRIPT = COMMON + textwrap.dedent("""
 
 def test_q_items_counting_rows_and_the_interleaved_pull_give_the_same_gradients_bitwise():
     """``bwd_q_count_rows`` (the Q items tell padding rows from the group's real row count
-    instead of loading each step's slot ids) and ``bwd_pull_interleave`` (the FP8 pull's
-    programs take the row blocks in the order of their place in their group): every gradient
+    instead of loading each step's slot ids), ``bwd_pull_interleave`` (the FP8 pull's
+    programs take the row blocks in the order of their place in their group) and
+    ``bwd_q_cols`` (Q items of 8 columns instead of block_n / 2 = 16, twice the items: a
+    column tile at the wrong offset, or C and D items waiting for the old count, change a
+    scale or read a copy before it is written): every gradient
     bitwise the defaults', one and two loopback ranks, with and without the shared expert
     and the block maxima, with experts that get no rows (groups of row counts that are not
     multiples of the row block, so every group has padding rows: a real row taken for
