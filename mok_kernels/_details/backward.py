@@ -126,6 +126,11 @@ class BackwardBuffers:
     counters_LC: torch.Tensor
     ones_NK: torch.Tensor  # unit weights: the dX slots are summed unweighted
     handle: object = None
+    # bwd_fp8_prequant: the rank's own x and dY rows in e4m3 (global column scales), read by
+    # the pull as bytes at tab8_R (the carve's byte offsets); else None
+    xq8_LTH: torch.Tensor | None = None
+    dyq8_LTH: torch.Tensor | None = None
+    tab8_R: torch.Tensor | None = None
 
 
 @dataclass
@@ -208,11 +213,12 @@ def dgu_row_elements(intermediate: int) -> int:
 
 
 def _carve(T: int, H: int, K: int, NJ: int, fp8_da: bool = False,
-           fp8_wgrad: bool = False) -> tuple[list[int], int]:
+           fp8_wgrad: bool = False, prequant: bool = False) -> tuple[list[int], int]:
     """Byte offsets of dy, p, drp, dyq (its size 0 without ``fp8_da``), then xam and dyam
-    (0 without ``fp8_wgrad``) inside one (symmetric) buffer, and its size."""
+    (0 without ``fp8_wgrad``), then the e4m3 x and dY rows (0 without ``prequant``) inside
+    one (symmetric) buffer, and its size."""
     return carve([T * H * 2, T * K * 4, T * K * NJ * 4, T * H * 2 * fp8_da,
-                  H * 4 * fp8_wgrad, H * 4 * fp8_wgrad])
+                  H * 4 * fp8_wgrad, H * 4 * fp8_wgrad, T * H * prequant, T * H * prequant])
 
 
 def _buffers(ws: Workspace) -> BackwardBuffers:
@@ -221,7 +227,8 @@ def _buffers(ws: Workspace) -> BackwardBuffers:
         return ws.extra["bwd"]
     cfg, L, T, H, K, dev = ws.config, ws.L, ws.T, ws.H, ws.K, ws.device
     NJ = ws.I // cfg.da_cols(ws.I)
-    offs, nbytes = _carve(T, H, K, NJ, cfg.bwd_fp8_da, cfg.bwd_fp8_wgrad)
+    pre = cfg.bwd_fp8_prequant
+    offs, nbytes = _carve(T, H, K, NJ, cfg.bwd_fp8_da, cfg.bwd_fp8_wgrad, pre)
     handle = None
     if ws.handle is not None:  # real EP: one symmetric buffer, offsets from the peers' bases
         import torch.distributed._symmetric_memory as symm_mem
@@ -250,7 +257,10 @@ def _buffers(ws: Workspace) -> BackwardBuffers:
         counters_LC=torch.zeros(L, counters_per_rank(cfg, ws.P, ws.E), dtype=torch.int32,
                                 device=dev),
         ones_NK=torch.ones(L * T, K, dtype=torch.float32, device=dev),
-        handle=handle)
+        handle=handle,
+        xq8_LTH=view(6, T * H, torch.uint8, (T, H)) if pre else None,
+        dyq8_LTH=view(7, T * H, torch.uint8, (T, H)) if pre else None,
+        tab8_R=torch.tensor(tab, dtype=torch.int64, device=dev) if pre else None)
     ws.extra["bwd"] = bb
     return bb
 
@@ -599,14 +609,22 @@ def interleaved_block_order(counts_LG: torch.Tensor, total_L: torch.Tensor, row_
 
 
 def _pull_fp8_copies(ws: Workspace, bb: BackwardBuffers, st: ScheduleTensors,
-                     sc: BackwardScratch, x_src: torch.Tensor, dy_src: torch.Tensor) -> None:
+                     sc: BackwardScratch, x_src: torch.Tensor, dy_src: torch.Tensor,
+                     x_TH: torch.Tensor | None = None, dy_TH: torch.Tensor | None = None
+                     ) -> None:
     """``bwd_fp8_wgrad``: the global column maxima of x and dY (after the barrier: every
     rank's own are in), then the pull of x and dY rows into their FP8 transposed copies
     (and the bf16 dY rows where the dA items read them); with ``bwd_pull_dedup`` in two
     passes, a token's first row on this rank from home, then its other rows from it. With
     ``bwd_fused_pull`` (and ``bwd_fp8_da``) the maxima only: the megakernel's pull items
-    write the copies."""
-    from mok_kernels._details.tl_backward_pull import global_col_amax_kernel, pull_rows_fp8t_kernel
+    write the copies. With ``bwd_fp8_prequant`` each rank first quantises its own tokens'
+    rows ``x_TH`` and ``dY_TH`` [L*T, H] with the global scales (``quantize_cols_kernel``),
+    then, after a barrier (peers read them), the pull moves e4m3 bytes."""
+    from mok_kernels._details.tl_backward_pull import (
+        global_col_amax_kernel,
+        pull_rows_fp8t_kernel,
+        quantize_cols_kernel,
+    )
 
     cfg, w8, H = ws.config, sc.wgrad8, ws.H
     ch = min(128, _row_chunk(H))
@@ -619,13 +637,35 @@ def _pull_fp8_copies(ws: Workspace, bb: BackwardBuffers, st: ScheduleTensors,
     dy16 = sc.dyg_LPH is not None
     order = (interleaved_block_order(st.counts_LG, st.total_L, cfg.row_align, ws.P, br)
              if cfg.bwd_pull_interleave else None)
+    pre = cfg.bwd_fp8_prequant
+    src = (x_src, ws.x_tab_R, dy_src, bb.tab16_R, sc.dyg_LPH, sc.xg_LPH, w8.xqT_LHP,
+           w8.dyqT_LHP)
+    if pre:  # each rank's own rows in e4m3, then the pull of bytes (every tensor a byte view)
+        if x_TH is None or dy_TH is None:
+            raise ValueError("bwd_fp8_prequant: _pull_fp8_copies needs x_TH and dy_TH")
+        qr = 32
+        for lr in range(ws.L):
+            for v_TH, q_TH, am in ((x_TH, bb.xq8_LTH, w8.gxam_H), (dy_TH, bb.dyq8_LTH,
+                                                                   w8.gdyam_H)):
+                quantize_cols_kernel[(-(-ws.T // qr), -(-H // ch))](
+                    v_TH.view(ws.L, ws.T, H)[lr], am,
+                    q_TH[lr].view(torch.float8_e4m3fn), ws.T, H=H, BR=qr, CH=ch,
+                    POW2=cfg.fp8_pow2_scales, SOFT_CAST=_interpreting(), num_warps=4)
+        ws.barrier()  # peers pull these rows
+
+        def as_bytes(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.view(torch.uint8)
+
+        src = (bb.xq8_LTH, bb.tab8_R, bb.dyq8_LTH, bb.tab8_R, as_bytes(sc.dyg_LPH),
+               as_bytes(sc.xg_LPH), as_bytes(w8.xqT_LHP), as_bytes(w8.dyqT_LHP))
+    xs, xtab, dys, dytab, dyg, xg, xqT, dyqT = src
     for phase in (1, 2) if cfg.bwd_pull_dedup else (0,):
         pull_rows_fp8t_kernel[(ws.L, ws.P // br)](
-            st.src_LP, st.total_L, x_src, ws.x_tab_R, dy_src, bb.tab16_R,
-            sc.dyg_LPH if dy16 else w8.gdyam_H, w8.xqT_LHP, w8.dyqT_LHP, w8.gxam_H,
+            st.src_LP, st.total_L, xs, xtab, dys, dytab,
+            dyg if dy16 else w8.gdyam_H, xqT, dyqT, w8.gxam_H,
             w8.gdyam_H, ws.T, ws.P, H=H, S=ws.S, BR=br, CH=ch, DY16=dy16,
             POW2=cfg.fp8_pow2_scales, SOFT_CAST=_interpreting(), first_ptr=st.first_LP,
-            xg_ptr=sc.xg_LPH, PHASE=phase, order_ptr=order, ORDER=order is not None,
+            xg_ptr=xg, PHASE=phase, order_ptr=order, ORDER=order is not None, PRE=pre,
             num_warps=4)
 
 
@@ -719,7 +759,8 @@ def backward(config: MoKConfig, ws: Workspace, context: ForwardContext, dy_TH: t
     _check_weights(ws, *weights, fp8=False)
     bb = _buffers(ws)
     st = context.schedule.tensors
-    dy_src = _dy_source(ws, bb, dy_TH)
+    pre = config.bwd_fp8_prequant  # the pull reads e4m3 rows quantised at home instead
+    dy_src = bb.dy_LTH if pre else _dy_source(ws, bb, dy_TH)
     if config.bwd_fp8_da:  # dY quantised once, at its home rank (one scale per token row),
         dy_LTH = dy_TH.reshape(L, T, H)  # straight into each rank's (contiguous) rows
         for lr in range(L):
@@ -729,12 +770,13 @@ def backward(config: MoKConfig, ws: Workspace, context: ForwardContext, dy_TH: t
     if config.bwd_fp8_wgrad:  # each rank's column maxima, read by every rank after the barrier
         bb.xam_LH.copy_(_col_amax(context.x_TH.view(L, T, H)))
         bb.dyam_LH.copy_(_col_amax(dy_TH.view(L, T, H)))
-    x_src = _token_source(ws, context.x_TH, fp8=False)  # real EP: x back into the peer buffer
+    # real EP: x back into the peer buffer (not read with prequant: the e4m3 rows are)
+    x_src = ws.x_LTH if pre else _token_source(ws, context.x_TH, fp8=False)
     sc = backward_scratch(ws)
     bb.counters_LC.zero_()
     ws.barrier()
     if config.bwd_fp8_wgrad:  # the pull writes FP8 transposed copies of x and dY
-        _pull_fp8_copies(ws, bb, st, sc, x_src, dy_src)
+        _pull_fp8_copies(ws, bb, st, sc, x_src, dy_src, context.x_TH, dy_TH)
     elif config.bwd_pull_by_token:  # each token's rows read once, written to its slots' rows
         _pull_by_token(ws, bb, st, sc, x_src, dy_src)
     elif not config.bwd_fused_pull:

@@ -241,6 +241,14 @@ class MoKConfig:
         instead of HBM (in row order the programs of one wave cover a few groups, so a
         token's rows are read in different waves). The same rows, so the same gradients;
         off until timed.
+    bwd_fp8_prequant: with ``bwd_fp8_wgrad`` and ``bwd_fp8_da`` and the separate pull: each
+        rank quantises its own tokens' x and dY rows once (e4m3, the global column maxima's
+        scales: the pull's arithmetic) into its symmetric buffer after the column maxima,
+        and the pull moves those bytes into the transposed copies instead of reading bf16
+        rows and quantising each (token, k) row: half the pull's reads (and its NVLink
+        bytes in EP), at the cost of T x H bytes written twice per rank and, in real EP, a
+        second barrier; the bf16 copies of x and dY into the peer buffers are left out.
+        The same bytes in the copies, so the same gradients; untimed.
     bwd_dx_band: the order of the backward's dX (B) items: 0 or 1 row block by row block
         (a row block's H tiles one after another); G > 1 in bands of G row blocks, inside a
         band the H tiles outer and the row blocks inner (the last band may hold fewer). The
@@ -340,6 +348,7 @@ class MoKConfig:
     bwd_q_count_rows: bool = False
     bwd_q_cols: int = 0
     bwd_pull_interleave: bool = False
+    bwd_fp8_prequant: bool = False
     bwd_split_launch: bool = False
     bwd_pull_by_token: bool = False
     bwd_dw_tiles: int = 1
@@ -450,6 +459,13 @@ class MoKConfig:
                "bwd_pull_interleave", self.bwd_pull_interleave,
                "false unless bwd_fp8_wgrad is set without bwd_fused_pull (it orders the "
                "separate FP8 pull)")
+        _check(isinstance(self.bwd_fp8_prequant, bool), "bwd_fp8_prequant",
+               self.bwd_fp8_prequant, "true | false")
+        _check(not self.bwd_fp8_prequant or (self.bwd_fp8_wgrad and self.bwd_fp8_da
+                                             and not self.bwd_fused_pull),
+               "bwd_fp8_prequant", self.bwd_fp8_prequant,
+               "false unless bwd_fp8_wgrad and bwd_fp8_da are set without bwd_fused_pull (it "
+               "feeds the separate FP8 pull; the dA items then read dY's FP8 rows at home)")
         _check(isinstance(self.bwd_lean_epilogue, bool), "bwd_lean_epilogue",
                self.bwd_lean_epilogue, "true | false")
         _check(isinstance(self.bwd_fp8_requant_tma, bool), "bwd_fp8_requant_tma",

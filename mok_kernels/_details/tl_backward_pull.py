@@ -215,12 +215,30 @@ def global_col_amax_kernel(xam_base, dyam_base, tab32, R, gxam_ptr, gdyam_ptr, H
 
 
 @triton.jit
+def quantize_cols_kernel(v_ptr, amax_ptr, q_ptr, N, H: tl.constexpr, BR: tl.constexpr,
+                         CH: tl.constexpr, POW2: tl.constexpr, SOFT_CAST: tl.constexpr):
+    """``bwd_fp8_prequant``: rows [N, H] bf16 (a rank's own tokens' x or dY) as e4m3 [N, H]
+    scaled per column by the global column max ``amax_ptr`` [H]: the arithmetic of
+    ``_pull_fp8t_rows`` (the same scales and casts), done once per token at home instead
+    of once per (token, k) row in the pull, so the pulled bytes are the same."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols = tl.program_id(1) * CH + tl.arange(0, CH)
+    rm, cm = rows < N, cols < H
+    m = rm[:, None] & cm[None, :]
+    at = rows.to(tl.int64)[:, None] * H + cols[None, :]
+    v = tl.load(v_ptr + at, mask=m, other=0.0)
+    inv = e4m3_scales(tl.load(amax_ptr + cols, mask=cm, other=0.0), POW2)[0]
+    tl.store(q_ptr + at, to_e4m3(to_f32(v, SOFT_CAST) * inv[None, :], SOFT_CAST), mask=m)
+
+
+@triton.jit
 def pull_rows_fp8t_kernel(src_ptr, total_ptr, x_base, x_tab, dy_base, tab16, dyg_ptr,
                           xqT_ptr, dyqT_ptr, gxam_ptr, gdyam_ptr, T, P, H: tl.constexpr,
                           S: tl.constexpr, BR: tl.constexpr, CH: tl.constexpr,
                           DY16: tl.constexpr, POW2: tl.constexpr, SOFT_CAST: tl.constexpr,
                           first_ptr=None, xg_ptr=None, PHASE: tl.constexpr = 0,
-                          order_ptr=None, ORDER: tl.constexpr = False):
+                          order_ptr=None, ORDER: tl.constexpr = False,
+                          PRE: tl.constexpr = False):
     """``bwd_fp8_wgrad``'s reverse-combine pull: the x and dY rows of BR schedule rows from
     the tokens' home ranks, written as e4m3 transposed copies [L, H, P] (feature-major, the
     rows contiguous: the K-major operands of the FP8 weight-gradient tiles), each column
@@ -230,7 +248,11 @@ def pull_rows_fp8t_kernel(src_ptr, total_ptr, x_base, x_tab, dy_base, tab16, dyg
     the schedule's first_LP): a token's first row on this rank from home (its bf16 x and dY
     rows also into ``xg_ptr`` / ``dyg_ptr``, DY16 then set), then its other rows from those
     (``_row_sources``). ORDER (``bwd_pull_interleave``): program j of rank lr takes row
-    block ``order_ptr[lr, j]`` (a permutation of the P / BR blocks) instead of block j."""
+    block ``order_ptr[lr, j]`` (a permutation of the P / BR blocks) instead of block j.
+    PRE (``bwd_fp8_prequant``): the sources are already e4m3, quantised at home by
+    ``quantize_cols_kernel`` with the same scales (x_base / dy_base their bytes [.., T, H],
+    x_tab / tab16 byte offsets of the ranks' copies; ``xg_ptr`` / ``dyg_ptr`` and the
+    copies byte views): every row moves as bytes, half the reads of bf16 rows."""
     lr = tl.program_id(0)
     if ORDER:
         r0 = tl.load(order_ptr + lr * tl.num_programs(1) + tl.program_id(1)) * BR
@@ -240,7 +262,7 @@ def pull_rows_fp8t_kernel(src_ptr, total_ptr, x_base, x_tab, dy_base, tab16, dyg
     if r0 < total:
         _pull_fp8t_rows(r0 + tl.arange(0, BR), lr, src_ptr, x_base, x_tab, dy_base, tab16,
                         dyg_ptr, xqT_ptr, dyqT_ptr, gxam_ptr, gdyam_ptr, T, P, H, S, CH, DY16,
-                        POW2, SOFT_CAST, first_ptr, xg_ptr, PHASE)
+                        POW2, SOFT_CAST, first_ptr, xg_ptr, PHASE, PRE)
 
 
 @triton.jit
@@ -248,7 +270,7 @@ def _pull_fp8t_rows(rows, lr, src_ptr, x_base, x_tab, dy_base, tab16, dyg_ptr, x
                     dyqT_ptr, gxam_ptr, gdyam_ptr, T, P, H: tl.constexpr, S: tl.constexpr,
                     CH: tl.constexpr, DY16: tl.constexpr, POW2: tl.constexpr,
                     SOFT_CAST: tl.constexpr, first_ptr=None, xg_ptr=None,
-                    PHASE: tl.constexpr = 0):
+                    PHASE: tl.constexpr = 0, PRE: tl.constexpr = False):
     """The body of ``pull_rows_fp8t_kernel`` for schedule rows ``rows`` of logical rank lr
     (below its total); also the in-kernel pull items' (``bwd_fused_pull`` with FP8 weight
     gradients, PHASE 0)."""
@@ -270,17 +292,22 @@ def _pull_fp8t_rows(rows, lr, src_ptr, x_base, x_tab, dy_base, tab16, dyg_ptr, x
         # contiguous dimension made them byte stores): PHASE 0 and 2 write every row
         # (padding rows 0), PHASE 1 none (it writes the bf16 copies that PHASE 2 reads).
         tcols = cols.to(tl.int64)[None, :] * P + rows[:, None]
-        v = tl.load(x_rows[:, None] + cols[None, :], mask=m, other=0.0)
+        v = tl.load(x_rows[:, None] + cols[None, :], mask=m, other=0)
         if PHASE == 1:  # the second pass's source
             tl.store(xg_ptr + out16[:, None] + cols[None, :], v, mask=mw)
+        elif PRE:  # e4m3 bytes already, scaled at home
+            tl.store(xq + tcols, v, mask=cm[None, :])
         else:
             inv = e4m3_scales(tl.load(gxam_ptr + cols, mask=cm, other=0.0), POW2)[0]
             tl.store(xq + tcols, to_e4m3(to_f32(v, SOFT_CAST) * inv[None, :], SOFT_CAST),
                      mask=cm[None, :])
-        v = tl.load(dy_rows[:, None] + cols[None, :], mask=m, other=0.0)
+        v = tl.load(dy_rows[:, None] + cols[None, :], mask=m, other=0)
         if DY16:
             tl.store(dyg_ptr + out16[:, None] + cols[None, :], v, mask=mw)
         if PHASE != 1:
-            inv = e4m3_scales(tl.load(gdyam_ptr + cols, mask=cm, other=0.0), POW2)[0]
-            tl.store(dyq + tcols, to_e4m3(to_f32(v, SOFT_CAST) * inv[None, :], SOFT_CAST),
-                     mask=cm[None, :])
+            if PRE:
+                tl.store(dyq + tcols, v, mask=cm[None, :])
+            else:
+                inv = e4m3_scales(tl.load(gdyam_ptr + cols, mask=cm, other=0.0), POW2)[0]
+                tl.store(dyq + tcols, to_e4m3(to_f32(v, SOFT_CAST) * inv[None, :], SOFT_CAST),
+                         mask=cm[None, :])

@@ -467,6 +467,16 @@ def test_narrow_q_items_give_the_same_gradients_bitwise(ranks, shared, q_cols):
                             41)
 
 
+@pytest.mark.parametrize("ranks, shared, knobs", [
+    (1, True, {}), (2, False, {"bwd_pull_dedup": True, "bwd_pull_interleave": True})])
+def test_prequantised_pull_gives_the_same_gradients_bitwise(ranks, shared, knobs):
+    """``bwd_fp8_prequant`` (each rank's x and dY quantised once per token, the pull moving
+    e4m3 bytes) on the whole FP8 backward, alone and with the deduped, interleaved pull:
+    every gradient bitwise the default's, reruns bitwise equal."""
+    _fp8_variant_is_bitwise(ranks, shared, {"bwd_dw_tiles": 4, "bwd_q_count_rows": True,
+                                            "bwd_fp8_prequant": True, **knobs}, 43)
+
+
 @pytest.mark.parametrize("ranks, shared", [(1, True), (2, False)])
 def test_fp8_interleaved_pull_gives_the_same_gradients_bitwise(ranks, shared):
     """``bwd_pull_interleave`` (the FP8 pull's programs take the row blocks by their place
@@ -514,21 +524,23 @@ gen = torch.Generator("cuda").manual_seed(1)
 dy = torch.randn(R * T, H, device="cuda", generator=gen).bfloat16()
 ref = reference_grads(x, idx, p, w, dy)
 mine = slice(rank * T, (rank + 1) * T)
-for comm, by_token, fp8da, w8, items in ((0, False, False, False, False),
-                                         (8, False, False, False, False),
-                                         (8, True, False, False, False),
-                                         (8, False, True, False, False),
-                                         (8, False, True, True, False),
-                                         (8, False, True, True, True)):
+for comm, by_token, fp8da, w8, items, pre in ((0, False, False, False, False, False),
+                                              (8, False, False, False, False, False),
+                                              (8, True, False, False, False, False),
+                                              (8, False, True, False, False, False),
+                                              (8, False, True, True, False, False),
+                                              (8, False, True, True, True, False),
+                                              (8, False, True, True, False, True)):
     # items: the pull as items inside the megakernel (bwd_fused_pull, 8 pulling programs),
     # reading the peer's rows while the dA items run; by_token: bwd_pull_by_token (the
-    # peer's tokens read once each, over NVLink)
+    # peer's tokens read once each, over NVLink); pre: bwd_fp8_prequant (the peer's e4m3
+    # rows, quantised there, pulled as bytes)
     cfg = mk.MoKConfig.for_shape(H, I, minibatch=256, macrobatch=768, tma=True,
                                  fwd_comm_sms=comm, bwd_pull_by_token=by_token,
                                  bwd_fp8_da=fp8da,
                                  bwd_fp8_dx=fp8da, dispatch_dedup=fp8da, bwd_fp8_wgrad=w8,
                                  bwd_pull_dedup=fp8da and not items, bwd_fused_pull=items,
-                                 bwd_pull_programs=8 if items else 0)
+                                 bwd_pull_programs=8 if items else 0, bwd_fp8_prequant=pre)
     ws = mk.get_workspace(cfg, tokens=T, hidden=H, intermediate=I, local_experts=E, topk=K,
                           shared=True, device="cuda", group=dist.group.WORLD)
     mine_e = slice(rank * E, (rank + 1) * E)
@@ -555,7 +567,7 @@ for comm, by_token, fp8da, w8, items in ((0, False, False, False, False),
                or (w8 and name.startswith("dw")) else 1e-2)
         assert err < tol, (rank, comm, by_token, fp8da, w8, name, err)
     print("rank", rank, "comm", comm, "by_token", by_token, "fp8da", fp8da, "wgrad8", w8, "items",
-          items, "ok")
+          items, "pre", pre, "ok")
 dist.destroy_process_group()
 """
 
@@ -572,7 +584,7 @@ def test_real_ep_over_two_gpus():
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     # one line per rank and case, ending in "ok" ("by_token" holds "ok" too: count lines)
     done = [ln for ln in out.stdout.splitlines() if ln.startswith("rank ") and ln.endswith(" ok")]
-    assert len(done) == 12, out.stdout[-3000:]
+    assert len(done) == 14, out.stdout[-3000:]
 
 
 @pytest.mark.parametrize("extra", [[], ["--fp8"]])

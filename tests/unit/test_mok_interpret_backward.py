@@ -674,7 +674,10 @@ ROWS_SCRIPT = COMMON + textwrap.dedent("""
         exact = reference_all_experts(x, idx, p, w1, w2, ws1, ws2, dy_NH=dy)
         out = []
         for knobs in ({}, {"bwd_q_count_rows": True}, {"bwd_pull_interleave": True},
-                      {"bwd_q_cols": 8}, {"bwd_q_cols": 8, "bwd_q_count_rows": True}):
+                      {"bwd_q_cols": 8}, {"bwd_q_cols": 8, "bwd_q_count_rows": True},
+                      {"bwd_fp8_prequant": True},
+                      {"bwd_fp8_prequant": True, "bwd_pull_dedup": True,
+                       "bwd_pull_interleave": True}):
             cfg = config(True, bwd_fp8_da=True, bwd_fp8_dx=True, bwd_fp8_wgrad=True,
                          bwd_fp8_block_colmax=colmax, **knobs)
             out.append(run_fp8(cfg, L, T, E, K, shared, H, I, x, idx, p, W, dy)[0])
@@ -694,7 +697,9 @@ def test_q_items_counting_rows_and_the_interleaved_pull_give_the_same_gradients_
     programs take the row blocks in the order of their place in their group) and
     ``bwd_q_cols`` (Q items of 8 columns instead of block_n / 2 = 16, twice the items: a
     column tile at the wrong offset, or C and D items waiting for the old count, change a
-    scale or read a copy before it is written): every gradient
+    scale or read a copy before it is written) and ``bwd_fp8_prequant`` (x and dY quantised
+    once per token at home, the pull moving e4m3 bytes; alone and with the deduped,
+    interleaved pull: a row from the wrong rank's copy or token changes a copy): every gradient
     bitwise the defaults', one and two loopback ranks, with and without the shared expert
     and the block maxima, with experts that get no rows (groups of row counts that are not
     multiples of the row block, so every group has padding rows: a real row taken for
