@@ -6,12 +6,20 @@ tuning; the numbers that go into tables come from ``mokbench sweep``.
     python benchmarks/mok_backward_time.py --experts 48 --tokens 16384 [--shared]
         [--passes inference,forward_train]   # forward only: no backward compile or timing
         [--fp8]   # the FP8 forward and backward, as the backend runs precision = "fp8"
+
+Real EP: under torchrun with more than one process (``torchrun --nproc-per-node 2
+benchmarks/mok_backward_time.py ...``) each rank holds ``--experts`` local experts and
+``--tokens`` tokens routed over all ranks' experts, the workspace spans the process group
+(symmetric memory), and rank 0 prints each pass's median per rank and their max (each rank
+times its own calls; the kernels' barriers keep the ranks in step); ``--trace`` then writes
+PREFIX-r<rank>-{forward,backward}.csv and .png per rank and prints rank 0's tables.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import torch
 from bench_common import add_shape_args, cuda_ms, phase_lines
@@ -58,19 +66,28 @@ def main() -> None:
         ap.error(f"--passes: got {a.passes!r}; allowed a comma-separated subset of "
                  "inference, forward_train, backward")
     H, I, E, T, K = a.hidden, a.intermediate, a.experts, a.tokens, a.topk
-    dev = torch.device("cuda")
+    R, rank, group = 1, 0, None
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # real EP under torchrun
+        import torch.distributed as dist
+
+        R, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+        group = dist.group.WORLD
+    dev = torch.device("cuda", torch.cuda.current_device())
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     arch = torch.cuda.get_device_capability(dev)[0] * 10
-    defaults = default_config_fields(H, I, T, K, sms, 1, E, arch)
+    defaults = default_config_fields(H, I, T, K, sms, R, E, arch)
     if a.fp8:  # as mok_backend.scenario_config for precision "fp8"
         defaults.update(fp8_config_fields(arch, json.loads(a.options).get("fp8")))
         defaults.update(fp8_backward_fields(arch))
     cfg = config_from_env(H, I, defaults, json.loads(a.options))
     ws = mk.get_workspace(cfg, tokens=T, hidden=H, intermediate=I, local_experts=E, topk=K,
-                          shared=a.shared, device=dev)
-    g = torch.Generator(device=dev).manual_seed(0)
+                          shared=a.shared, device=dev, group=group)
+    g = torch.Generator(device=dev).manual_seed(rank)  # each rank its own tokens and experts
     x = torch.randn(T, H, device=dev, generator=g).bfloat16()
-    idx = torch.rand(T, E, device=dev, generator=g).topk(K, dim=1).indices
+    idx = torch.rand(T, R * E, device=dev, generator=g).topk(K, dim=1).indices
     p = torch.softmax(torch.randn(T, K, device=dev, generator=g), 1)
     dy = torch.randn(T, H, device=dev, generator=g).bfloat16()
     lay = mk.interleave_gate_up if cfg.gate_up_interleaved else torch.Tensor.contiguous
@@ -133,14 +150,32 @@ def main() -> None:
                                            _trace=ftr)[1]
             mk.backward(cfg, ws, held["ctx"], dy, *w, fp8_weights=w8, _trace=btr)
         mk.check_errors(ws)
+        prefix = f"{a.trace}-r{rank}" if R > 1 else a.trace
         for name, tr, kinds in (("forward", ftr, item_trace.FORWARD_KINDS),
                                 ("backward", btr, item_trace.BACKWARD_KINDS)):
             df = item_trace.items(tr.cpu().numpy(), kinds)
-            df.to_csv(f"{a.trace}-{name}.csv", index=False)
-            item_trace.plot_timeline(df, f"{a.trace}-{name}.png")
-            print(f"{name} items" + (" (compute programs only)" if name == "forward" else ""))
-            print(item_trace.summarize(df, int(df.program.max()) + 1).round(3).to_string())
+            df.to_csv(f"{prefix}-{name}.csv", index=False)
+            item_trace.plot_timeline(df, f"{prefix}-{name}.png")
+            if rank == 0:
+                print(f"{name} items" + (" (compute programs only)" if name == "forward"
+                                         else "") + (" of rank 0" if R > 1 else ""))
+                print(item_trace.summarize(df, int(df.program.max()) + 1).round(3).to_string())
     ctx = train()[1]
+    if R > 1:  # every rank's medians, printed by rank 0
+        import torch.distributed as dist
+
+        medians = [None] * R
+        dist.all_gather_object(medians, {n: t.median_ms for n, t in res.items()})
+        if rank == 0:
+            print(f"EP {R}: {E} local experts and {T} tokens per rank")
+            for name in res:
+                per = [m[name] for m in medians]
+                print(f"{name:14s} per rank " + " ".join(f"{v:8.3f}" for v in per)
+                      + f"  max {max(per):8.3f} ms")
+        dist.barrier()
+        dist.destroy_process_group()
+        if rank != 0:
+            return
     print(f"shape H{H} I{I} E{E} T{T} k{K} shared={a.shared}; config {cfg}")
     print(f"context memory {ctx.nbytes / 2**30:.2f} GiB")
     for name, t in res.items():

@@ -587,6 +587,29 @@ def test_real_ep_over_two_gpus():
     assert len(done) == 14, out.stdout[-3000:]
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_profiling_script_times_real_ep_over_two_gpus(tmp_path):
+    """benchmarks/mok_backward_time.py under torchrun with two processes: real EP over
+    symmetric memory, the FP8 cells' defaults at EP 2, each pass's median per rank and their
+    max printed by rank 0, and a trace file per rank."""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{root / 'benchmarks'}",
+           "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0"}
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                          "2", str(root / "benchmarks" / "mok_backward_time.py"), "--hidden",
+                          "1024", "--intermediate", "512", "--experts", "4", "--tokens", "1024",
+                          "--iters", "2", "--warmup", "1", "--fp8", "--trace",
+                          str(tmp_path / "t")], capture_output=True, text=True, env=env,
+                         timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "EP 2: 4 local experts and 1024 tokens per rank" in out.stdout, out.stdout[-2000:]
+    for name in ("inference", "forward_train", "backward"):
+        assert re.search(rf"^{name} +per rank +[\d.]+ +[\d.]+ +max +[\d.]+ ms", out.stdout,
+                         re.M), out.stdout[-2000:]
+    for r in (0, 1):
+        assert (tmp_path / f"t-r{r}-backward.csv").exists()
+
+
 @pytest.mark.parametrize("extra", [[], ["--fp8"]])
 def test_profiling_script_times_the_bf16_and_the_fp8_cells(extra):
     """benchmarks/mok_backward_time.py (the A/Bs in notes/mok-kernel.md) runs the backend's
