@@ -406,6 +406,18 @@ def wgrad_rows(cfg: MoKConfig) -> int:
     return min(64, cfg.bwd_bm)
 
 
+def q_rows(cfg: MoKConfig) -> int:
+    """Rows per step of the Q items' loops (QR): the weight-gradient items' (BKW), or with
+    ``bwd_q_cols`` as many more as the columns are fewer, up to the backward's row block
+    (groups are padded to whole row blocks, so a step never crosses into the next group):
+    the same [rows, columns] register tile, and each step stores 128 bytes of every
+    transposed e4m3 column at the Kimi shape (a whole L2 line) instead of 64."""
+    rows = wgrad_rows(cfg)
+    if cfg.bwd_q_cols:
+        rows = min(cfg.bwd_bm, rows * (cfg.block_n // 2) // cfg.bwd_q_cols)
+    return rows
+
+
 def backward_groups(cfg: MoKConfig, group_LB: torch.Tensor) -> torch.Tensor:
     """Group of every backward row block, int32 [L, P / bwd_bm], from the schedule's group of
     every forward row block (block_m rows): with ``bwd_block_m`` a multiple of block_m, the
@@ -429,8 +441,9 @@ def _activation_descriptors(cfg: MoKConfig, pre_LPF: torch.Tensor, hs_LPI: torch
     pre = pre_LPF.view(-1, pre_LPF.shape[-1])
     hs = hs_LPI.view(-1, hs_LPI.shape[-1])
     acts = (TensorDescriptor.from_tensor(pre, [bm, 2 * q if cfg.gate_up_interleaved else q]),
-            # r h for dW_down (bf16), or for the Q items (FP8 weight gradients: q_cols wide)
-            TensorDescriptor.from_tensor(hs, [bkw, cfg.q_cols if cfg.bwd_fp8_wgrad else bn // 2]),
+            # r h for dW_down (bf16), or for the Q items (FP8 weight gradients: their steps)
+            TensorDescriptor.from_tensor(hs, [q_rows(cfg), cfg.q_cols] if cfg.bwd_fp8_wgrad
+                                         else [bkw, bn // 2]),
             TensorDescriptor.from_tensor(pre, [bkw, bn]),
             TensorDescriptor.from_tensor(pre, [bm, backward_block_k(cfg)]))
     dyg_d = (None, None)
@@ -473,7 +486,7 @@ def _fp8_wgrad_args(cfg: MoKConfig, sc: BackwardScratch, pre_LPF: torch.Tensor) 
                 xqT_desc=desc(w8.xqT_LHP, bn // 2), gqT_desc=desc(w8.gqT_LFP, bn),
                 gxam_ptr=w8.gxam_H, gdyam_ptr=w8.gdyam_H,
                 pre_q_desc=TensorDescriptor.from_tensor(pre_LPF.view(-1, pre_LPF.shape[-1]),
-                                                        [wgrad_rows(cfg), cfg.q_cols]),
+                                                        [q_rows(cfg), cfg.q_cols]),
                 xqT_ptr=w8.xqT_LHP, dyqT_ptr=w8.dyqT_LHP,  # the in-kernel pull's stores
                 bmax_ptr=w8.bmax_LBF,
                 # bwd_fp8_q_tma_store: the Q items' TMA stores ([BN/2 features, BKW rows])
@@ -514,7 +527,7 @@ def backward_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots:
                 DXBAND=cfg.bwd_dx_band, DWT=cfg.bwd_dw_tiles,
                 DWSC=3 if cfg.bwd_dw_stages == 4 else 2, DWSD=cfg.bwd_dw_stages,
                 LEAN=cfg.bwd_lean_epilogue, QTMA=cfg.bwd_fp8_q_tma_store,
-                QCNT=cfg.bwd_q_count_rows, SPLIT=split, QC=cfg.q_cols)
+                QCNT=cfg.bwd_q_count_rows, SPLIT=split, QC=cfg.q_cols, QR=q_rows(cfg))
 
 
 def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tensor,

@@ -221,8 +221,12 @@ class MoKConfig:
         hold more rows than L2 (132 items x 2730 rows x 128 columns x 2 bytes = 92 MB at
         Kimi K2 48 x 16384 against H200's 50 MB), so the second pass reads DRAM again. 32 or
         64 columns keep an item's columns in L2 between its passes (23 MB, 46 MB there),
-        in four or two times the items. The same values and scales, so the same gradients;
-        untimed. Not with ``bwd_fp8_q_tma_store`` (its store boxes are block_n / 2 wide).
+        in four or two times the items; their steps take as many more rows as they have
+        fewer columns, up to the backward's row block (``backward.q_rows``: 128 rows at
+        the Kimi shape), so each step writes 128 bytes of every transposed column (an L2
+        line) instead of 64 and the running max keeps its size. The same values and
+        scales, so the same gradients; untimed. Not with ``bwd_fp8_q_tma_store`` (its
+        store boxes are block_n / 2 wide).
     bwd_split_launch: the backward megakernel as two launches of one persistent grid: the
         dgrad items (A, B), then the weight-gradient items (Q, C, D), each launch built with
         only its item kinds, so each is given registers for its own items alone (at the Kimi

@@ -129,7 +129,7 @@ def mok_backward_kernel(
         DWT: tl.constexpr = 1, DWSC: tl.constexpr = 2, DWSD: tl.constexpr = 2,
         LEAN: tl.constexpr = False, QTMA: tl.constexpr = False, hqT_q_desc=None,
         gqT_q_desc=None, gcount_ptr=None, QCNT: tl.constexpr = False,
-        SPLIT: tl.constexpr = 0, QC: tl.constexpr = 128):
+        SPLIT: tl.constexpr = 0, QC: tl.constexpr = 128, QR: tl.constexpr = 64):
     """One persistent program per SM; see the module docstring for the work order. The C
     and D items fence the async proxy after their group's acquire (they read through TMA
     rows written with plain stores). FP8DA (``bwd_fp8_da``): the A items' FP8 tiles read dY
@@ -169,7 +169,8 @@ def mok_backward_kernel(
     rows from the groups' real row counts (``gcount_ptr``, int32 [L, NG]). SPLIT
     (``bwd_split_launch``): 1, this launch ends after the A and B items; 2, its tickets come
     from the counter in the last slot (``NCTR - 1``), offset by the A and B items' count, so
-    it starts at the Q (or C) items. QC (``bwd_q_cols``): columns per Q item."""
+    it starts at the Q (or C) items. QC (``bwd_q_cols``): columns per Q item, QR rows per
+    step of its loops (``backward.q_rows``)."""
     HALF: tl.constexpr = BN // 2
     BKA: tl.constexpr = BK8 if FP8DA else BK  # reduction steps of the A, B, C and D items:
     BKX: tl.constexpr = BK8 if FP8DX else BK  # ``bwd_fp8_block_k`` (BK8, BKW8) for the FP8
@@ -286,7 +287,7 @@ def mok_backward_kernel(
                     ok = _wgrad_quant_item(gq_i, i % NQ, lr, gst, total, src, P,
                                            hs_c_desc, pre_q_desc, hqT, gqT, srh, srg, ctr,
                                            err, qready, NBMAX, budget, withhold, NG, I, BM,
-                                           BN, BKW, DAC, F32_DOT, POW2, QBM, bmax_ptr,
+                                           BN, QR, DAC, F32_DOT, POW2, QBM, bmax_ptr,
                                            QTMA, hqT_q_desc, gqT_q_desc, QCNT, gcount, QC)
         elif tk < end_c:
             if PHASES & 4:

@@ -460,8 +460,9 @@ def test_fp8_q_items_counting_rows_give_the_same_gradients_bitwise(ranks, shared
 @pytest.mark.parametrize("ranks, shared, q_cols", [(1, True, 32), (2, False, 64)])
 def test_narrow_q_items_give_the_same_gradients_bitwise(ranks, shared, q_cols):
     """``bwd_q_cols`` (Q items of 32 or 64 columns instead of block_n / 2, four or two times
-    as many, the C and D items waiting for that many per group) on the whole FP8 backward
-    with the split launch: every gradient bitwise the default's, reruns bitwise equal."""
+    as many, in 128-row steps instead of 64, the C and D items waiting for that many per
+    group) on the whole FP8 backward with the split launch: every gradient bitwise the
+    default's, reruns bitwise equal."""
     _fp8_variant_is_bitwise(ranks, shared, {"bwd_dw_tiles": 4, "bwd_q_count_rows": True,
                                             "bwd_split_launch": True, "bwd_q_cols": q_cols},
                             41)

@@ -691,6 +691,38 @@ ROWS_SCRIPT = COMMON + textwrap.dedent("""
 """)
 
 
+Q_STEP_SCRIPT = COMMON + textwrap.dedent("""
+    # 128-row backward blocks (minibatch 128): the weight-gradient steps are 64 rows, and
+    # bwd_q_cols 8 (of block_n / 2 = 16) makes the Q items' steps 128 rows
+    from mok_kernels._details.backward import q_rows
+    L, T, E, K, shared, H, I = 2, 40, 3, 2, True, 64, 32
+    torch.manual_seed(47)
+    x, idx, p, w1, w2, ws1, ws2, dy = layer(L, T, E, K, shared, H, I)
+    il = mk.interleave_gate_up
+    W = (il(w1), w2, il(ws1), ws2)
+    out = []
+    for knobs in ({}, {"bwd_q_cols": 8}, {"bwd_q_cols": 8, "bwd_q_count_rows": True}):
+        cfg = mk.MoKConfig(minibatch=128, macrobatch=256, block_m=16, block_n=32, block_k=16,
+                           num_warps=4, num_stages=1, spin_budget=1000, tma=True,
+                           gate_up_interleaved=True, bwd_block_m=128, bwd_fp8_da=True,
+                           bwd_fp8_dx=True, bwd_fp8_wgrad=True, **knobs)
+        print("q rows", q_rows(cfg))
+        out.append(run_fp8(cfg, L, T, E, K, shared, H, I, x, idx, p, W, dy)[0])
+    for i in range(1, len(out)):
+        assert_bitwise(out[0], out[i], i)
+    print("q steps ok")
+""")
+
+
+def test_narrow_q_items_take_longer_steps_with_the_same_gradients():
+    """``bwd_q_cols`` with 128-row backward blocks: Q items of 8 columns step 128 rows at a
+    time (the default's 64), in twice the items; every gradient bitwise the default's, two
+    loopback ranks, with and without ``bwd_q_count_rows`` (a step that ran past its group
+    would take the next group's rows into a scale, or overwrite its copy)."""
+    out = run_interpreted(Q_STEP_SCRIPT)
+    _prints(out, "q steps ok", 1)
+    assert out.stdout.count("q rows 64") == 1 and out.stdout.count("q rows 128") == 2
+
 def test_q_items_counting_rows_and_the_interleaved_pull_give_the_same_gradients_bitwise():
     """``bwd_q_count_rows`` (the Q items tell padding rows from the group's real row count
     instead of loading each step's slot ids), ``bwd_pull_interleave`` (the FP8 pull's
