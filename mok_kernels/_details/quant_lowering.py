@@ -107,7 +107,8 @@ def compile_fp8_ffn_kernel(kernel: str, recipe: str, *, arch: int = 90, hidden: 
 
 
 def compile_pull_kernel(kind: str = "bf16", phase: int = 0, *, hidden: int = 7168,
-                        arch: int = 90, interleave: bool = False) -> Lowered:
+                        arch: int = 90, interleave: bool = False,
+                        prequant: bool = False) -> Lowered:
     """Compile the backward's separate pull for sm_<arch> as the backward launches it: kind
     "bf16" (``pull_rows_kernel``: token rows gathered by loaded offsets into [L, P, H] bf16
     rows, PULL_ROWS rows and ``_row_chunk(H)`` columns per step) or "fp8t"
@@ -116,7 +117,9 @@ def compile_pull_kernel(kind: str = "bf16", phase: int = 0, *, hidden: int = 716
     (``pull_rows_by_token_kernel``, ``bwd_pull_by_token``: PULL_TOKENS tokens per program,
     their rows written to up to 9 slot rows each); ``phase`` 0 (one pass) or 1 / 2
     (``bwd_pull_dedup``); ``interleave`` ("fp8t" only, ``bwd_pull_interleave``): each
-    program's row block from the block order."""
+    program's row block from the block order; ``prequant`` ("fp8t" only,
+    ``bwd_fp8_prequant``): the rows already e4m3 at home, moved as bytes (every row buffer
+    a byte view)."""
     from mok_kernels._details.backward import PULL_ROWS, PULL_TOKENS
     from mok_kernels._details.forward import _row_chunk
     from mok_kernels._details.tl_backward_pull import (
@@ -140,6 +143,10 @@ def compile_pull_kernel(kind: str = "bf16", phase: int = 0, *, hidden: int = 716
             consts["order_ptr"] = None
         if phase == 0:
             consts["xg_ptr"] = None
+        consts["PRE"] = prequant
+        if prequant:
+            types.update({name: "*u8" + a for name in ("x_base", "dy_base", "xg_ptr",
+                                                       "dyg_ptr", "xqT_ptr", "dyqT_ptr")})
     elif kind == "bf16":
         fn = pull_rows_kernel
         consts = {"BR": PULL_ROWS, "CH": _row_chunk(hidden), "WHICH": 0}
@@ -149,9 +156,9 @@ def compile_pull_kernel(kind: str = "bf16", phase: int = 0, *, hidden: int = 716
     else:
         raise ValueError(f"kind={kind!r}, phase={phase} is invalid: allowed bf16 | fp8t "
                          "(phase 0, 1, 2) | bf16_by_token (phase 0)")
-    if interleave and kind != "fp8t":
-        raise ValueError(f"interleave=True with kind={kind!r} is invalid: allowed with fp8t "
-                         "only")
+    if (interleave or prequant) and kind != "fp8t":
+        raise ValueError(f"interleave / prequant with kind={kind!r} is invalid: allowed with "
+                         "fp8t only")
     consts = {"S": 16, **consts, "H": hidden, "PHASE": phase}
     if phase == 0:
         consts["first_ptr"] = None

@@ -433,6 +433,22 @@ def test_separate_pulls_move_rows_in_16_byte_vectors(kind, phase, interleave):
     assert ops.count("st.global.v4.b32") >= 8, sorted(set(ops))
 
 
+@pytest.mark.parametrize("phase", [0, 1, 2])
+def test_prequantised_pull_moves_e4m3_rows_in_wide_words(phase):
+    """``bwd_fp8_prequant``'s pull (the rows e4m3 at home, moved as bytes into the
+    transposed copies; one pass, or the two of ``bwd_pull_dedup``) builds for sm_90 with no
+    byte-wide global load or store, no fp32 arithmetic of its own (nothing is scaled or
+    converted), and its loads as wide vectors."""
+    from mok_kernels._details.quant_lowering import compile_pull_kernel
+
+    lw = compile_pull_kernel("fp8t", phase, hidden=4096, prequant=True)
+    ops = re.findall(r"\b((?:ld|st)\.global(?:\.[a-z0-9]+)+)", lw.ptx)
+    narrow = [op for op in ops if op.endswith((".b8", ".u8", ".b16", ".u16"))]
+    assert not narrow, sorted(set(ops))
+    assert any(op.startswith("ld.global.v") for op in ops), sorted(set(ops))
+    assert "cvt.rn.satfinite.e4m3x2.f32" not in lw.ptx and "mul.f32" not in lw.ptx
+
+
 @pytest.mark.parametrize("kernel, knobs", [
     ("forward", {}), ("backward", {}),
     ("backward", {"bwd_fp8_da": True, "bwd_fp8_dx": True, "bwd_fp8_wgrad": True})])
