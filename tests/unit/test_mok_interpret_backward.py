@@ -696,10 +696,7 @@ Q_STEP_SCRIPT = COMMON + textwrap.dedent("""
     # bwd_q_cols 8 (of block_n / 2 = 16) makes the Q items' steps 128 rows
     from mok_kernels._details.backward import q_rows
     L, T, E, K, shared, H, I = 2, 40, 3, 2, True, 64, 32
-    torch.manual_seed(47)
-    x, idx, p, w1, w2, ws1, ws2, dy = layer(L, T, E, K, shared, H, I)
-    il = mk.interleave_gate_up
-    W = (il(w1), w2, il(ws1), ws2)
+    x, idx, p, _, W, dy, _ = interleaved_case(L, T, E, K, shared, 47)
     out = []
     for knobs in ({}, {"bwd_q_cols": 8}, {"bwd_q_cols": 8, "bwd_q_count_rows": True}):
         cfg = mk.MoKConfig(minibatch=128, macrobatch=256, block_m=16, block_n=32, block_k=16,
