@@ -81,7 +81,7 @@ def main() -> None:
     defaults = default_config_fields(H, I, T, K, sms, R, E, arch)
     if a.fp8:  # as mok_backend.scenario_config for precision "fp8"
         defaults.update(fp8_config_fields(arch, json.loads(a.options).get("fp8")))
-        defaults.update(fp8_backward_fields(arch))
+        defaults.update(fp8_backward_fields(arch, R))
     cfg = config_from_env(H, I, defaults, json.loads(a.options))
     ws = mk.get_workspace(cfg, tokens=T, hidden=H, intermediate=I, local_experts=E, topk=K,
                           shared=a.shared, device=dev, group=group)

@@ -71,7 +71,7 @@ def fp8_config_fields(arch: int = 90, recipe: str | None = None) -> dict:
             "bwd_block_m": 128 if bm < 128 else 0}
 
 
-def fp8_backward_fields(arch: int = 90) -> dict:
+def fp8_backward_fields(arch: int = 90, world_size: int = 1) -> dict:
     """The FP8 backward with ``precision = "fp8"`` on Hopper: the dA, dX and weight-gradient
     items in e4m3 (``bwd_fp8_da``, ``bwd_fp8_dx``, ``bwd_fp8_wgrad``) with 128-deep steps
     (``bwd_fp8_block_k``), as TE's and Megatron's FP8 rows run their backward in FP8.
@@ -97,11 +97,19 @@ def fp8_backward_fields(arch: int = 90) -> dict:
     results/20261204-102834-h200-fp8-backward the backward took 27.065 against 27.638 ms at
     Kimi K2 48 x 16384, 30.191 against 30.691 at Kimi K2.7 Code, 12.437 against 12.767 at
     Qwen3.5 and 28.009 against 28.605 at Kimi K2 384 (two earlier sweeps' logs and the item
-    trace agree: notes/mok-kernel.md, the leases of 2026-12-04 10:02-10:27)."""
+    trace agree: notes/mok-kernel.md, the leases of 2026-12-04 10:02-10:27). On one rank
+    (``world_size`` 1) the dgrad and weight-gradient items run in two launches
+    (``bwd_split_launch``) and the FP8 pull's programs take row blocks by their place in their
+    group (``bwd_pull_interleave``): in results/20261204-183317-h200-fp8-backward the backward
+    took 27.115 / 29.976 / 12.154 ms against 27.287 / 30.400 / 12.582 at Kimi K2 48 x 16384,
+    Kimi K2.7 Code and Qwen3.5 (28.291 against 28.175 at Kimi K2 384, where no baseline has a
+    backward); unmeasured at EP > 1, where the two stay off."""
     if arch >= 100:
         return {}
+    one_rank = {"bwd_split_launch": True, "bwd_pull_interleave": True} if world_size == 1 else {}
     return {"bwd_fp8_da": True, "bwd_fp8_dx": True, "bwd_fp8_wgrad": True,
-            "bwd_fp8_block_k": 128, "bwd_pull_by_token": False, "bwd_q_count_rows": True}
+            "bwd_fp8_block_k": 128, "bwd_pull_by_token": False, "bwd_q_count_rows": True,
+            **one_rank}
 
 
 def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int,
@@ -259,7 +267,8 @@ def config_from_env(hidden: int, intermediate: int, defaults: dict,
     defaults that need it unless they are asked for too (then the conflict is the error; the
     pull by token yields the same way to ``bwd_pull_dedup`` and ``bwd_fp8_wgrad``),
     one ring slot (macrobatch = minibatch) turns off the default ``skew_down`` the same
-    way, and a backward without FP8 weight gradients the default ``bwd_q_count_rows``."""
+    way, and a backward without FP8 weight gradients the defaults ``bwd_q_count_rows`` and
+    ``bwd_pull_interleave`` (which ``bwd_fused_pull`` turns off too)."""
     from mok_kernels import MoKConfig
 
     fields = dict(defaults)
@@ -272,14 +281,15 @@ def config_from_env(hidden: int, intermediate: int, defaults: dict,
     if any(over.get(k) for k in _NO_SEPARATE_PULL):  # asked for: defaults needing it yield
         fp8_pull_items = (over.get("bwd_fused_pull")
                           and over.get("bwd_fp8_da", fields.get("bwd_fp8_da")))
-        yield_defaults(("bwd_pull_dedup",) + (() if fp8_pull_items else ("bwd_fp8_wgrad",)),
-                       False)
+        yield_defaults(("bwd_pull_dedup", "bwd_pull_interleave")
+                       + (() if fp8_pull_items else ("bwd_fp8_wgrad",)), False)
     if over.get("bwd_pull_by_token"):
         yield_defaults(("bwd_pull_dedup",), False)
     if any(over.get(k) for k in _NO_SEPARATE_PULL + ("bwd_pull_dedup", "bwd_fp8_wgrad")):
         yield_defaults(("bwd_pull_by_token",), False)  # a pull the token pull cannot be
     if not over.get("bwd_fp8_wgrad", fields.get("bwd_fp8_wgrad")):
-        yield_defaults(("bwd_q_count_rows",), False)  # no Q items without the FP8 wgrad
+        # no Q items and no FP8 pull to order without the FP8 weight gradients
+        yield_defaults(("bwd_q_count_rows", "bwd_pull_interleave"), False)
     if "minibatch" in over and "macrobatch" not in over:
         fields["macrobatch"] = 3 * over["minibatch"]
     fields.update(over)
@@ -302,7 +312,7 @@ def scenario_config(scenario, options: dict | None = None, num_sms: int = 132,
     if fp8:
         recipe = {**env_overrides(), **(options or {})}.get("fp8") or None
         defaults.update(fp8_config_fields(arch, recipe))
-        defaults.update(fp8_backward_fields(arch))
+        defaults.update(fp8_backward_fields(arch, scenario.world_size))
     cfg = config_from_env(s.hidden, s.intermediate, defaults, options)
     if fp8 != (cfg.fp8 != "none"):
         raise MoKConfigError(f"fp8={cfg.fp8!r} is invalid for precision {scenario.precision!r}:"

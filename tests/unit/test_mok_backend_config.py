@@ -277,3 +277,31 @@ def test_fp8_cells_count_the_q_rows_unless_the_weight_gradients_are_bf16(monkeyp
     assert not scenario_config(bf16).bwd_q_count_rows
     with pytest.raises(MoKConfigError, match=r"^bwd_q_count_rows=True is invalid"):
         scenario_config(fp8, {"bwd_fp8_wgrad": False, "bwd_q_count_rows": True})
+
+
+def test_fp8_cells_on_one_rank_split_the_launch_and_interleave_the_pull(monkeypatch):
+    """FP8 cells on one Hopper rank default to ``bwd_split_launch`` and ``bwd_pull_interleave``
+    (results/20261204-183317-h200-fp8-backward); at EP 2 both stay off (unmeasured there); a
+    variant that removes the FP8 pull (bf16 weight gradients, or the pull as items) turns the
+    interleave off instead of failing, and the row's variant names both."""
+    from mokbench.mok_backend import scenario_config, variant_text
+    from mokbench.scenario import ModelShape, Scenario
+
+    monkeypatch.delenv(CONFIG_ENV, raising=False)
+    shape = ModelShape("kimi", 48, 7168, 2048, 8)
+    fp8 = Scenario(shape, tokens_per_rank=16384, world_size=1, precision="fp8")
+    cfg = scenario_config(fp8)
+    assert cfg.bwd_split_launch and cfg.bwd_pull_interleave
+    text = variant_text(cfg, 7168, 2048, fp8=True, graphed=False)
+    assert ",pull_interleave=1" in text and ",split_launch=1" in text, text
+    ep2 = Scenario(shape, tokens_per_rank=8192, world_size=2, precision="fp8")
+    assert not scenario_config(ep2).bwd_split_launch
+    assert not scenario_config(ep2).bwd_pull_interleave
+    assert not scenario_config(fp8, {"bwd_fp8_wgrad": False}).bwd_pull_interleave
+    fused = scenario_config(fp8, {"bwd_fused_pull": True})
+    assert fused.bwd_fused_pull and not fused.bwd_pull_interleave and fused.bwd_split_launch
+    bf16 = Scenario(shape, tokens_per_rank=16384, world_size=1)
+    assert not scenario_config(bf16).bwd_split_launch
+    assert not scenario_config(bf16).bwd_pull_interleave
+    with pytest.raises(MoKConfigError, match=r"^bwd_pull_interleave=True is invalid"):
+        scenario_config(fp8, {"bwd_fused_pull": True, "bwd_pull_interleave": True})

@@ -574,8 +574,8 @@ def test_split_launches_each_spill_less_than_the_one_launch():
 
     fields = {**default_config_fields(H, I, 16384, 8, 132, 1, 48), **fp8_config_fields(90),
               **fp8_backward_fields(90)}
-    one = mk.MoKConfig.for_shape(H, I, **fields)
-    split = mk.MoKConfig.for_shape(H, I, **fields, bwd_split_launch=True)
+    one = mk.MoKConfig.for_shape(H, I, **{**fields, "bwd_split_launch": False})
+    split = mk.MoKConfig.for_shape(H, I, **{**fields, "bwd_split_launch": True})
     assert split_launches(one) == [(0, 15)] and split_launches(split) == [(1, 3), (2, 12)]
     whole = _spill_bytes(mk.compile_megakernel(one, H, I, kernel="backward").ptxas_log)
     for n, phases in split_launches(split):
@@ -594,7 +594,8 @@ def test_narrow_q_items_hold_fewer_registers():
     from mokbench.mok_backend import fp8_backward_fields, fp8_config_fields
 
     fields = {**default_config_fields(H, I, 16384, 8, 132, 1, 48), **fp8_config_fields(90),
-              **fp8_backward_fields(90), "bwd_split_launch": True}
+              **fp8_backward_fields(90)}
+    assert fields["bwd_split_launch"]  # the one-rank FP8 default
     spills = {}
     for q_cols, rows in ((0, 64), (64, 128)):
         cfg = mk.MoKConfig.for_shape(H, I, **fields, bwd_q_cols=q_cols)
