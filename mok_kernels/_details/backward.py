@@ -735,6 +735,31 @@ def _pull_rows(ws: Workspace, bb: BackwardBuffers, st: ScheduleTensors, x_src: t
                                          num_warps=4)
 
 
+_SIDE_STREAMS: dict = {}  # device -> the stream of ``bwd_side_sms``' pull
+
+
+def side_pull(ws: Workspace):
+    """The stream the FP8 pull runs on beside the dgrad launch (``bwd_side_sms`` on a GPU,
+    one per device, made once), or None: the pull runs first on the current stream (the
+    knob off, or Triton's interpreter, where launches run one after another)."""
+    if ws.config.bwd_side_sms == 0 or ws.device.type != "cuda" or _interpreting():
+        return None
+    key = (ws.device.index if ws.device.index is not None else torch.cuda.current_device())
+    if key not in _SIDE_STREAMS:
+        _SIDE_STREAMS[key] = torch.cuda.Stream(ws.device)
+    return _SIDE_STREAMS[key]
+
+
+def launch_programs(ws: Workspace, progs: int, split: int) -> int:
+    """Programs per logical rank of a backward megakernel launch: ``progs``, less
+    ``bwd_side_sms // L`` (at least 1) for the dgrad launch (``split`` 1) when that knob
+    leaves SMs to the pull beside it."""
+    side = ws.config.bwd_side_sms
+    if split != 1 or side == 0:
+        return progs
+    return max(1, progs - max(1, side // ws.L))
+
+
 DGRAD_PHASES = 1 | 2 | 16  # the A and B items (16: the A items without their epilogue)
 WGRAD_PHASES = 4 | 8  # the Q (either bit), C and D items
 
@@ -788,8 +813,11 @@ def backward(config: MoKConfig, ws: Workspace, context: ForwardContext, dy_TH: t
     sc = backward_scratch(ws)
     bb.counters_LC.zero_()
     ws.barrier()
-    if config.bwd_fp8_wgrad:  # the pull writes FP8 transposed copies of x and dY
-        _pull_fp8_copies(ws, bb, st, sc, x_src, dy_src, context.x_TH, dy_TH)
+    beside = side_pull(ws)  # bwd_side_sms on a GPU: the pull beside the dgrad launch
+    if config.bwd_fp8_wgrad and beside is None:  # the pull writes FP8 transposed copies
+        _pull_fp8_copies(ws, bb, st, sc, x_src, dy_src, context.x_TH, dy_TH)  # of x and dY
+    elif beside is not None:
+        beside.wait_stream(torch.cuda.current_stream(ws.device))  # what the pull reads
     elif config.bwd_pull_by_token:  # each token's rows read once, written to its slots' rows
         _pull_by_token(ws, bb, st, sc, x_src, dy_src)
     elif not config.bwd_fused_pull:
@@ -805,9 +833,15 @@ def backward(config: MoKConfig, ws: Workspace, context: ForwardContext, dy_TH: t
                                 fp8_weights=fp8_weights, dy_src=dy_src)
     args.update(trace_args(_trace, L, backward_trace_capacity(ws)))
     for split, phases in split_launches(config, _phases):  # the launches differ in these only
-        mok_backward_kernel[(L * progs,)](**{**args, "SPLIT": split, "PHASES": phases},
-                                          num_warps=config.num_warps,
-                                          num_stages=backward_stages(config), **extra)
+        n = launch_programs(ws, progs, split)
+        mok_backward_kernel[(L * n,)](**{**args, "SPLIT": split, "PHASES": phases,
+                                         "PROGS": n},
+                                      num_warps=config.num_warps,
+                                      num_stages=backward_stages(config), **extra)
+        if beside is not None and split == 1:  # submitted after the dgrad launch, so its
+            with torch.cuda.stream(beside):  # programs take their SMs first
+                _pull_fp8_copies(ws, bb, st, sc, x_src, dy_src, context.x_TH, dy_TH)
+            torch.cuda.current_stream(ws.device).wait_stream(beside)  # before the wgrad
     ws.barrier()
     dx = torch.empty(L * T, H, dtype=torch.bfloat16, device=ws.device)
     bh = _row_chunk(H)

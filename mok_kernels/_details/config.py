@@ -236,6 +236,16 @@ class MoKConfig:
         (no host sync); its items' waits find their flags set. The same items, so the same
         gradients; costs the tail of the B items (programs that finish early wait for the
         launch to end instead of starting Q items) and one launch. Off until timed.
+    bwd_side_sms: with ``bwd_split_launch``, ``bwd_fp8_wgrad`` and the separate pull: SMs
+        that the dgrad launch leaves free (0: none) so that the FP8 pull, whose transposed
+        copies only the weight-gradient launch reads, runs beside the dgrad launch on a
+        second stream instead of before it (on a GPU; one after the other in Triton's
+        interpreter). The dgrad launch runs that many fewer programs (per logical rank:
+        ``bwd_side_sms // L``, at least 1) and the weight-gradient launch waits for the
+        pull. At Kimi K2 48 x 16384 the pull takes about 1.3 ms on every SM and the dgrad
+        launch about 10.4 ms (notes/mok-kernel.md, the lease of 2026-12-04 18:28): on 4
+        SMs it would cost that launch about 3%. The same kernels on the same inputs, so
+        the same gradients.
     bwd_pull_interleave: with ``bwd_fp8_wgrad`` and the separate pull: the pull's programs
         take the row blocks in the order of their place inside their group (every group's
         first block, then every group's second, ...; a stable sort of each block's
@@ -354,6 +364,7 @@ class MoKConfig:
     bwd_pull_interleave: bool = False
     bwd_fp8_prequant: bool = False
     bwd_split_launch: bool = False
+    bwd_side_sms: int = 0
     bwd_pull_by_token: bool = False
     bwd_dw_tiles: int = 1
     bwd_dw_stages: int = 2
@@ -494,6 +505,13 @@ class MoKConfig:
                "0 with bwd_fp8_q_tma_store (its store boxes are block_n / 2 wide)")
         _check(isinstance(self.bwd_split_launch, bool), "bwd_split_launch",
                self.bwd_split_launch, "true | false")
+        side = self.bwd_side_sms
+        _check(isinstance(side, int) and not isinstance(side, bool) and 0 <= side <= 64,
+               "bwd_side_sms", side, "an integer in 0..64")
+        _check(side == 0 or (self.bwd_split_launch and self.bwd_fp8_wgrad
+                             and not self.bwd_fused_pull), "bwd_side_sms", side,
+               "0 unless bwd_split_launch and bwd_fp8_wgrad are set without bwd_fused_pull "
+               "(it runs the separate FP8 pull beside the dgrad launch)")
         _check(isinstance(self.bwd_pull_dedup, bool), "bwd_pull_dedup", self.bwd_pull_dedup,
                "true | false")
         _check(not (self.bwd_pull_dedup and self.bwd_fused_pull),

@@ -305,3 +305,5 @@ def test_fp8_cells_on_one_rank_split_the_launch_and_interleave_the_pull(monkeypa
     assert not scenario_config(bf16).bwd_pull_interleave
     with pytest.raises(MoKConfigError, match=r"^bwd_pull_interleave=True is invalid"):
         scenario_config(fp8, {"bwd_fused_pull": True, "bwd_pull_interleave": True})
+    side = scenario_config(fp8, {"bwd_side_sms": 4})
+    assert ",side_sms=4" in variant_text(side, 7168, 2048, fp8=True, graphed=False)
