@@ -225,8 +225,9 @@ class MoKConfig:
         fewer columns, up to the backward's row block (``backward.q_rows``: 128 rows at
         the Kimi shape), so each step writes 128 bytes of every transposed column (an L2
         line) instead of 64 and the running max keeps its size. The same values and
-        scales, so the same gradients; untimed. Not with ``bwd_fp8_q_tma_store`` (its
-        store boxes are block_n / 2 wide).
+        scales, so the same gradients; no faster in results/20261204-183317-h200-fp8-backward
+        and by the profiling script (notes/mok-kernel.md): off. Not with
+        ``bwd_fp8_q_tma_store`` (its store boxes are block_n / 2 wide).
     bwd_split_launch: the backward megakernel as two launches of one persistent grid: the
         dgrad items (A, B), then the weight-gradient items (Q, C, D), each launch built with
         only its item kinds, so each is given registers for its own items alone (at the Kimi
@@ -235,7 +236,10 @@ class MoKConfig:
         tickets from a counter of its own, offset by the dgrad items' count on the device
         (no host sync); its items' waits find their flags set. The same items, so the same
         gradients; costs the tail of the B items (programs that finish early wait for the
-        launch to end instead of starting Q items) and one launch. Off until timed.
+        launch to end instead of starting Q items) and one launch. Off here; the mok
+        backend's FP8 default on one Hopper rank (with ``bwd_pull_interleave``) since
+        results/20261204-183317-h200-fp8-backward timed the pair faster at the 48/64-expert
+        shapes.
     bwd_side_sms: with ``bwd_split_launch``, ``bwd_fp8_wgrad`` and the separate pull: SMs
         that the dgrad launch leaves free (0: none) so that the FP8 pull, whose transposed
         copies only the weight-gradient launch reads, runs beside the dgrad launch on a
@@ -254,7 +258,7 @@ class MoKConfig:
         x and dY rows for the k groups each token went to, and L2 serves the repeats
         instead of HBM (in row order the programs of one wave cover a few groups, so a
         token's rows are read in different waves). The same rows, so the same gradients;
-        off until timed.
+        off here, the mok backend's FP8 default on one Hopper rank (``bwd_split_launch``).
     bwd_fp8_prequant: with ``bwd_fp8_wgrad`` and ``bwd_fp8_da`` and the separate pull: each
         rank quantises its own tokens' x and dY rows once (e4m3, the global column maxima's
         scales: the pull's arithmetic) into its symmetric buffer after the column maxima,
@@ -262,7 +266,9 @@ class MoKConfig:
         rows and quantising each (token, k) row: half the pull's reads (and its NVLink
         bytes in EP), at the cost of T x H bytes written twice per rank and, in real EP, a
         second barrier; the bf16 copies of x and dY into the peer buffers are left out.
-        The same bytes in the copies, so the same gradients; untimed.
+        The same bytes in the copies, so the same gradients; no faster in
+        results/20261204-183317-h200-fp8-backward (with ``bwd_q_cols`` 64) and by the
+        profiling script (notes/mok-kernel.md): off.
     bwd_dx_band: the order of the backward's dX (B) items: 0 or 1 row block by row block
         (a row block's H tiles one after another); G > 1 in bands of G row blocks, inside a
         band the H tiles outer and the row blocks inner (the last band may hold fewer). The
