@@ -735,6 +735,26 @@ def _pull_rows(ws: Workspace, bb: BackwardBuffers, st: ScheduleTensors, x_src: t
                                          num_warps=4)
 
 
+def _dx_sum(ws: Workspace, bb: BackwardBuffers, stream) -> torch.Tensor:
+    """dx [L*T, H] bf16: each token's dX slot rows summed in fixed k order
+    (``weighted_sum_kernel`` with unit weights), on ``stream`` (None: the current one)."""
+    from mok_kernels._details.tl_mega import weighted_sum_kernel
+
+    dx = torch.empty(ws.L * ws.T, ws.H, dtype=torch.bfloat16, device=ws.device)
+    bh = _row_chunk(ws.H)
+    with torch.cuda.stream(stream) if stream is not None else _no_stream():
+        weighted_sum_kernel[(ws.L * ws.T, -(-ws.H // bh))](
+            ws.comb_LTSH, bb.ones_NK, dx, H=ws.H, K=ws.K, S=ws.S, BH=bh, num_warps=4)
+    return dx
+
+
+def _no_stream():
+    """A context that changes nothing (the current stream)."""
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
 _SIDE_STREAMS: dict = {}  # device -> the stream of ``bwd_side_sms``' pull
 
 
@@ -753,9 +773,10 @@ def side_pull(ws: Workspace):
 def launch_programs(ws: Workspace, progs: int, split: int) -> int:
     """Programs per logical rank of a backward megakernel launch: ``progs``, less
     ``bwd_side_sms // L`` (at least 1) for the dgrad launch (``split`` 1) when that knob
-    leaves SMs to the pull beside it."""
+    leaves SMs to the pull beside it, and for the weight-gradient launch (``split`` 2) when
+    ``bwd_side_sum`` leaves them to the dX sum."""
     side = ws.config.bwd_side_sms
-    if split != 1 or side == 0:
+    if side == 0 or not (split == 1 or (split == 2 and ws.config.bwd_side_sum)):
         return progs
     return max(1, progs - max(1, side // ws.L))
 
@@ -786,7 +807,6 @@ def backward(config: MoKConfig, ws: Workspace, context: ForwardContext, dy_TH: t
     every megakernel item's (start ns, end ns, program, kind) at its ticket; rows of
     tickets not used keep what they held."""
     from mok_kernels._details.tl_backward import mok_backward_kernel
-    from mok_kernels._details.tl_mega import weighted_sum_kernel
 
     if config != ws.config or context.schedule.workspace is not ws:
         raise ValueError("config / context do not belong to this workspace")
@@ -832,6 +852,7 @@ def backward(config: MoKConfig, ws: Workspace, context: ForwardContext, dy_TH: t
                                 interpreting=_interpreting(), x_src=x_src,
                                 fp8_weights=fp8_weights, dy_src=dy_src)
     args.update(trace_args(_trace, L, backward_trace_capacity(ws)))
+    dx = None
     for split, phases in split_launches(config, _phases):  # the launches differ in these only
         n = launch_programs(ws, progs, split)
         mok_backward_kernel[(L * n,)](**{**args, "SPLIT": split, "PHASES": phases,
@@ -841,12 +862,20 @@ def backward(config: MoKConfig, ws: Workspace, context: ForwardContext, dy_TH: t
         if beside is not None and split == 1:  # submitted after the dgrad launch, so its
             with torch.cuda.stream(beside):  # programs take their SMs first
                 _pull_fp8_copies(ws, bb, st, sc, x_src, dy_src, context.x_TH, dy_TH)
-            torch.cuda.current_stream(ws.device).wait_stream(beside)  # before the wgrad
-    ws.barrier()
-    dx = torch.empty(L * T, H, dtype=torch.bfloat16, device=ws.device)
-    bh = _row_chunk(H)
-    weighted_sum_kernel[(L * T, -(-H // bh))](ws.comb_LTSH, bb.ones_NK, dx, H=H, K=K, S=ws.S,
-                                              BH=bh, num_warps=4)
+            main = torch.cuda.current_stream(ws.device)
+            main.wait_stream(beside)  # the weight-gradient launch reads the pull's copies
+            if config.bwd_side_sum:  # peers' dX rows in (real EP), then the sum may start
+                ws.barrier()
+                beside.wait_stream(main)
+        if config.bwd_side_sum and split == 2:
+            dx = _dx_sum(ws, bb, beside)  # the stream it runs on: beside this launch
+    if dx is None:  # the sum after every launch (or no weight-gradient launch was made)
+        ws.barrier()
+        dx = _dx_sum(ws, bb, None)
+    else:  # the sum done (joined) before the barrier lets peers reuse the dX slots
+        if beside is not None:
+            torch.cuda.current_stream(ws.device).wait_stream(beside)
+        ws.barrier()
     dp = bb.drp_LTKJ.sum(-1).view(L * T, K)
     sg = sd = None
     if ws.shared:

@@ -250,6 +250,11 @@ class MoKConfig:
         launch about 10.4 ms (notes/mok-kernel.md, the lease of 2026-12-04 18:28): on 4
         SMs it would cost that launch about 3%. The same kernels on the same inputs, so
         the same gradients.
+    bwd_side_sum: with ``bwd_side_sms``: the weight-gradient launch leaves the same SMs
+        free too, and the dX sum over each token's slots (about 0.5 ms on every SM at Kimi
+        K2 48 x 16384), which reads only the dgrad launch's dX rows, runs beside it on the
+        second stream instead of after it (in real EP after a barrier that follows the
+        dgrad launch, since peers push those rows). The same kernel, the same dX.
     bwd_pull_interleave: with ``bwd_fp8_wgrad`` and the separate pull: the pull's programs
         take the row blocks in the order of their place inside their group (every group's
         first block, then every group's second, ...; a stable sort of each block's
@@ -371,6 +376,7 @@ class MoKConfig:
     bwd_fp8_prequant: bool = False
     bwd_split_launch: bool = False
     bwd_side_sms: int = 0
+    bwd_side_sum: bool = False
     bwd_pull_by_token: bool = False
     bwd_dw_tiles: int = 1
     bwd_dw_stages: int = 2
@@ -518,6 +524,10 @@ class MoKConfig:
                              and not self.bwd_fused_pull), "bwd_side_sms", side,
                "0 unless bwd_split_launch and bwd_fp8_wgrad are set without bwd_fused_pull "
                "(it runs the separate FP8 pull beside the dgrad launch)")
+        _check(isinstance(self.bwd_side_sum, bool), "bwd_side_sum", self.bwd_side_sum,
+               "true | false")
+        _check(not self.bwd_side_sum or side > 0, "bwd_side_sum", self.bwd_side_sum,
+               "false unless bwd_side_sms > 0 (the SMs the sum runs on)")
         _check(isinstance(self.bwd_pull_dedup, bool), "bwd_pull_dedup", self.bwd_pull_dedup,
                "true | false")
         _check(not (self.bwd_pull_dedup and self.bwd_fused_pull),

@@ -200,12 +200,12 @@ def test_two_runs_bitwise_equal():
 
 @pytest.mark.parametrize("knobs", [{}, {
     "bwd_fp8_da": True, "bwd_fp8_dx": True, "bwd_fp8_wgrad": True, "bwd_fp8_block_k": 128,
-    "bwd_block_m": 128, "bwd_split_launch": True, "bwd_side_sms": 8}])
+    "bwd_block_m": 128, "bwd_split_launch": True, "bwd_side_sms": 8, "bwd_side_sum": True}])
 def test_cuda_graph_replay_of_forward_and_backward_equals_eager(knobs):
     """Forward and backward captured as one CUDA graph, replayed on new inputs: every output
     and gradient bitwise the eager run's; also with the whole FP8 backward whose pull runs
-    on a second stream beside the dgrad launch (``bwd_side_sms``: forked and joined inside
-    the capture)."""
+    on a second stream beside the dgrad launch and the dX sum beside the weight-gradient
+    launch (``bwd_side_sms``, ``bwd_side_sum``: forked and joined inside the capture)."""
     cfg = cfg_for(2048, 256, gate_up_interleaved=True, compile_schedule=True, **knobs)
     L, T, E, K = 2, 256, 4, 4
     x, idx, p, w = make_layer(L, T, 2048, 256, E, K, seed=4)
@@ -503,17 +503,21 @@ def test_fp8_split_launch_gives_the_same_gradients_bitwise(ranks, shared):
                                             "bwd_split_launch": True}, 37)
 
 
-@pytest.mark.parametrize("ranks, shared, side", [(1, True, 4), (2, False, 16)])
-def test_pull_beside_the_dgrad_launch_gives_the_same_gradients_bitwise(ranks, shared, side):
+@pytest.mark.parametrize("ranks, shared, side, ssum", [(1, True, 4, False),
+                                                      (1, True, 4, True), (2, False, 16, True)])
+def test_pull_beside_the_dgrad_launch_gives_the_same_gradients_bitwise(ranks, shared, side,
+                                                                        ssum):
     """``bwd_side_sms`` (the dgrad launch leaves ``side`` SMs to the FP8 pull, which runs
-    beside it on a second stream; the weight-gradient launch waits for it) on the whole FP8
+    beside it on a second stream; the weight-gradient launch waits for it), and with
+    ``bwd_side_sum`` the dX sum beside the weight-gradient launch, on the whole FP8
     backward with the split launch and the interleaved pull: every gradient bitwise the
     default's, reruns bitwise equal (a weight-gradient launch that did not wait would read
-    copies the pull had not written yet)."""
+    copies the pull had not written yet; a sum that started before the dgrad launch ended,
+    dX rows not yet written)."""
     _fp8_variant_is_bitwise(ranks, shared, {"bwd_dw_tiles": 4, "bwd_q_count_rows": True,
                                             "bwd_split_launch": True,
                                             "bwd_pull_interleave": True,
-                                            "bwd_side_sms": side}, 47)
+                                            "bwd_side_sms": side, "bwd_side_sum": ssum}, 47)
 
 
 @pytest.mark.parametrize("ranks, shared, colmax", [(1, True, False), (2, False, True)])

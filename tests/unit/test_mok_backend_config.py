@@ -307,3 +307,5 @@ def test_fp8_cells_on_one_rank_split_the_launch_and_interleave_the_pull(monkeypa
         scenario_config(fp8, {"bwd_fused_pull": True, "bwd_pull_interleave": True})
     side = scenario_config(fp8, {"bwd_side_sms": 4})
     assert ",side_sms=4" in variant_text(side, 7168, 2048, fp8=True, graphed=False)
+    both = scenario_config(fp8, {"bwd_side_sms": 4, "bwd_side_sum": True})
+    assert ",side_sms=4,side_sum=1" in variant_text(both, 7168, 2048, fp8=True, graphed=False)

@@ -50,6 +50,8 @@ from mok_kernels import MoKConfig, MoKConfigError, plan
     ({"bwd_q_count_rows": True}, "bwd_q_count_rows"),
     ({"bwd_split_launch": 1}, "bwd_split_launch"),
     ({"bwd_side_sms": -1}, "bwd_side_sms"),
+    ({"bwd_side_sum": 1}, "bwd_side_sum"),
+    ({"bwd_side_sum": True}, "bwd_side_sum"),
     ({"bwd_side_sms": True}, "bwd_side_sms"),
     ({"bwd_side_sms": 4, "bwd_fp8_wgrad": True}, "bwd_side_sms"),
     ({"bwd_side_sms": 4, "bwd_split_launch": True}, "bwd_side_sms"),

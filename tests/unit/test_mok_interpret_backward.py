@@ -902,16 +902,17 @@ SIDE_SCRIPT = COMMON + textwrap.dedent("""
     x, idx, p, _, W, dy, exact = interleaved_case(L, T, E, K, shared, 41)
     f8 = dict(bwd_fp8_da=True, bwd_fp8_dx=True, bwd_fp8_wgrad=True, bwd_split_launch=True)
     out = []
-    for side in (0, 2, 6):
-        cfg = config(True, **f8, bwd_side_sms=side)
+    for side, ssum in ((0, False), (2, False), (6, False), (2, True), (6, True)):
+        cfg = config(True, **f8, bwd_side_sms=side, bwd_side_sum=ssum)
         ws = mk.get_workspace(cfg, tokens=T, hidden=H, intermediate=I, local_experts=E,
                               topk=K, shared=shared, device="cpu", loopback_ranks=L)
         assert side_pull(ws) is None  # no second stream here: the pull runs first
-        # 4 programs per logical rank here; the dgrad launch leaves side // L of them
-        assert [launch_programs(ws, 4, n) for n in (1, 2)] == [
-            {0: 4, 2: 3, 6: 1}[side], 4]
+        # 4 programs per logical rank here; the dgrad launch leaves side // L of them, and
+        # the weight-gradient launch too with bwd_side_sum
+        left = {0: 4, 2: 3, 6: 1}[side]
+        assert [launch_programs(ws, 4, n) for n in (1, 2)] == [left, left if ssum else 4]
         out.append(run_fp8(cfg, L, T, E, K, shared, H, I, x, idx, p, W, dy)[0])
-    for i in (1, 2):
+    for i in range(1, len(out)):
         assert_bitwise(out[0], out[i], i)
     assert rel(out[0].dx_TH, exact.dx_TH) < 1e-1  # the FP8 bound
     print("side ok")
@@ -922,8 +923,9 @@ def test_dgrad_launch_with_sms_left_to_the_pull_gives_the_same_gradients_bitwise
     """``bwd_side_sms`` (the dgrad launch leaves SMs to the FP8 pull, which runs beside it on
     a GPU): with fewer dgrad programs (3, then 1 per logical rank, two loopback ranks) every
     gradient of the whole FP8 backward with the split launch is bitwise the full launch's;
-    the weight-gradient launch keeps every program; Triton's interpreter runs the pull first
-    (no second stream)."""
+    the weight-gradient launch keeps every program unless ``bwd_side_sum`` leaves the same
+    SMs to the dX sum (then its fewer programs too, and the sum after it); Triton's
+    interpreter runs the pull first and the sum after the launches (no second stream)."""
     _prints(run_interpreted(SIDE_SCRIPT), "side ok", 1)
 
 
