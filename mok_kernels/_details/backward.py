@@ -833,7 +833,10 @@ def backward(config: MoKConfig, ws: Workspace, context: ForwardContext, dy_TH: t
     sc = backward_scratch(ws)
     bb.counters_LC.zero_()
     ws.barrier()
+    launches = split_launches(config, _phases)
     beside = side_pull(ws)  # bwd_side_sms on a GPU: the pull beside the dgrad launch
+    if all(n != 1 for n, _ in launches):  # (a profiling mask without the dgrad launch)
+        beside = None
     if config.bwd_fp8_wgrad and beside is None:  # the pull writes FP8 transposed copies
         _pull_fp8_copies(ws, bb, st, sc, x_src, dy_src, context.x_TH, dy_TH)  # of x and dY
     elif beside is not None:
@@ -853,7 +856,7 @@ def backward(config: MoKConfig, ws: Workspace, context: ForwardContext, dy_TH: t
                                 fp8_weights=fp8_weights, dy_src=dy_src)
     args.update(trace_args(_trace, L, backward_trace_capacity(ws)))
     dx = None
-    for split, phases in split_launches(config, _phases):  # the launches differ in these only
+    for split, phases in launches:  # the launches differ in these only
         n = launch_programs(ws, progs, split)
         mok_backward_kernel[(L * n,)](**{**args, "SPLIT": split, "PHASES": phases,
                                          "PROGS": n},
