@@ -20,6 +20,7 @@ by the home rank in fixed slot order.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -742,17 +743,10 @@ def _dx_sum(ws: Workspace, bb: BackwardBuffers, stream) -> torch.Tensor:
 
     dx = torch.empty(ws.L * ws.T, ws.H, dtype=torch.bfloat16, device=ws.device)
     bh = _row_chunk(ws.H)
-    with torch.cuda.stream(stream) if stream is not None else _no_stream():
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
         weighted_sum_kernel[(ws.L * ws.T, -(-ws.H // bh))](
             ws.comb_LTSH, bb.ones_NK, dx, H=ws.H, K=ws.K, S=ws.S, BH=bh, num_warps=4)
     return dx
-
-
-def _no_stream():
-    """A context that changes nothing (the current stream)."""
-    import contextlib
-
-    return contextlib.nullcontext()
 
 
 _SIDE_STREAMS: dict = {}  # device -> the stream of ``bwd_side_sms``' pull
