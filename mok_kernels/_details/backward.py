@@ -831,10 +831,11 @@ def backward(config: MoKConfig, ws: Workspace, context: ForwardContext, dy_TH: t
     beside = side_pull(ws)  # bwd_side_sms on a GPU: the pull beside the dgrad launch
     if all(n != 1 for n, _ in launches):  # (a profiling mask without the dgrad launch)
         beside = None
+    main = torch.cuda.current_stream(ws.device) if beside is not None else None
     if config.bwd_fp8_wgrad and beside is None:  # the pull writes FP8 transposed copies
         _pull_fp8_copies(ws, bb, st, sc, x_src, dy_src, context.x_TH, dy_TH)  # of x and dY
     elif beside is not None:
-        beside.wait_stream(torch.cuda.current_stream(ws.device))  # what the pull reads
+        beside.wait_stream(main)  # what the pull reads
     elif config.bwd_pull_by_token:  # each token's rows read once, written to its slots' rows
         _pull_by_token(ws, bb, st, sc, x_src, dy_src)
     elif not config.bwd_fused_pull:
@@ -859,7 +860,6 @@ def backward(config: MoKConfig, ws: Workspace, context: ForwardContext, dy_TH: t
         if beside is not None and split == 1:  # submitted after the dgrad launch, so its
             with torch.cuda.stream(beside):  # programs take their SMs first
                 _pull_fp8_copies(ws, bb, st, sc, x_src, dy_src, context.x_TH, dy_TH)
-            main = torch.cuda.current_stream(ws.device)
             main.wait_stream(beside)  # the weight-gradient launch reads the pull's copies
             if config.bwd_side_sum:  # peers' dX rows in (real EP), then the sum may start
                 ws.barrier()
@@ -871,7 +871,7 @@ def backward(config: MoKConfig, ws: Workspace, context: ForwardContext, dy_TH: t
         dx = _dx_sum(ws, bb, None)
     else:  # the sum done (joined) before the barrier lets peers reuse the dX slots
         if beside is not None:
-            torch.cuda.current_stream(ws.device).wait_stream(beside)
+            main.wait_stream(beside)
         ws.barrier()
     dp = bb.drp_LTKJ.sum(-1).view(L * T, K)
     sg = sd = None

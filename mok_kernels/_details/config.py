@@ -246,15 +246,14 @@ class MoKConfig:
         second stream instead of before it (on a GPU; one after the other in Triton's
         interpreter). The dgrad launch runs that many fewer programs (per logical rank:
         ``bwd_side_sms // L``, at least 1) and the weight-gradient launch waits for the
-        pull. At Kimi K2 48 x 16384 the pull takes about 1.3 ms on every SM and the dgrad
-        launch about 10.4 ms (notes/mok-kernel.md, the lease of 2026-12-04 18:28): on 4
-        SMs it would cost that launch about 3%. The same kernels on the same inputs, so
-        the same gradients.
+        pull (the profiler's leads and the estimate: notes/mok-kernel.md, the lease of
+        2026-12-04 18:28). The same kernels on the same inputs, so the same gradients;
+        untimed.
     bwd_side_sum: with ``bwd_side_sms``: the weight-gradient launch leaves the same SMs
-        free too, and the dX sum over each token's slots (about 0.5 ms on every SM at Kimi
-        K2 48 x 16384), which reads only the dgrad launch's dX rows, runs beside it on the
-        second stream instead of after it (in real EP after a barrier that follows the
-        dgrad launch, since peers push those rows). The same kernel, the same dX.
+        free too, and the dX sum over each token's slots, which reads only the dgrad
+        launch's dX rows, runs beside it on the second stream instead of after it (in real
+        EP after a barrier that follows the dgrad launch, since peers push those rows).
+        The same kernel, the same dX; untimed.
     bwd_pull_interleave: with ``bwd_fp8_wgrad`` and the separate pull: the pull's programs
         take the row blocks in the order of their place inside their group (every group's
         first block, then every group's second, ...; a stable sort of each block's
