@@ -35,7 +35,8 @@ def reference_grads(x, idx, p, w, dy):
 
 
 def run_train(cfg, L, x, idx, p, w, E, dy, withhold=0):
-    """Training forward + backward on L loopback ranks; weights in the config's layout."""
+    """Training forward + backward on L loopback ranks; weights in the config's layout, with
+    the FP8 weight copies the config's backward reads (None in a bf16 backward)."""
     T = x.shape[0] // L
     ws = mk.get_workspace(cfg, tokens=T, hidden=x.shape[1], intermediate=w[1].shape[1],
                           local_experts=E, topk=idx.shape[1], shared=w[2] is not None,
@@ -43,7 +44,8 @@ def run_train(cfg, L, x, idx, p, w, E, dy, withhold=0):
     lay = mk.interleave_gate_up if cfg.gate_up_interleaved else (lambda t: t)
     wk = (lay(w[0]), w[1], lay(w[2]) if w[2] is not None else None, w[3])
     y, saved = mk.forward_train(cfg, ws, mk.build_schedule(ws, idx), x, p, *wk)
-    g = mk.backward(cfg, ws, saved, dy, *wk, _withhold=withhold)
+    fp8_weights = mk.quantize_backward_weights(cfg, wk[1], wk[3], wk[0], wk[2])
+    g = mk.backward(cfg, ws, saved, dy, *wk, fp8_weights=fp8_weights, _withhold=withhold)
     return y, g, ws
 
 
