@@ -247,13 +247,16 @@ class MoKConfig:
         interpreter). The dgrad launch runs that many fewer programs (per logical rank:
         ``bwd_side_sms // L``, at least 1) and the weight-gradient launch waits for the
         pull (the profiler's leads and the estimate: notes/mok-kernel.md, the lease of
-        2026-12-04 18:28). The same kernels on the same inputs, so the same gradients;
-        untimed.
+        2026-12-04 18:28). The same kernels on the same inputs, so the same gradients.
+        Off: within the default's spread at 4 SMs in
+        results/20261204-212014-h200-fp8-backward (one H200; the pull then spans the
+        whole dgrad launch), untimed at EP > 1.
     bwd_side_sum: with ``bwd_side_sms``: the weight-gradient launch leaves the same SMs
         free too, and the dX sum over each token's slots, which reads only the dgrad
         launch's dX rows, runs beside it on the second stream instead of after it (in real
         EP after a barrier that follows the dgrad launch, since peers push those rows).
-        The same kernel, the same dX; untimed.
+        The same kernel, the same dX. Off: within the default's spread at the 48/64-expert
+        shapes in results/20261204-212014-h200-fp8-backward, 1.1% slower at Kimi K2 384.
     bwd_pull_interleave: with ``bwd_fp8_wgrad`` and the separate pull: the pull's programs
         take the row blocks in the order of their place inside their group (every group's
         first block, then every group's second, ...; a stable sort of each block's
