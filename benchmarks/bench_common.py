@@ -33,7 +33,8 @@ def cuda_ms(body: Callable[[], object], prepare: Callable[[], object] | None = N
 
 # FLOPs of each backward item kind (phase bit) in units of F = 2 x rows x H x I, one GEMM of
 # the layer: dA = dY W_down^T (F), dX = [dG dU] W_gate_up^T (2F), dW_down (F), dW_gate_up (2F).
-# Bit 16 (the dA items' K loop without their epilogue) adds no FLOPs of its own.
+# Bit 16 (the dA items' K loop without their epilogue) adds no FLOPs of its own, nor bit 32
+# (the FP8 weight gradients' quantisation (Q) items, which bits 4 and 8 run too, alone).
 PHASE_GEMMS = {1: ("dA", 1), 2: ("dX", 2), 4: ("dW_down", 1), 8: ("dW_gate_up", 2)}
 
 
@@ -41,7 +42,8 @@ def phase_lines(median_ms: dict[int, float], gemm_flops: float) -> list[str]:
     """For each timed phase mask other than 0, a line with its items' time beyond mask 0
     (everything outside the items) and the items' TFLOP/s, given each mask's median in ms and
     F = ``gemm_flops``; nothing without mask 0. Mask 17 (the dA items' K loop) is set beside
-    mask 1 by the epilogue's share: (t[1] - t[17]) / (t[1] - t[0])."""
+    mask 1 by the epilogue's share: (t[1] - t[17]) / (t[1] - t[0]); mask 33 (the dA items,
+    then the Q items alone) by the Q items' time, t[33] - t[1]."""
     if 0 not in median_ms:
         return []
     base, out = median_ms[0], []
@@ -51,11 +53,14 @@ def phase_lines(median_ms: dict[int, float], gemm_flops: float) -> list[str]:
         kinds = [name for bit, (name, _) in PHASE_GEMMS.items() if mask & bit]
         flops = gemm_flops * sum(n for bit, (_, n) in PHASE_GEMMS.items() if mask & bit)
         items = ms - base
-        what = "+".join(kinds) + (" K loop only" if mask & 16 else "")
+        what = "+".join(kinds + (["Q"] if mask & 32 and not mask & 12 else []))
+        what += " K loop only" if mask & 16 else ""
         rate = f"{flops / items / 1e9:8.1f} TFLOP/s" if items > 0 and flops else "   n/a"
         out.append(f"items[{mask}] {what:28s} {items:8.3f} ms beyond mask 0  {rate}")
     if 1 in median_ms and 17 in median_ms and median_ms[1] > base:
         share = (median_ms[1] - median_ms[17]) / (median_ms[1] - base)
         out.append(f"dA epilogue share {share:.3f} of the dA items' time "
                    f"({median_ms[1] - median_ms[17]:.3f} ms)")
+    if 1 in median_ms and 33 in median_ms:
+        out.append(f"Q items {median_ms[33] - median_ms[1]:.3f} ms (mask 33 less mask 1)")
     return out

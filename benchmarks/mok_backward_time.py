@@ -43,8 +43,13 @@ def main() -> None:
     ap.add_argument("--options", default="{}", help="JSON MoKConfig overrides")
     ap.add_argument("--phases", default="", help="comma-separated backward item masks to time "
                     "(1 dA, 2 dX, 4 dW_down, 8 dW_gate_up; 0 everything outside the items; "
-                    "+16 the dA items without their epilogue (one dA tile per item); masks "
+                    "+16 the dA items without their epilogue (one dA tile per item); +32 the "
+                    "FP8 weight gradients' Q items, alone without 4 and 8; masks "
                     "without 1 end at their first wait; profiling only)")
+    ap.add_argument("--ncu-mask", type=int, default=None, metavar="MASK",
+                    help="after the timed runs, one backward with this phase mask (15: all) "
+                    "between cudaProfilerStart and Stop, for Nsight Compute's "
+                    "--profile-from-start off (its launches alone are profiled)")
     ap.add_argument("--profile", action="store_true",
                     help="also print each kernel's device time over 3 backwards (torch.profiler)")
     ap.add_argument("--passes", default="inference,forward_train,backward",
@@ -62,6 +67,8 @@ def main() -> None:
     bad = sorted(set(passes) - {"inference", "forward_train", "backward"})
     if a.trace_runs < 1:
         ap.error(f"--trace-runs: got {a.trace_runs}; allowed an integer >= 1")
+    if a.ncu_mask is not None and not 0 <= a.ncu_mask <= 63:
+        ap.error(f"--ncu-mask: got {a.ncu_mask}; allowed a phase mask in 0..63")
     if bad or not passes:
         ap.error(f"--passes: got {a.passes!r}; allowed a comma-separated subset of "
                  "inference, forward_train, backward")
@@ -124,6 +131,14 @@ def main() -> None:
     for ph in filter(None, a.phases.split(",") if "backward" in passes else []):
         res[f"backward[{ph}]"] = timed(
             lambda m=int(ph): back(m), pre_train)
+    if a.ncu_mask is not None:
+        pre_train()
+        torch.cuda.synchronize()
+        torch.cuda.profiler.start()
+        back(a.ncu_mask)
+        torch.cuda.synchronize()
+        torch.cuda.profiler.stop()
+        mk.check_errors(ws)
     if a.profile:
         from torch.profiler import ProfilerActivity, profile
 

@@ -776,7 +776,7 @@ def launch_programs(ws: Workspace, progs: int, split: int) -> int:
 
 
 DGRAD_PHASES = 1 | 2 | 16  # the A and B items (16: the A items without their epilogue)
-WGRAD_PHASES = 4 | 8  # the Q (either bit), C and D items
+WGRAD_PHASES = 4 | 8 | 32  # the Q (either bit, or 32 alone), C and D items
 
 
 def split_launches(cfg: MoKConfig, phases: int = 15) -> list[tuple[int, int]]:

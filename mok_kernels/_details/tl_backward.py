@@ -17,7 +17,8 @@ writers and readers fence the async proxy.
 
 Work items, claimed from one ticket counter per logical rank in the global order A, B, Q
 (FP8W only), C, D (``PHASES``, a bit mask, skips kinds for profiling; 15 runs all; bit 16
-runs the one-tile A items without their epilogue, to time their K loop alone):
+runs the one-tile A items without their epilogue, to time their K loop alone; the Q items run
+with bit 4 or 8, or alone with bit 32, so that a profiler sees them apart from the GEMMs):
     A  dgrad down, one per (row block b, DAT I tiles of DAC = BN/2 or BN columns):
        dA = dY @ W_down^T (``FP8DA``: FP8 tiles on the dY rows quantised at their home
        ranks, gathered from there, and W_down's e4m3 rows, row-wise scales); epilogue: SwiGLU
@@ -281,7 +282,7 @@ def mok_backward_kernel(
                                          sws1q_ptr)
         elif tk < end_q:
             if FP8W:  # Q items (none otherwise), largest group first
-                if PHASES & 12:
+                if PHASES & 44:
                     i = tk - end_b
                     gq_i = NG - 1 - i // NQ
                     ok = _wgrad_quant_item(gq_i, i % NQ, lr, gst, total, src, P,

@@ -42,5 +42,11 @@ def test_epilogue_share_from_the_k_loop_mask():
     assert lines[-1].startswith("dA epilogue share 0.300 ")
 
 
+def test_q_items_alone_from_mask_33():
+    lines = phase_lines({0: 2.0, 1: 12.0, 33: 13.5}, F)
+    assert "dA+Q " in lines[1] and _ms(lines[1]) == pytest.approx(11.5)
+    assert lines[-1] == "Q items 1.500 ms (mask 33 less mask 1)"
+
+
 def test_nothing_without_mask_zero():
     assert phase_lines({1: 11.0, 17: 9.0}, F) == []

@@ -106,7 +106,8 @@ def test_interleaved_pull_order_is_a_permutation_by_place_in_group():
 
 def test_split_launches_share_the_phase_mask():
     """``bwd_split_launch``: the dgrad launch takes the A and B bits (and the A items'
-    no-epilogue bit), the weight-gradient launch the Q, C and D bits; a launch left with no
+    no-epilogue bit), the weight-gradient launch the Q, C and D bits (and the Q items'
+    bit of their own); a launch left with no
     bit is not made; one launch otherwise, with the whole mask."""
     from mok_kernels._details.backward import split_launches
 
@@ -117,3 +118,4 @@ def test_split_launches_share_the_phase_mask():
     assert split_launches(split, 17) == [(1, 17)]
     assert split_launches(split, 8) == [(2, 8)]
     assert split_launches(split, 5) == [(1, 1), (2, 4)]
+    assert split_launches(split, 33) == [(1, 1), (2, 32)]  # the Q items alone

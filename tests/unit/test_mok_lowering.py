@@ -493,13 +493,25 @@ def test_requantisation_through_tma_is_pipelined():
     assert prologue_copies(both, "hs_a_desc") == 1
 
 
-def _q_and_c_items(**knobs):
-    """sm_90 build of the FP8 backward's Q and C items alone (phase mask 4, Kimi shape, FP8
-    weight gradients, one tile per item) with ``knobs``."""
+def _q_and_c_items(phases=4, **knobs):
+    """sm_90 build of the FP8 backward's Q and C items alone (phase mask 4; 32: the Q items
+    alone; Kimi shape, FP8 weight gradients, one tile per item) with ``knobs``."""
     fields = {**_row_pull(H, I, 16384, 8, 132, 1, 48, 90), "bwd_fp8_wgrad": True,
               "bwd_dw_tiles": 1, "bwd_dx_tiles": 1, **knobs}
     cfg = mk.MoKConfig.for_shape(H, I, **fields)
-    return mk.compile_megakernel(cfg, H, I, shared=True, kernel="backward", phases=4)
+    return mk.compile_megakernel(cfg, H, I, shared=True, kernel="backward", phases=phases)
+
+
+def test_profiling_bit_32_builds_the_q_items_without_any_gemm():
+    """Phase bit 32 (profiling: the Q items apart from the GEMMs, for a profiler's view of
+    their stalls): the build has the Q items' pipelined TMA reads of r h and dG/dU and
+    their transposed stores, and no MMA at all (no C or D item); mask 4 has the C items'."""
+    q = _q_and_c_items(phases=32)
+    assert not q.mma_instructions
+    for desc in ("hs_c_desc", "pre_q_desc"):
+        assert len(re.findall(rf"async_tma_copy_global_to_local %{desc}\[", q.ttgir)) >= 2
+    assert "st.global.v4.b32" in q.ptx
+    assert _q_and_c_items(phases=4).mma_instructions
 
 
 def test_quantisation_items_store_through_tma():
