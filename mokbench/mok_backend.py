@@ -370,8 +370,7 @@ def variant_text(c, hidden: int, intermediate: int, *, fp8: bool, graphed: bool)
             + (f",bwd_block_m={c.bwd_block_m}" if c.bwd_block_m else "")
             + (f",bwd_fp8_block_k={c.bwd_fp8_block_k}"
                if c.bwd_fp8_block_k != 64 and bwd != "bf16" else "")
-            + (",block_colmax=1" if c.bwd_fp8_block_colmax else "")
-            + (",q_tma_store=1" if c.bwd_fp8_q_tma_store else ""))
+            + (",block_colmax=1" if c.bwd_fp8_block_colmax else ""))
 
 
 class _MoKLayer(torch.autograd.Function):

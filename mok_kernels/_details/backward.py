@@ -327,12 +327,10 @@ def _need_fp8_weights(fp8_weights: BackwardFp8Weights | None, name: str,
 def _fp8_dx_args(ws: Workspace, sc: BackwardScratch,
                  fp8_weights: BackwardFp8Weights | None) -> dict:
     """The FP8 dX items' arguments (``bwd_fp8_dx``): the FP8 dG/dU scratch rows and the e4m3
-    W_gate_up rows through [BN, BK] TMA boxes, with their scales, and with
-    ``bwd_fp8_requant_tma`` and ``bwd_fp8_block_colmax`` a descriptor over r h for the
-    block-completing item's column maxima; all None without the knob."""
-    names = ("gq_ptr", "w1q_desc", "ws1q_desc", "sw1q_ptr", "sws1q_ptr", "hs_a_desc")
-    cfg = ws.config
-    if not cfg.bwd_fp8_dx:
+    W_gate_up rows through [BN, BK] TMA boxes, with their scales; all None without the
+    knob."""
+    names = ("gq_ptr", "w1q_desc", "ws1q_desc", "sw1q_ptr", "sws1q_ptr")
+    if not ws.config.bwd_fp8_dx:
         return dict.fromkeys(names)
     fw = _need_fp8_weights(fp8_weights, "w1q_NF", "bwd_fp8_dx")
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -346,11 +344,7 @@ def _fp8_dx_args(ws: Workspace, sc: BackwardScratch,
     shared = ws.shared
     return dict(gq_ptr=sc.gq_LPG, w1q_desc=TensorDescriptor.from_tensor(fw.w1q_NF, box),
                 ws1q_desc=TensorDescriptor.from_tensor(fw.ws1q_HF, box) if shared else None,
-                sw1q_ptr=fw.sw1_N, sws1q_ptr=fw.sws1_H if shared else None,
-                hs_a_desc=(TensorDescriptor.from_tensor(  # r h in the requantisation's boxes
-                    sc.hs_LPI.view(-1, ws.I),
-                    [cfg.bwd_bm, cfg.block_n // (2 if cfg.gate_up_interleaved else 4)])
-                    if cfg.bwd_fp8_requant_tma and cfg.bwd_fp8_block_colmax else None))
+                sw1q_ptr=fw.sw1_N, sws1q_ptr=fw.sws1_H if shared else None)
 
 
 def _fp8_da_args(ws: Workspace, bb: BackwardBuffers,
@@ -463,11 +457,10 @@ def _fp8_wgrad_args(cfg: MoKConfig, sc: BackwardScratch, pre_LPF: torch.Tensor) 
     """The FP8 weight-gradient items' arguments (``bwd_fp8_wgrad``): the scratch of
     ``Fp8WgradScratch``, TMA descriptors over its transposed copies ([BN/2 or BN features,
     BKW8 rows] boxes) and the Q items' descriptor over dG/dU ([BKW rows, ``q_cols`` columns];
-    r h's is ``hs_c_desc``), with ``bwd_fp8_q_tma_store`` the Q items' store descriptors over the
-    copies ([BN/2 features, BKW rows]); all None without the knob."""
+    r h's is ``hs_c_desc``); all None without the knob."""
     names = ("hqT_ptr", "gqT_ptr", "srh_ptr", "srg_ptr", "hqT_desc",
              "dyqT_desc", "xqT_desc", "gqT_desc", "gxam_ptr", "gdyam_ptr", "pre_q_desc",
-             "xqT_ptr", "dyqT_ptr", "bmax_ptr", "hqT_q_desc", "gqT_q_desc")
+             "xqT_ptr", "dyqT_ptr", "bmax_ptr")
     w8 = sc.wgrad8
     if w8 is None:
         return dict.fromkeys(names)
@@ -489,12 +482,7 @@ def _fp8_wgrad_args(cfg: MoKConfig, sc: BackwardScratch, pre_LPF: torch.Tensor) 
                 pre_q_desc=TensorDescriptor.from_tensor(pre_LPF.view(-1, pre_LPF.shape[-1]),
                                                         [q_rows(cfg), cfg.q_cols]),
                 xqT_ptr=w8.xqT_LHP, dyqT_ptr=w8.dyqT_LHP,  # the in-kernel pull's stores
-                bmax_ptr=w8.bmax_LBF,
-                # bwd_fp8_q_tma_store: the Q items' TMA stores ([BN/2 features, BKW rows])
-                hqT_q_desc=(desc_rows(w8.hqT_LIP, bn // 2, wgrad_rows(cfg))
-                            if cfg.bwd_fp8_q_tma_store else None),
-                gqT_q_desc=(desc_rows(w8.gqT_LFP, bn // 2, wgrad_rows(cfg))
-                            if cfg.bwd_fp8_q_tma_store else None))
+                bmax_ptr=w8.bmax_LBF)
 
 
 def backward_stages(cfg: MoKConfig) -> int:
@@ -524,10 +512,10 @@ def backward_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots:
                 BKW8=fp8_wgrad_rows(cfg),
                 PULLG=pulls_per_group(cfg),
                 PBR=min(wgrad_rows(cfg), cfg.bwd_bm), PCH=min(128, _row_chunk(hidden)),
-                QBM=cfg.bwd_fp8_block_colmax, RQT=cfg.bwd_fp8_requant_tma,
+                QBM=cfg.bwd_fp8_block_colmax,
                 DXBAND=cfg.bwd_dx_band, DWT=cfg.bwd_dw_tiles,
                 DWSC=3 if cfg.bwd_dw_stages == 4 else 2, DWSD=cfg.bwd_dw_stages,
-                LEAN=cfg.bwd_lean_epilogue, QTMA=cfg.bwd_fp8_q_tma_store,
+                LEAN=cfg.bwd_lean_epilogue,
                 QCNT=cfg.bwd_q_count_rows, SPLIT=split, QC=cfg.q_cols, QR=q_rows(cfg))
 
 

@@ -196,19 +196,6 @@ class MoKConfig:
         pass over the group's rows: half of the Q items' reads. Max is exact in any order, so
         the gradients are bitwise those without it. Off by default: in
         results/20261201-123141-h200-fp8-backward faster at two scenarios, slower at two.
-    bwd_fp8_requant_tma: with ``bwd_fp8_dx``: the dA item that completes a row block reads
-        its dG/dU rows for their requantisation (a max pass, then a quantising pass) as
-        pipelined TMA copies instead of plain loads one chunk at a time: that item's work
-        sits on the dA items' time. The same bytes; off by default: the profiling script at
-        Kimi K2.7 Code timed no gain (notes/mok-kernel.md), so those loads were not what the
-        dA items wait on.
-    bwd_fp8_q_tma_store: with ``bwd_fp8_wgrad``: the Q items' second pass stores each
-        transposed e4m3 tile of r h and dG/dU through a TMA descriptor ([block_n / 2
-        features, rows] boxes) instead of plain stores from registers, then waits for its
-        bulk stores to complete before it signals the weight-gradient items. The same bytes,
-        so the same gradients; off: results/20261203-061457-h200-fp8-backward timed it
-        slower at three of four shapes (against the byte-wide stores of then; the plain
-        stores are 16-byte vectors since).
     bwd_q_count_rows: with ``bwd_fp8_wgrad``: the Q items tell a group's padding rows from
         its real row count (the schedule's counts, loaded once per item: a group's real
         rows come first, its padding last) instead of loading each step's slot ids
@@ -226,8 +213,7 @@ class MoKConfig:
         the Kimi shape), so each step writes 128 bytes of every transposed column (an L2
         line) instead of 64 and the running max keeps its size. The same values and
         scales, so the same gradients; no faster in results/20261204-183317-h200-fp8-backward
-        and by the profiling script (notes/mok-kernel.md): off. Not with
-        ``bwd_fp8_q_tma_store`` (its store boxes are block_n / 2 wide).
+        and by the profiling script (notes/mok-kernel.md): off.
     bwd_split_launch: the backward megakernel as two launches of one persistent grid: the
         dgrad items (A, B), then the weight-gradient items (Q, C, D), each launch built with
         only its item kinds, so each is given registers for its own items alone (at the Kimi
@@ -369,8 +355,6 @@ class MoKConfig:
     bwd_fp8_wgrad: bool = False
     bwd_fp8_block_k: int = 64
     bwd_fp8_block_colmax: bool = False
-    bwd_fp8_requant_tma: bool = False
-    bwd_fp8_q_tma_store: bool = False
     bwd_dx_band: int = 0
     bwd_q_count_rows: bool = False
     bwd_q_cols: int = 0
@@ -497,16 +481,11 @@ class MoKConfig:
                "feeds the separate FP8 pull; the dA items then read dY's FP8 rows at home)")
         _check(isinstance(self.bwd_lean_epilogue, bool), "bwd_lean_epilogue",
                self.bwd_lean_epilogue, "true | false")
-        _check(isinstance(self.bwd_fp8_requant_tma, bool), "bwd_fp8_requant_tma",
-               self.bwd_fp8_requant_tma, "true | false")
-        _check(not self.bwd_fp8_requant_tma or self.bwd_fp8_dx, "bwd_fp8_requant_tma",
-               self.bwd_fp8_requant_tma,
-               "false unless bwd_fp8_dx is set (it serves the dX items' requantisation)")
-        for name in ("bwd_fp8_q_tma_store", "bwd_q_count_rows"):  # the Q items' knobs
-            value = getattr(self, name)
-            _check(isinstance(value, bool), name, value, "true | false")
-            _check(not value or self.bwd_fp8_wgrad, name, value, "false unless bwd_fp8_wgrad "
-                   "is set (it serves the weight gradients' Q items)")
+        _check(isinstance(self.bwd_q_count_rows, bool), "bwd_q_count_rows",
+               self.bwd_q_count_rows, "true | false")
+        _check(not self.bwd_q_count_rows or self.bwd_fp8_wgrad, "bwd_q_count_rows",
+               self.bwd_q_count_rows, "false unless bwd_fp8_wgrad is set (it serves the weight "
+               "gradients' Q items)")
         half = self.block_n // 2
         q_cols = self.bwd_q_cols
         _check(isinstance(q_cols, int) and not isinstance(q_cols, bool)
@@ -515,8 +494,6 @@ class MoKConfig:
                "of at least 8 (a 16-byte TMA box row)")
         _check(q_cols == 0 or self.bwd_fp8_wgrad, "bwd_q_cols", q_cols,
                "0 unless bwd_fp8_wgrad is set (it sizes the weight gradients' Q items)")
-        _check(q_cols == 0 or not self.bwd_fp8_q_tma_store, "bwd_q_cols", q_cols,
-               "0 with bwd_fp8_q_tma_store (its store boxes are block_n / 2 wide)")
         _check(isinstance(self.bwd_split_launch, bool), "bwd_split_launch",
                self.bwd_split_launch, "true | false")
         side = self.bwd_side_sms

@@ -124,12 +124,10 @@ def mok_backward_kernel(
         gdyam_ptr=None, BK8: tl.constexpr = 64, BKW8: tl.constexpr = 64, pre_q_desc=None,
         xqT_ptr=None, dyqT_ptr=None, PULLG: tl.constexpr = False, PBR: tl.constexpr = 16,
         PCH: tl.constexpr = 128, bmax_ptr=None, QBM: tl.constexpr = False,
-        RQT: tl.constexpr = False,
-        hs_a_desc=None, trace_ptr=None, MAXT=0, TRACE: tl.constexpr = False,
+        trace_ptr=None, MAXT=0, TRACE: tl.constexpr = False,
         DXBAND: tl.constexpr = 0,
         DWT: tl.constexpr = 1, DWSC: tl.constexpr = 2, DWSD: tl.constexpr = 2,
-        LEAN: tl.constexpr = False, QTMA: tl.constexpr = False, hqT_q_desc=None,
-        gqT_q_desc=None, gcount_ptr=None, QCNT: tl.constexpr = False,
+        LEAN: tl.constexpr = False, gcount_ptr=None, QCNT: tl.constexpr = False,
         SPLIT: tl.constexpr = 0, QC: tl.constexpr = 128, QR: tl.constexpr = 64):
     """One persistent program per SM; see the module docstring for the work order. The C
     and D items fence the async proxy after their group's acquire (they read through TMA
@@ -152,8 +150,7 @@ def mok_backward_kernel(
     (the D items for their x rows too);
     with FP8W the pull items write the FP8 transposed copies of x and dY (``xqT_ptr``,
     ``dyqT_ptr`` [L, H, P]; PBR rows by PCH columns at a time), as the separate pull kernel
-    does. RQT (``bwd_fp8_requant_tma``): the block-completing A item's requantisation of the
-    dG/dU rows reads them as pipelined TMA copies (with QBM r h's too, ``hs_a_desc``).
+    does.
     DXBAND (``bwd_dx_band``) > 1: the B items in bands of DXBAND row blocks, H tiles outer
     (``_banded``): it only reorders items of one section, whose waits all point at earlier
     ones.
@@ -165,8 +162,7 @@ def mok_backward_kernel(
     [L, MAXT, 4] int64 at its ticket; the start is taken after the ticket is claimed, so a
     wait inside an item counts as the item's time.
     LEAN (``bwd_lean_epilogue``): the A items' epilogue in fewer instructions
-    (``_swiglu_bwd_half``). QTMA (``bwd_fp8_q_tma_store``): the Q items store through TMA
-    (``hqT_q_desc``, ``gqT_q_desc``). QCNT (``bwd_q_count_rows``): the Q items' padding
+    (``_swiglu_bwd_half``). QCNT (``bwd_q_count_rows``): the Q items' padding
     rows from the groups' real row counts (``gcount_ptr``, int32 [L, NG]). SPLIT
     (``bwd_split_launch``): 1, this launch ends after the A and B items; 2, its tickets come
     from the counter in the last slot (``NCTR - 1``), offset by the A and B items' count, so
@@ -266,7 +262,7 @@ def mok_backward_kernel(
                                      DAC, F32_DOT, INTERLEAVED, tab16, DAT,
                                      FP8DA, dyq_base, w2q_desc, ws2q_desc, sw2q_ptr,
                                      sws2q_ptr, FP8DX, gq, GQW, RQC, POW2, QBM, bmax_ptr,
-                                     RQT, hs_a_desc, NOEPI, LEAN)
+                                     NOEPI, LEAN)
         elif tk < end_b:
             i = tk - end_a
             if PHASES & 2:
@@ -289,7 +285,7 @@ def mok_backward_kernel(
                                            hs_c_desc, pre_q_desc, hqT, gqT, srh, srg, ctr,
                                            err, qready, NBMAX, budget, withhold, NG, I, BM,
                                            BN, QR, DAC, F32_DOT, POW2, QBM, bmax_ptr,
-                                           QTMA, hqT_q_desc, gqT_q_desc, QCNT, gcount, QC)
+                                           QCNT, gcount, QC)
         elif tk < end_c:
             if PHASES & 4:
                 i = tk - end_q

@@ -163,38 +163,6 @@ def _requant_dgu_rows(src_rows, dst_rows16, F: tl.constexpr, BM: tl.constexpr,
 
 
 @triton.jit
-def _requant_dgu_rows_tma(pre_desc, prow, dst_rows16, F: tl.constexpr, BM: tl.constexpr,
-                          DQC: tl.constexpr, POW2: tl.constexpr, F32_DOT: tl.constexpr,
-                          CMX: tl.constexpr = False, valid=None, bm_row=None, hs_desc=None,
-                          I: tl.constexpr = 0):
-    """``bwd_fp8_requant_tma``: ``_requant_dgu_rows`` with both passes reading the bf16 rows
-    through ``pre_desc`` ([BM, DQC] boxes from row ``prow``; the caller fenced the async
-    proxy after its acquire) as pipelined copies (``num_stages``): with plain loads each
-    chunk is loaded and waited for in turn, and the block-completing item's two passes sit
-    on the dA items' time. The same values and maxima, so the same bytes. CMX
-    (``bwd_fp8_block_colmax``): the max pass also stores each column's max |v| over the
-    ``valid`` rows at ``bm_row + I`` (dG/dU), and a pass over r h (``hs_desc``, the same
-    boxes) stores its column maxima at ``bm_row`` (``_block_col_max``'s values)."""
-    offs = tl.arange(0, DQC)
-    amax = tl.zeros((BM,), dtype=tl.float32)
-    for c0 in tl.range(0, F, DQC, num_stages=3):
-        v = to_f32(pre_desc.load([prow, c0]), F32_DOT)
-        amax = tl.maximum(amax, finite_amax(v, 1))
-        if CMX:
-            tl.store(bm_row + I + c0 + offs, finite_amax(tl.where(valid[:, None], v, 0.0), 0))
-    inv, scale = e4m3_scales(amax, POW2)
-    q_rows, s_rows = fp8_row_views(dst_rows16, F, 2)
-    for c0 in tl.range(0, F, DQC, num_stages=3):
-        v = to_f32(pre_desc.load([prow, c0]), F32_DOT)
-        tl.store(q_rows[:, None] + (c0 + offs)[None, :], to_e4m3(v * inv[:, None], F32_DOT))
-    tl.store(s_rows, scale)
-    if CMX:
-        for c0 in tl.range(0, I, DQC, num_stages=3):
-            v = to_f32(hs_desc.load([prow, c0]), F32_DOT)
-            tl.store(bm_row + c0 + offs, finite_amax(tl.where(valid[:, None], v, 0.0), 0))
-
-
-@triton.jit
 def _dx_tile_fp8(jn, gq_rows16, lr, g, E, w1q_desc, ws1q_desc, sw1q_ptr, sws1q_ptr,
                  H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                  BK: tl.constexpr, F32_DOT: tl.constexpr, HAS_SHARED: tl.constexpr):
@@ -270,8 +238,7 @@ def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, 
                      ws2q_desc=None, sw2q_ptr=None, sws2q_ptr=None,
                      FP8DX: tl.constexpr = False, gq=None, GQW: tl.constexpr = 0,
                      RQC: tl.constexpr = 128, POW2: tl.constexpr = False,
-                     QBM: tl.constexpr = False, bmax=None, RQT: tl.constexpr = False,
-                     hs_a_desc=None, NOEPI: tl.constexpr = False,
+                     QBM: tl.constexpr = False, bmax=None, NOEPI: tl.constexpr = False,
                      LEAN: tl.constexpr = False):
     """A item: dA[rows of block b, I tiles jt0*DAT .. of DAC columns] and its epilogue
     (``_da_epilogue``); DAT tiles per item in one flattened loop (the next tile's loads
@@ -279,9 +246,7 @@ def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, 
     (``_da_tile_fp8``, dY's FP8 rows gathered at home through ``tab16``) instead of the bf16
     ones. QBM: the item that
     completes the block (FP8DX) also stores its column maxima of r h and dG/dU at ``bmax``
-    [L, NBMAX, 3I]. RQT (``bwd_fp8_requant_tma``): that item's requantisation reads the rows
-    through ``pre_a_desc`` as pipelined copies (``_requant_dgu_rows_tma``; with QBM it also
-    takes the column maxima there, r h's through ``hs_a_desc``). NOEPI (profiling only, phase
+    [L, NBMAX, 3I]. NOEPI (profiling only, phase
     bit 16): the one-tile item skips its epilogue (``_da_sums_only``). LEAN
     (``bwd_lean_epilogue``): the epilogue in fewer instructions (``_swiglu_bwd_half``)."""
     g = tl.load(grp + b)
@@ -319,23 +284,15 @@ def _dgrad_down_item(b, jt0, lr, src, grp, P, pre, hs, ctr, dyg_a_desc, p_base, 
             if old + DAT == I // DAC:
                 tl.debug_barrier()  # every thread after the acquire of the other items' rows
                 bm_row = bmax + (lr * NBMAX + b).to(tl.int64) * (3 * I) if QBM else bmax
-                if RQT:  # TMA reads of rows written with plain stores: fence the async proxy
-                    async_proxy_fence(old, F32_DOT)
-                    tl.debug_barrier()
-                    _requant_dgu_rows_tma(pre_a_desc, prow, gq + rows.to(tl.int64) * GQW, 2 * I,
-                                          BM, BN // 2 if INTERLEAVED else BN // 4, POW2,
-                                          F32_DOT, QBM, valid, bm_row, hs_a_desc, I)
-                else:
-                    _requant_dgu_rows(pre + rows.to(tl.int64) * (2 * I),
-                                      gq + rows.to(tl.int64) * GQW, 2 * I, BM, RQC, POW2,
-                                      F32_DOT)
-                    if QBM:  # the block's column maxima of r h, then dG/dU, for the Q items:
-                        # passes of their own over rows in L2 (inside the requantisation's
-                        # first pass the column reduction spilled as much)
-                        _block_col_max(hs + rows.to(tl.int64) * I, I, valid, bm_row, BM, RQC,
-                                       F32_DOT)
-                        _block_col_max(pre + rows.to(tl.int64) * (2 * I), 2 * I, valid,
-                                       bm_row + I, BM, RQC, F32_DOT)
+                _requant_dgu_rows(pre + rows.to(tl.int64) * (2 * I),
+                                  gq + rows.to(tl.int64) * GQW, 2 * I, BM, RQC, POW2, F32_DOT)
+                if QBM:  # the block's column maxima of r h, then dG/dU, for the Q items:
+                    # passes of their own over rows in L2 (inside the requantisation's
+                    # first pass the column reduction spilled as much)
+                    _block_col_max(hs + rows.to(tl.int64) * I, I, valid, bm_row, BM, RQC,
+                                   F32_DOT)
+                    _block_col_max(pre + rows.to(tl.int64) * (2 * I), 2 * I, valid,
+                                   bm_row + I, BM, RQC, F32_DOT)
                 tl.debug_barrier()
                 tl.atomic_add(ctr + 1 + b, 1, sem="release", scope="gpu")
         else:

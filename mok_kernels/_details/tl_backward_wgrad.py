@@ -12,7 +12,7 @@ from mok_kernels._details.tl_backward_pull import _pulled_signal
 from mok_kernels._details.tl_gemm import mma
 from mok_kernels._details.tl_gemm_fp8 import _dot8
 from mok_kernels._details.tl_quant import e4m3_scales, finite_abs, to_e4m3, to_f32
-from mok_kernels._details.tl_sync import async_proxy_fence, bulk_store_wait, wait_geq
+from mok_kernels._details.tl_sync import async_proxy_fence, wait_geq
 
 # The error codes of errors.py, as constexprs for the kernel.
 _E_DGRAD_GROUP: tl.constexpr = tl.constexpr(errors.ERR_WAIT_DGRAD_GROUP)
@@ -47,8 +47,7 @@ def _group_ready(g, gst, total, ctr, err, NBMAX, budget, I: tl.constexpr, BM: tl
 def _quant_cols(desc, row0, dst, sc, col0, start, end, src, P, QC: tl.constexpr,
                 BKW: tl.constexpr, POW2: tl.constexpr, F32_DOT: tl.constexpr,
                 BMX: tl.constexpr = False, bmax=None, BM: tl.constexpr = 128,
-                W: tl.constexpr = 0, QTMA: tl.constexpr = False, dst_desc=None, drow0=0,
-                QCNT: tl.constexpr = False, live_end=0):
+                W: tl.constexpr = 0, QCNT: tl.constexpr = False, live_end=0):
     """Columns col0 .. col0 + QC of one group's rows start..end of a [P, W] bf16 matrix (r h
     or dG/dU; read through ``desc``, [BKW, QC] boxes of this logical rank's rows from
     ``row0``) as e4m3 with one scale per column over those rows: a first pass takes the
@@ -64,9 +63,9 @@ def _quant_cols(desc, row0, dst, sc, col0, start, end, src, P, QC: tl.constexpr,
     timed by the profiling script benchmarks/mok_backward_time.py; notes/mok-kernel.md).
     BMX (``bwd_fp8_block_colmax``): the column max from the row blocks' maxima at ``bmax``
     (these columns of block b at ``bmax + b * W``; start and end are multiples of BM)
-    instead of the first pass: the same max, exactly. QTMA (``bwd_fp8_q_tma_store``): the
-    second pass stores each transposed [QC, BKW] tile through ``dst_desc`` (feature rows from
-    ``drow0`` + col0) instead of plain stores from registers: the same bytes. QCNT
+    instead of the first pass: the same max, exactly. (TMA stores of the transposed tiles
+    were slower: each waited for in full before the next step, results/20261203-061457-h200-
+    fp8-backward.) QCNT
     (``bwd_q_count_rows``): rows below ``live_end`` are the real ones (a group's padding
     rows come last), instead of each step's slot ids loaded from ``src``."""
     cols = col0 + tl.arange(0, QC)
@@ -89,10 +88,7 @@ def _quant_cols(desc, row0, dst, sc, col0, start, end, src, P, QC: tl.constexpr,
         live = rows < live_end if QCNT else tl.load(src + rows) >= 0
         v = tl.where(live[:, None], to_f32(desc.load([row0 + r0, col0]), F32_DOT), 0.0)
         q = to_e4m3(v * inv[None, :], F32_DOT)
-        if QTMA:
-            dst_desc.store([drow0 + col0, r0], tl.trans(q))
-        else:
-            tl.store(dst + cols.to(tl.int64)[None, :] * P + rows[:, None], q)
+        tl.store(dst + cols.to(tl.int64)[None, :] * P + rows[:, None], q)
 
 
 @triton.jit
@@ -100,8 +96,7 @@ def _wgrad_quant_item(g, c, lr, gst, total, src, P, hs_q_desc, pre_q_desc, hqT, 
                       ctr, err, qready, NBMAX, budget, withhold, NG, I: tl.constexpr,
                       BM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr,
                       DAC: tl.constexpr, F32_DOT: tl.constexpr, POW2: tl.constexpr,
-                      QBM: tl.constexpr = False, bmax=None, QTMA: tl.constexpr = False,
-                      hqT_q_desc=None, gqT_q_desc=None, QCNT: tl.constexpr = False,
+                      QBM: tl.constexpr = False, bmax=None, QCNT: tl.constexpr = False,
                       gcount=None, QC: tl.constexpr = 0):
     """Q item (``bwd_fp8_wgrad``): column tile c (QC columns, ``bwd_q_cols``, 0 for BN/2;
     r h's I / QC tiles, then dG/dU's 2I / QC) of group g in FP8 (``_quant_cols``), once
@@ -109,10 +104,7 @@ def _wgrad_quant_item(g, c, lr, gst, total, src, P, hs_q_desc, pre_q_desc, hqT, 
     through TMA: the acquire fences the async proxy); then fences the async proxy (the C
     and D items read the copies through TMA) and adds 1 to ``qready[g]`` (not for the
     first Q item, of the largest group, when ``withhold`` is 4: a test's way to make the C
-    and D items' bounded wait expire).
-    QTMA: the transposed copies go out as TMA stores (``hqT_q_desc`` over [L*I, P],
-    ``gqT_q_desc`` over [L*2I, P], [BN/2, BKW] boxes); the item waits for its bulk stores to
-    complete before that fence and signal. QCNT: the group's real rows end at start + its
+    and D items' bounded wait expire). QCNT: the group's real rows end at start + its
     count (``gcount[g]``)."""
     W: tl.constexpr = BN // 2 if QC == 0 else QC  # columns of this item
     NH: tl.constexpr = I // W
@@ -129,14 +121,11 @@ def _wgrad_quant_item(g, c, lr, gst, total, src, P, hs_q_desc, pre_q_desc, hqT, 
         live_end = start + tl.load(gcount + g) if QCNT else end
         if c < NH:
             _quant_cols(hs_q_desc, lr * P, hqT, srh + g * I, c * W, start, end, src, P,
-                        W, BKW, POW2, F32_DOT, QBM, bm, BM, 3 * I, QTMA, hqT_q_desc,
-                        lr * I, QCNT, live_end)
+                        W, BKW, POW2, F32_DOT, QBM, bm, BM, 3 * I, QCNT, live_end)
         else:
             _quant_cols(pre_q_desc, lr * P, gqT, srg + g * (2 * I), (c - NH) * W, start,
-                        end, src, P, W, BKW, POW2, F32_DOT, QBM, bm, BM, 3 * I, QTMA,
-                        gqT_q_desc, lr * (2 * I), QCNT, live_end)
-        if QTMA:
-            ok = bulk_store_wait(ok, F32_DOT)
+                        end, src, P, W, BKW, POW2, F32_DOT, QBM, bm, BM, 3 * I, QCNT,
+                        live_end)
         if (withhold != 4) | (g != NG - 1) | (c != 0):
             _pulled_signal(qready + g, ok, F32_DOT)
     return ok

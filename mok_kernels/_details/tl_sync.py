@@ -104,15 +104,3 @@ def async_proxy_fence(v, SKIP: tl.constexpr):
         return v
     return tl.inline_asm_elementwise("fence.proxy.async.global;\n mov.u32 $0, $1;", "=r,r",
                                      [v], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def bulk_store_wait(v, SKIP: tl.constexpr):
-    """``cp.async.bulk.wait_group 0``: this thread's TMA (bulk) stores have completed, their
-    writes made, not only their shared-memory sources read (``.read``), so a release after
-    it publishes them. SKIP under the interpreter (its stores are done on return). Returns v
-    (an int32 the asm threads through)."""
-    if SKIP:
-        return v
-    return tl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n mov.u32 $0, $1;", "=r,r",
-                                     [v], dtype=tl.int32, is_pure=False, pack=1)

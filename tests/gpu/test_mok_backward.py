@@ -522,23 +522,6 @@ def test_pull_beside_the_dgrad_launch_gives_the_same_gradients_bitwise(ranks, sh
                                             "bwd_side_sms": side, "bwd_side_sum": ssum}, 47)
 
 
-@pytest.mark.parametrize("ranks, shared, colmax", [(1, True, False), (2, False, True)])
-def test_requantisation_through_tma_gives_the_same_gradients_bitwise(ranks, shared, colmax):
-    """``bwd_fp8_requant_tma`` (the block-completing dA item's requantisation reads the dG/dU
-    rows as pipelined TMA copies; with ``bwd_fp8_block_colmax`` it takes the column maxima in
-    the same passes): every gradient bitwise the plain loads', reruns bitwise equal."""
-    _fp8_variant_is_bitwise(ranks, shared, {"bwd_fp8_requant_tma": True,
-                                            "bwd_fp8_block_colmax": colmax}, 13)
-
-
-@pytest.mark.parametrize("ranks, shared", [(1, True), (2, False)])
-def test_quantisation_items_storing_through_tma_give_the_same_gradients_bitwise(ranks, shared):
-    """``bwd_fp8_q_tma_store`` (the Q items store the transposed e4m3 copies through TMA and
-    wait for those stores before they signal): every gradient bitwise the plain stores', on
-    the GPU's real concurrency, reruns bitwise equal."""
-    _fp8_variant_is_bitwise(ranks, shared, {"bwd_fp8_q_tma_store": True}, 19)
-
-
 EP_SCRIPT = r"""
 import os, torch, torch.distributed as dist
 import mok_kernels as mk

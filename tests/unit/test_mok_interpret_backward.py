@@ -606,62 +606,6 @@ def test_block_column_maxima_give_the_two_pass_gradients_bitwise():
     _prints(run_interpreted(BLOCK_COLMAX_SCRIPT), "block colmax ok", 2)
 
 
-REQUANT_TMA_SCRIPT = COMMON + textwrap.dedent("""
-    for L, T, E, K, shared, il in [(1, 24, 4, 2, True, True), (2, 13, 3, 2, False, True),
-                                   (2, 11, 3, 2, True, False)]:
-        H, I = 64, 32
-        x, idx, p, canon, W, dy, exact = interleaved_case(L, T, E, K, shared, 17 + L)
-        W = W if il else canon
-        out = []
-        for tma, colmax in ((False, False), (True, False), (True, True)):
-            cfg = config(il, bwd_fp8_da=True, bwd_fp8_dx=True, bwd_fp8_wgrad=True,
-                         bwd_fp8_requant_tma=tma, bwd_fp8_block_colmax=colmax)
-            out.append(run_fp8(cfg, L, T, E, K, shared, H, I, x, idx, p, W, dy)[0])
-        assert_bitwise(out[0], out[1], (L, il, "requant tma"))
-        assert_bitwise(out[0], out[2], (L, il, "requant tma + colmax"))
-        assert rel(out[1].dx_TH, exact.dx_TH) < 1e-1
-        print("requant tma ok", L, il)
-""")
-
-
-def test_requantisation_through_tma_gives_the_same_gradients_bitwise():
-    """``bwd_fp8_requant_tma`` (the block-completing dA item reads its dG/dU rows through
-    pipelined TMA copies for their requantisation, and with ``bwd_fp8_block_colmax`` takes
-    the column maxima of dG/dU in the same max pass and r h's in one more): every gradient
-    bitwise the plain loads' (a wrong chunk, row or max changes the dX items' FP8 rows or the
-    weight gradients' scales), interleaved and split gate/up columns, one and two loopback
-    ranks."""
-    _prints(run_interpreted(REQUANT_TMA_SCRIPT), "requant tma ok", 3)
-
-
-Q_TMA_SCRIPT = COMMON + textwrap.dedent("""
-    for L, T, E, K, shared, il, colmax in [(1, 24, 4, 2, True, True, False),
-                                           (2, 13, 3, 2, False, True, True),
-                                           (2, 11, 3, 2, True, False, False)]:
-        H, I = 64, 32
-        x, idx, p, canon, W, dy, exact = interleaved_case(L, T, E, K, shared, 23 + L)
-        W = W if il else canon
-        out = []
-        for qtma in (False, True):
-            cfg = config(il, bwd_fp8_da=True, bwd_fp8_dx=True, bwd_fp8_wgrad=True,
-                         bwd_fp8_block_colmax=colmax, bwd_fp8_q_tma_store=qtma)
-            out.append(run_fp8(cfg, L, T, E, K, shared, H, I, x, idx, p, W, dy)[0])
-        assert_bitwise(out[0], out[1], (L, il, colmax, "q tma store"))
-        assert rel(out[1].w_gate_up, exact.dweights["w1_EHF"]) < 1e-1
-        assert rel(out[1].w_down, exact.dweights["w2_EIH"]) < 1e-1
-        print("q tma store ok", L, il)
-""")
-
-
-def test_quantisation_items_storing_through_tma_give_the_same_gradients_bitwise():
-    """``bwd_fp8_q_tma_store`` (the Q items store the transposed e4m3 copies of r h and
-    dG/dU through TMA descriptors): every gradient bitwise the plain stores', interleaved and
-    split gate/up columns, with and without the block maxima, one and two loopback ranks (a
-    tile stored at the wrong feature row or row offset changes the weight gradients, which
-    read only those copies), and the weight gradients near the float32 reference."""
-    _prints(run_interpreted(Q_TMA_SCRIPT), "q tma store ok", 3)
-
-
 ROWS_SCRIPT = COMMON + textwrap.dedent("""
     for L, T, E, K, shared, colmax, experts in [(1, 24, 4, 2, True, False, None),
                                                 (2, 13, 3, 2, False, True, None),
