@@ -801,15 +801,22 @@ def backward(config: MoKConfig, ws: Workspace, context: ForwardContext, dy_TH: t
     st = context.schedule.tensors
     pre = config.bwd_fp8_prequant  # the pull reads e4m3 rows quantised at home instead
     dy_src = bb.dy_LTH if pre else _dy_source(ws, bb, dy_TH)
+    w8 = config.bwd_fp8_wgrad  # each rank's column maxima of x and dY, read by every rank
+    # after the barrier; with bwd_fused_colmax x's from the training forward's quantisation
+    # of x where it took them, dY's from its row quantisation below (the same loads)
+    fused = config.bwd_fused_colmax and config.bwd_fp8_da
     if config.bwd_fp8_da:  # dY quantised once, at its home rank (one scale per token row),
         dy_LTH = dy_TH.reshape(L, T, H)  # straight into each rank's (contiguous) rows
         for lr in range(L):
             quantize_tokens_into("rowwise", dy_LTH[lr], bb.dyq_LTH[lr],
-                                 pow2_scales=config.fp8_pow2_scales)
-    bb.p_LTK.copy_(context.p_NK.view(bb.p_LTK.shape))
-    if config.bwd_fp8_wgrad:  # each rank's column maxima, read by every rank after the barrier
-        bb.xam_LH.copy_(_col_amax(context.x_TH.view(L, T, H)))
+                                 pow2_scales=config.fp8_pow2_scales,
+                                 col_amax_H=bb.dyam_LH[lr] if fused else None)
+    if w8 and not fused:
         bb.dyam_LH.copy_(_col_amax(dy_TH.view(L, T, H)))
+    bb.p_LTK.copy_(context.p_NK.view(bb.p_LTK.shape))
+    if w8:
+        bb.xam_LH.copy_(_col_amax(context.x_TH.view(L, T, H)) if context.x_colmax_LH is None
+                        else context.x_colmax_LH.view(bb.xam_LH.shape))
     # real EP: x back into the peer buffer (not read with prequant: the e4m3 rows are)
     x_src = ws.x_LTH if pre else _token_source(ws, context.x_TH, fp8=False)
     sc = backward_scratch(ws)

@@ -257,16 +257,23 @@ def quantize_weights(config, w_gate_up: torch.Tensor, w_down: torch.Tensor,
 
 
 def quantize_tokens_into(recipe: str, x_NH: torch.Tensor, rows_NH: torch.Tensor, *,
-                         pow2_scales: bool = False) -> None:
+                         pow2_scales: bool = False,
+                         col_amax_H: torch.Tensor | None = None) -> None:
     """Quantise x (the tokens, at their source rank) into the FP8 row layout the megakernel
     reads: in the bytes of each bf16 row of ``rows_NH`` ([N, H] bf16, e.g. the token buffer),
     H e4m3 values, then the row's scales from byte H (fp32; e8m0 codes for mx). Rowwise
     recipes (one scale per row) in one pass straight into the rows (``quantize_rows_into``);
-    the others quantise, then copy the values and scales in."""
+    the others quantise, then copy the values and scales in. ``col_amax_H`` (rowwise
+    recipes into contiguous rows only): also x's column max |x| over the N rows, fp32 [H]
+    (``quantize_rows_into``)."""
     N, H = x_NH.shape
     if recipe in ("rowwise", "rowwise_all") and rows_NH.is_contiguous():
-        tq.quantize_rows_into(x_NH, rows_NH.view(N, H), pow2_scales=pow2_scales)
+        tq.quantize_rows_into(x_NH, rows_NH.view(N, H), pow2_scales=pow2_scales,
+                              col_amax_H=col_amax_H)
         return
+    if col_amax_H is not None:
+        raise ValueError(f"col_amax_H is invalid with recipe={recipe!r} (or rows that are not "
+                         "contiguous): allowed rowwise | rowwise_all into contiguous rows")
     q, s = _quantize_act(recipe, x_NH, pow2_scales)
     raw = rows_NH.view(N, H).view(torch.uint8)  # [N, 2H] bytes
     sb = s.reshape(N, -1).contiguous().view(torch.uint8)

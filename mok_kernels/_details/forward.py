@@ -320,15 +320,25 @@ def _check_weights(ws: Workspace, w1, w2, ws1, ws2, fp8: bool | None = None) -> 
                              f"{tuple(getattr(t, 'shape', ()))}")
 
 
-def _token_source(ws: Workspace, x_TH: torch.Tensor, fp8: bool | None = None) -> torch.Tensor:
+def _token_source(ws: Workspace, x_TH: torch.Tensor, fp8: bool | None = None,
+                  x_colmax_LH: torch.Tensor | None = None) -> torch.Tensor:
     """The buffer the kernel reads token rows from. Real EP: the symmetric buffer (peers read
     it), so x is copied in. One process (one rank or loopback): every reader is in this
     launch, so a contiguous bf16 x on the device is read where it is ([L*T, H] is laid out
     like the loopback [L, T, H] buffer, whose rank offsets x_tab_R holds): no copy.
     FP8 (``fp8``, default: the config's forward is FP8): x is quantised once, here at its
-    source, into FP8 rows of the token buffer (the backward passes ``fp8=False``)."""
+    source, into FP8 rows of the token buffer (the backward passes ``fp8=False``);
+    ``x_colmax_LH`` (fp32 [L, H], a row-wise recipe): each logical rank's column max |x| too,
+    from the same loads (``quantize_tokens_into``)."""
     if fp8 is None:
         fp8 = ws.config.fp8 != "none"
+    if fp8 and x_colmax_LH is not None:  # per logical rank: the maxima are each rank's own
+        x_LTH = x_TH.reshape(ws.L, ws.T, ws.H)
+        for lr in range(ws.L):
+            quantize_tokens_into(ws.config.fp8, x_LTH[lr], ws.x_LTH[lr],
+                                 pow2_scales=ws.config.fp8_pow2_scales,
+                                 col_amax_H=x_colmax_LH[lr])
+        return ws.x_LTH
     if fp8:
         quantize_tokens_into(ws.config.fp8, x_TH, ws.x_LTH.view(ws.L * ws.T, ws.H),
                              pow2_scales=ws.config.fp8_pow2_scales)
@@ -362,10 +372,12 @@ def _check_call(config: MoKConfig, ws: Workspace, schedule: Schedule, x_TH: torc
 
 def _run(config: MoKConfig, ws: Workspace, schedule: Schedule, x_TH: torch.Tensor,
          p_NK: torch.Tensor, weights: tuple, withhold: int,
-         pre_LPF: torch.Tensor | None, trace: torch.Tensor | None = None) -> torch.Tensor:
-    """Barrier, one megakernel launch, barrier, weighted sum: y [L*T, H] bf16."""
+         pre_LPF: torch.Tensor | None, trace: torch.Tensor | None = None,
+         x_colmax_LH: torch.Tensor | None = None) -> torch.Tensor:
+    """Barrier, one megakernel launch, barrier, weighted sum: y [L*T, H] bf16
+    (``x_colmax_LH``: see ``_token_source``)."""
     _check_weights(ws, *weights)
-    x_src = _token_source(ws, x_TH)
+    x_src = _token_source(ws, x_TH, x_colmax_LH=x_colmax_LH)
     y_NH = torch.empty(ws.L * ws.T, ws.H, dtype=torch.bfloat16, device=ws.device)
     ws.counters_LC.zero_()
     if config.dispatch_dedup:
@@ -406,20 +418,27 @@ class ForwardContext:
     up pre-activations of every schedule row, bf16 [L, P, 2I] in the gate+up weights' column
     layout (the backward overwrites them with their gradients). The SwiGLU output is
     recomputed from them in the backward's dA epilogue (elementwise, no GEMM replayed).
+    x_colmax_LH: with ``bwd_fused_colmax`` after a row-wise FP8 forward, each logical
+    rank's column max |x|, fp32 [L, H], taken by the forward's
+    quantisation of x from its own loads (the scales of x's FP8 transposed copy; without
+    it the backward reads x once more for them); else None.
     """
 
     schedule: Schedule
     x_TH: torch.Tensor
     p_NK: torch.Tensor
     pre_LPF: torch.Tensor
+    x_colmax_LH: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
         """Bytes the context holds beyond the layer's inputs: the saved activations and the
-        schedule (P rows x 2I bf16, plus 4 bytes per row and per row block)."""
+        schedule (P rows x 2I bf16, plus 4 bytes per row and per row block), and with
+        ``x_colmax_LH`` 4 bytes per hidden column and logical rank."""
         st = self.schedule.tensors
         sched = sum(t.numel() * t.element_size() for t in (st.src_LP, st.group_LB))
-        return self.pre_LPF.numel() * 2 + sched
+        cm = 0 if self.x_colmax_LH is None else self.x_colmax_LH.numel() * 4
+        return self.pre_LPF.numel() * 2 + sched + cm
 
 
 def forward_train(config: MoKConfig, ws: Workspace, schedule: Schedule, x_TH: torch.Tensor,
@@ -429,11 +448,15 @@ def forward_train(config: MoKConfig, ws: Workspace, schedule: Schedule, x_TH: to
                   _trace: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, ForwardContext]:
     """The training forward: y as :func:`forward`, and the context its backward needs: the
-    gate+up tiles also store their pre-activations (one more bf16 store per tile).
-    ``_trace``: as :func:`forward`'s."""
+    gate+up tiles also store their pre-activations (one more bf16 store per tile), and
+    with ``bwd_fused_colmax`` and a row-wise FP8 forward the quantisation of x keeps x's
+    column maxima (``ForwardContext.x_colmax_LH``). ``_trace``: as :func:`forward`'s."""
     _check_call(config, ws, schedule, x_TH, topk_weights_TK)
     p_NK = topk_weights_TK.to(torch.float32).contiguous()
     pre = torch.empty(ws.L, ws.P, 2 * ws.I, dtype=torch.bfloat16, device=ws.device)
+    colmax = (torch.empty(ws.L, ws.H, dtype=torch.float32, device=ws.device)
+              if config.bwd_fused_colmax and config.fp8 in ("rowwise", "rowwise_all")
+              else None)
     y = _run(config, ws, schedule, x_TH, p_NK, (w_gate_up, w_down, shared_gate_up,
-                                                  shared_down), 0, pre, _trace)
-    return y, ForwardContext(schedule, x_TH, p_NK, pre)
+                                                  shared_down), 0, pre, _trace, colmax)
+    return y, ForwardContext(schedule, x_TH, p_NK, pre, colmax)

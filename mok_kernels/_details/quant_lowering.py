@@ -13,7 +13,7 @@ from pathlib import Path
 
 from mok_kernels._details.lowering import Lowered, _ptxas
 
-QUANT_KERNELS = ("blockwise", "rowwise", "weight_128x128", "colwise", "mx")
+QUANT_KERNELS = ("blockwise", "rowwise", "rowwise_colmax", "weight_128x128", "colwise", "mx")
 
 
 def _spec(kernel: str, size: int, pow2_scales: bool, soft_cast: bool, dtype: str
@@ -31,16 +31,20 @@ def _spec(kernel: str, size: int, pow2_scales: bool, soft_cast: bool, dtype: str
     if kernel == "blockwise":
         return (tq._quant_act_kernel, {**ptrs, "T": "i32"},
                 {"H": size, "BLOCK": 128, "BT": tq.act_rows(128), **cast}, 4)
-    if kernel in ("rowwise", "colwise"):
+    if kernel in ("rowwise", "rowwise_colmax", "colwise"):
         # the stride that is 1 (contiguous elements of a row, or adjacent columns) is a
         # constant at launch; the lines of colwise are N output columns
-        unit, tile, lines = (("elem_stride", tq.ROW_LINES, "i32") if kernel == "rowwise"
-                             else ("line_stride", tq.COL_LINES, "i32/16"))
+        unit, tile, lines = (("line_stride", tq.COL_LINES, "i32/16") if kernel == "colwise"
+                             else ("elem_stride", tq.ROW_LINES, "i32"))
         units = {unit: 1, "s_line_stride": 1} | ({"q_line_stride": 1} if unit == "line_stride"
                                                   else {})
         sig = {**ptrs, "LINES": lines, "batch_stride": "i32/16", "line_stride": "i32/16",
                "elem_stride": "i32/16", "q_line_stride": "i32/16", "s_line_stride": "i32"}
-        return tq._quant_lines_kernel, sig, {**units, "LEN": size, **tile, **cast}, 4
+        if kernel == "rowwise_colmax":  # with each column's partial max (col_amax_H)
+            return (tq._quant_lines_kernel, {**sig, "cmax_ptr": "*fp32/16"},
+                    {**units, "LEN": size, **tile, **cast, "CMAX": True}, 4)
+        return (tq._quant_lines_kernel, sig,
+                {**units, "LEN": size, **tile, **cast, "CMAX": False, "cmax_ptr": None}, 4)
     if kernel == "weight_128x128":
         return tq._quant_w_kernel, ptrs, {"N": size, **cast}, 8
     if kernel == "mx":
@@ -53,7 +57,8 @@ def compile_quant_kernel(kernel: str, size: int = 7168, *, arch: int = 90,
                          pow2_scales: bool = False, soft_cast: bool = False,
                          dtype: str = "bf16") -> Lowered:
     """Compile one quantisation kernel (``QUANT_KERNELS``: 1x128 activation blocks, one
-    scale per activation row, 128x128 weight blocks, one per weight output column, MXFP8)
+    scale per activation row, the same with its column maxima (``col_amax_H``), 128x128
+    weight blocks, one per weight output column, MXFP8)
     for ``sm_<arch>`` (90 Hopper, 100 Blackwell) with ``dtype`` input (bf16 | fp16 | fp32)
     as its host wrapper launches it, then run ptxas -v on the PTX."""
     fn, types, consts, warps = _spec(kernel, size, pow2_scales, soft_cast, dtype)

@@ -428,6 +428,45 @@ def _fp8_variant_is_bitwise(ranks: int, shared: bool, knobs: dict, seed: int) ->
         assert (a is None and b is None) or torch.equal(a, b)
 
 
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_fused_column_maxima_give_the_same_gradients_bitwise(ranks):
+    """``bwd_fused_colmax``: the FP8 (rowwise_all) training forward keeps each rank's column
+    max |x| from its quantisation of x (1000 tokens a rank: the quantiser's last tile of
+    rows partial) and the backward takes dY's from its row quantisation; every gradient of
+    the whole FP8 backward is bitwise the one with x's maxima by a pass of its own, and the
+    one without the knob (both by passes of their own)."""
+    from mokbench.mok_backend import fp8_config_fields
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("needs an FP8 GPU (Hopper or Blackwell)")
+    H, I, E, K, T = 4096, 1024, 8, 4, 1000
+    x, idx, p, w = make_layer(ranks, T, H, I, E, K, True, 29)
+    dy = torch.randn(ranks * T, H, device=DEV,
+                     generator=torch.Generator(DEV).manual_seed(30)).bfloat16()
+    wk = (mk.interleave_gate_up(w[0]), w[1], mk.interleave_gate_up(w[2]), w[3])
+    grads = []
+    for fused, drop in ((True, False), (True, True), (False, False)):
+        cfg = cfg_for(H, I, **{**fp8_config_fields(90), "bwd_fp8_da": True, "bwd_fp8_dx": True,
+                               "bwd_fp8_wgrad": True, "bwd_fp8_block_k": 128,
+                               "bwd_fused_colmax": fused})
+        ws = mk.get_workspace(cfg, tokens=T, hidden=H, intermediate=I, local_experts=E,
+                              topk=K, shared=True, device=DEV, loopback_ranks=ranks)
+        f8 = mk.quantize_backward_weights(cfg, wk[1], wk[3], wk[0], wk[2])
+        y, saved = mk.forward_train(cfg, ws, mk.build_schedule(ws, idx), x, p,
+                                    *mk.quantize_weights(cfg, *wk))
+        if fused:
+            assert torch.equal(saved.x_colmax_LH, x.float().abs().view(ranks, T, H).amax(1))
+        else:
+            assert saved.x_colmax_LH is None
+        if drop:
+            saved.x_colmax_LH = None
+        grads.append(mk.backward(cfg, ws, saved, dy, *wk, fp8_weights=f8))
+        mk.check_errors(ws)
+    for other in grads[1:]:
+        for a, b in zip(vars(grads[0]).values(), vars(other).values()):
+            assert (a is None and b is None) or torch.equal(a, b)
+
+
 @pytest.mark.parametrize("pullers", [0, 32])
 @pytest.mark.parametrize("ranks, shared", [(1, True), (2, False)])
 def test_fp8_pull_items_give_the_separate_pulls_gradients_bitwise(ranks, shared, pullers):

@@ -43,6 +43,8 @@ from mok_kernels import MoKConfig, MoKConfigError, plan
     ({"dispatch_dedup": 1, "fwd_comm_sms": 8}, "dispatch_dedup"),
     ({"bwd_dx_band": -1}, "bwd_dx_band"),
     ({"bwd_q_count_rows": 1}, "bwd_q_count_rows"),
+    ({"bwd_fused_colmax": 1}, "bwd_fused_colmax"),
+    ({"bwd_fused_colmax": True}, "bwd_fused_colmax"),
     ({"bwd_q_count_rows": True}, "bwd_q_count_rows"),
     ({"bwd_split_launch": 1}, "bwd_split_launch"),
     ({"bwd_side_sms": -1}, "bwd_side_sms"),

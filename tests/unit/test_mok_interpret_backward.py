@@ -606,6 +606,64 @@ def test_block_column_maxima_give_the_two_pass_gradients_bitwise():
     _prints(run_interpreted(BLOCK_COLMAX_SCRIPT), "block colmax ok", 2)
 
 
+COLUMN_MAXIMA_SCRIPT = COMMON + textwrap.dedent("""
+    # an FP8 (rowwise_all) training forward with the whole FP8 backward, two loopback ranks
+    # of 13 tokens (row tiles of 16 straddle the ranks)
+    L, T, E, K, shared, H, I = 2, 13, 2, 2, True, 256, 128
+    torch.manual_seed(5)
+    x, idx, p, w1, w2, ws1, ws2, dy = layer(L, T, E, K, shared, H, I)
+    x[3, 7] = 40.0  # one column's max far above the rest
+    il = mk.interleave_gate_up
+    W = (il(w1), w2, il(ws1), ws2)
+
+    def cfg_of(**kw):
+        return mk.MoKConfig(minibatch=32, macrobatch=64, block_m=16, block_n=256, block_k=128,
+                            num_warps=4, num_stages=1, spin_budget=1000, tma=True,
+                            gate_up_interleaved=True, fp8="rowwise_all", bwd_fp8_wgrad=True,
+                            **kw)
+
+    def run(cfg, drop=False):
+        ws = mk.get_workspace(cfg, tokens=T, hidden=H, intermediate=I, local_experts=E,
+                              topk=K, shared=shared, device="cpu", loopback_ranks=L)
+        f8 = mk.quantize_backward_weights(cfg, W[1], W[3], W[0], W[2])
+        y, ctx = mk.forward_train(cfg, ws, mk.build_schedule(ws, idx), x, p,
+                                  *mk.quantize_weights(cfg, *W))
+        cm = ctx.x_colmax_LH
+        if drop:  # the backward then takes x's maxima in a pass of its own
+            ctx.x_colmax_LH = None
+        g = mk.backward(cfg, ws, ctx, dy, *W, fp8_weights=f8)
+        mk.check_errors(ws)
+        return g, cm
+
+    full = cfg_of(bwd_fp8_da=True, bwd_fp8_dx=True, bwd_fused_colmax=True)
+    g, cm = run(full)
+    assert torch.equal(cm, x.float().abs().view(L, T, H).amax(1))  # each rank's own
+    assert_bitwise(g, run(full, drop=True)[0], "x maxima kept by the forward")
+    plain, cm0 = run(cfg_of(bwd_fp8_da=True, bwd_fp8_dx=True))  # both by passes of their own
+    assert cm0 is None
+    assert_bitwise(g, plain, "fused column maxima")
+    # dY's maxima from its row quantisation (FP8 dA items) or from a pass of their own
+    # (bf16 dA items): dW_down reads only r h's and dY's FP8 copies, so it is the same
+    other = run(cfg_of(bwd_fused_colmax=True))[0]
+    assert torch.equal(g.w_down, other.w_down) and torch.equal(g.shared_down, other.shared_down)
+    exact = reference_all_experts(x, idx, p, w1, w2, ws1, ws2, dy_NH=dy)
+    assert rel(g.w_gate_up, exact.dweights["w1_EHF"]) < 1e-1
+    assert rel(g.w_down, exact.dweights["w2_EIH"]) < 1e-1
+    assert rel(g.dx_TH, exact.dx_TH) < 1e-1
+    print("column maxima ok")
+""")
+
+
+def test_column_maxima_from_the_quantisers_give_the_same_gradients_bitwise():
+    """``bwd_fused_colmax``: the FP8 weight gradients' column scales of x and dY taken from
+    the row quantisations
+    that read them anyway (x's by the FP8 training forward, kept in its context; dY's by the
+    backward's row quantisation for the FP8 dA items): x's maxima are each rank's exact
+    column max, and every gradient is bitwise the one with the maxima taken by a pass of
+    their own (a max over the wrong rows or ranks changes the copies' scales)."""
+    _prints(run_interpreted(COLUMN_MAXIMA_SCRIPT), "column maxima ok", 1)
+
+
 ROWS_SCRIPT = COMMON + textwrap.dedent("""
     for L, T, E, K, shared, colmax, experts in [(1, 24, 4, 2, True, False, None),
                                                 (2, 13, 3, 2, False, True, None),

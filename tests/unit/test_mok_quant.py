@@ -252,11 +252,33 @@ SCRIPT = textwrap.dedent("""
             check(f"rows into {dt} {fill}",
                   (raw[:, :h].view(torch.float8_e4m3fn), raw[:, h:h + 4].view(torch.float32)),
                   (q, sc.view(n, 1)))
+        # with the column maxima: the same bytes, and each column's max |x| over the rows
+        # (NaN as +inf), across the partial last tile of rows
+        rows2 = torch.full((n, h), float("nan"), dtype=torch.bfloat16)
+        cm = torch.full((h,), -1.0)
+        quantize_rows_into(xi, rows2, col_amax_H=cm)
+        assert same_bits(rows2.view(torch.uint8)[:, :h + 4], raw[:, :h + 4]), dt
+        xf = xi.float()
+        want = torch.where(torch.isnan(xf), torch.full_like(xf, float("inf")), xf.abs()).amax(0)
+        assert torch.equal(cm, want), (dt, (cm - want).abs().max())
+        assert cm[3] == float("inf") and cm[0] == float("inf")
+        print("ok colmax", dt)
         if h % 128 == 0:  # the general path (quantise, then copy in): the same bytes
             split = torch.zeros(n, h, dtype=torch.bfloat16)
             quantize_tokens_into("blockwise", xi, split)
             bq, _ = mk.quantize_blockwise(xi)
             assert same_bits(split.view(torch.uint8)[:, :h].view(torch.float8_e4m3fn), bq)
+    cm = torch.full((64,), -1.0)  # no rows: every column max is 0
+    quantize_rows_into(torch.empty(0, 64), torch.empty(0, 64, dtype=torch.bfloat16),
+                       col_amax_H=cm)
+    assert torch.equal(cm, torch.zeros(64))
+    try:  # the maxima come only with the row layout's one pass
+        quantize_tokens_into("blockwise", x[:, :256], torch.zeros(37, 256, dtype=torch.bfloat16),
+                             col_amax_H=torch.zeros(256))
+        raise AssertionError("col_amax_H with the blockwise recipe did not raise")
+    except ValueError as e:
+        assert "col_amax_H is invalid with recipe='blockwise'" in str(e), e
+    print("ok colmax empty and refused")
     native = mk.quantize_blockwise(c, soft_cast=False)[0].view(torch.uint8)
     print("native-cast bytes off:", int((native != oracle_e4m3(c)).sum()), "of", c.numel())
 """)
@@ -269,8 +291,9 @@ def test_kernels_in_interpreter_match_reference_bitwise():
                          text=True, timeout=600, cwd=repo)
     assert out.returncode == 0, out.stderr[-3000:]
     # fp32: 3 inputs x 6 checks; bf16, fp16: 1 x 6 each; weights: 3 dtypes x 4; 3 ragged;
-    # rowwise straight into the row layout: 3 inputs x 2 poisons
-    assert out.stdout.count("ok ") == 18 + 12 + 12 + 3 + 6, out.stdout
+    # rowwise straight into the row layout: 3 inputs x 2 poisons, and with the column
+    # maxima: 3 inputs, then no rows and a recipe that refuses them
+    assert out.stdout.count("ok ") == 18 + 12 + 12 + 3 + 6 + 3 + 1, out.stdout
 
 
 @pytest.mark.parametrize("arch", [90, 100])
