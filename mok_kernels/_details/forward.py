@@ -419,9 +419,9 @@ class ForwardContext:
     layout (the backward overwrites them with their gradients). The SwiGLU output is
     recomputed from them in the backward's dA epilogue (elementwise, no GEMM replayed).
     x_colmax_LH: with ``bwd_fused_colmax`` after a row-wise FP8 forward, each logical
-    rank's column max |x|, fp32 [L, H], taken by the forward's
-    quantisation of x from its own loads (the scales of x's FP8 transposed copy; without
-    it the backward reads x once more for them); else None.
+    rank's column max |x|, fp32 [L, H], taken by the forward's quantisation of x from its
+    own loads (the scales of x's FP8 transposed copy; without it the backward reads x once
+    more for them); else None.
     """
 
     schedule: Schedule
