@@ -668,7 +668,7 @@ def _pull_fp8_copies(ws: Workspace, bb: BackwardBuffers, st: ScheduleTensors,
             w8.gdyam_H, ws.T, ws.P, H=H, S=ws.S, BR=br, CH=ch, DY16=dy16,
             POW2=cfg.fp8_pow2_scales, SOFT_CAST=_interpreting(), first_ptr=st.first_LP,
             xg_ptr=xg, PHASE=phase, order_ptr=order, ORDER=order is not None, PRE=pre,
-            num_warps=4)
+            AHEAD=cfg.bwd_pull_prefetch, num_warps=4)
 
 
 PULL_TOKENS = 16  # tokens per program of the token-by-token pull (``bwd_pull_by_token``)

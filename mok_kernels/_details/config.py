@@ -261,6 +261,14 @@ class MoKConfig:
         instead of HBM (in row order the programs of one wave cover a few groups, so a
         token's rows are read in different waves). The same rows, so the same gradients;
         off here, the mok backend's FP8 default on one Hopper rank (``bwd_split_launch``).
+    bwd_pull_prefetch: with ``bwd_fp8_wgrad`` and the separate one-pass pull (not
+        ``bwd_pull_dedup``, ``bwd_fp8_prequant`` or ``bwd_fused_pull``): each program of the
+        FP8 pull loads the next 128 columns of its x and dY rows before it converts and
+        stores the current ones, so its next loads are in flight while it stores. The plain
+        loop loads, waits, converts and stores in turn, its sm_90 build holds 168 registers a
+        thread (3 programs an SM), and halving its bytes (``bwd_fp8_prequant``) did not make it
+        faster: its loads' latency, not the bytes, looks like its limit. The same values, so
+        the same copies and gradients; untimed.
     bwd_fp8_prequant: with ``bwd_fp8_wgrad`` and ``bwd_fp8_da`` and the separate pull: each
         rank quantises its own tokens' x and dY rows once (e4m3, the global column maxima's
         scales: the pull's arithmetic) into its symmetric buffer after the column maxima,
@@ -369,6 +377,7 @@ class MoKConfig:
     bwd_fused_colmax: bool = False
     bwd_q_cols: int = 0
     bwd_pull_interleave: bool = False
+    bwd_pull_prefetch: bool = False
     bwd_fp8_prequant: bool = False
     bwd_split_launch: bool = False
     bwd_side_sms: int = 0
@@ -482,6 +491,13 @@ class MoKConfig:
                "bwd_pull_interleave", self.bwd_pull_interleave,
                "false unless bwd_fp8_wgrad is set without bwd_fused_pull (it orders the "
                "separate FP8 pull)")
+        _check(isinstance(self.bwd_pull_prefetch, bool), "bwd_pull_prefetch",
+               self.bwd_pull_prefetch, "true | false")
+        _check(not self.bwd_pull_prefetch or (self.bwd_fp8_wgrad and not (
+            self.bwd_fused_pull or self.bwd_pull_dedup or self.bwd_fp8_prequant)),
+               "bwd_pull_prefetch", self.bwd_pull_prefetch, "false unless bwd_fp8_wgrad is "
+               "set without bwd_fused_pull, bwd_pull_dedup and bwd_fp8_prequant (it serves "
+               "the one-pass FP8 pull)")
         _check(isinstance(self.bwd_fp8_prequant, bool), "bwd_fp8_prequant",
                self.bwd_fp8_prequant, "true | false")
         _check(not self.bwd_fp8_prequant or (self.bwd_fp8_wgrad and self.bwd_fp8_da

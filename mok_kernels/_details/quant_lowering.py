@@ -113,7 +113,7 @@ def compile_fp8_ffn_kernel(kernel: str, recipe: str, *, arch: int = 90, hidden: 
 
 def compile_pull_kernel(kind: str = "bf16", phase: int = 0, *, hidden: int = 7168,
                         arch: int = 90, interleave: bool = False,
-                        prequant: bool = False) -> Lowered:
+                        prequant: bool = False, prefetch: bool = False) -> Lowered:
     """Compile the backward's separate pull for sm_<arch> as the backward launches it: kind
     "bf16" (``pull_rows_kernel``: token rows gathered by loaded offsets into [L, P, H] bf16
     rows, PULL_ROWS rows and ``_row_chunk(H)`` columns per step) or "fp8t"
@@ -124,7 +124,8 @@ def compile_pull_kernel(kind: str = "bf16", phase: int = 0, *, hidden: int = 716
     (``bwd_pull_dedup``); ``interleave`` ("fp8t" only, ``bwd_pull_interleave``): each
     program's row block from the block order; ``prequant`` ("fp8t" only,
     ``bwd_fp8_prequant``): the rows already e4m3 at home, moved as bytes (every row buffer
-    a byte view)."""
+    a byte view); ``prefetch`` ("fp8t", phase 0, ``bwd_pull_prefetch``): the next chunk's
+    rows loaded before the current one is stored."""
     from mok_kernels._details.backward import PULL_ROWS, PULL_TOKENS
     from mok_kernels._details.forward import _row_chunk
     from mok_kernels._details.tl_backward_pull import (
@@ -149,6 +150,7 @@ def compile_pull_kernel(kind: str = "bf16", phase: int = 0, *, hidden: int = 716
         if phase == 0:
             consts["xg_ptr"] = None
         consts["PRE"] = prequant
+        consts["AHEAD"] = prefetch
         if prequant:
             types.update({name: "*u8" + a for name in ("x_base", "dy_base", "xg_ptr",
                                                        "dyg_ptr", "xqT_ptr", "dyqT_ptr")})

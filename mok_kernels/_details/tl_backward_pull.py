@@ -238,7 +238,7 @@ def pull_rows_fp8t_kernel(src_ptr, total_ptr, x_base, x_tab, dy_base, tab16, dyg
                           DY16: tl.constexpr, POW2: tl.constexpr, SOFT_CAST: tl.constexpr,
                           first_ptr=None, xg_ptr=None, PHASE: tl.constexpr = 0,
                           order_ptr=None, ORDER: tl.constexpr = False,
-                          PRE: tl.constexpr = False):
+                          PRE: tl.constexpr = False, AHEAD: tl.constexpr = False):
     """``bwd_fp8_wgrad``'s reverse-combine pull: the x and dY rows of BR schedule rows from
     the tokens' home ranks, written as e4m3 transposed copies [L, H, P] (feature-major, the
     rows contiguous: the K-major operands of the FP8 weight-gradient tiles), each column
@@ -252,7 +252,8 @@ def pull_rows_fp8t_kernel(src_ptr, total_ptr, x_base, x_tab, dy_base, tab16, dyg
     PRE (``bwd_fp8_prequant``): the sources are already e4m3, quantised at home by
     ``quantize_cols_kernel`` with the same scales (x_base / dy_base their bytes [.., T, H],
     x_tab / tab16 byte offsets of the ranks' copies; ``xg_ptr`` / ``dyg_ptr`` and the
-    copies byte views): every row moves as bytes, half the reads of bf16 rows."""
+    copies byte views): every row moves as bytes, half the reads of bf16 rows. AHEAD
+    (``bwd_pull_prefetch``; PHASE 0 without PRE): ``_pull_fp8t_ahead``."""
     lr = tl.program_id(0)
     if ORDER:
         r0 = tl.load(order_ptr + lr * tl.num_programs(1) + tl.program_id(1)) * BR
@@ -262,7 +263,41 @@ def pull_rows_fp8t_kernel(src_ptr, total_ptr, x_base, x_tab, dy_base, tab16, dyg
     if r0 < total:
         _pull_fp8t_rows(r0 + tl.arange(0, BR), lr, src_ptr, x_base, x_tab, dy_base, tab16,
                         dyg_ptr, xqT_ptr, dyqT_ptr, gxam_ptr, gdyam_ptr, T, P, H, S, CH, DY16,
-                        POW2, SOFT_CAST, first_ptr, xg_ptr, PHASE, PRE)
+                        POW2, SOFT_CAST, first_ptr, xg_ptr, PHASE, PRE, AHEAD)
+
+
+@triton.jit
+def _pull_fp8t_ahead(x_rows, dy_rows, ld, wr, rows, xq, dyq, gxam_ptr, gdyam_ptr, dyg_ptr, out16,
+                     P, H: tl.constexpr, CH: tl.constexpr, DY16: tl.constexpr,
+                     POW2: tl.constexpr, SOFT_CAST: tl.constexpr):
+    """``bwd_pull_prefetch``: PHASE 0 of ``_pull_fp8t_rows`` (rows from home, padding rows
+    0) with the next CH columns of the x and dY rows loaded before this chunk's are
+    converted and stored, so a program has its next loads in flight while it stores (the
+    plain loop loads, waits, converts, stores, then loads again: at 168 registers a thread,
+    3 programs an SM on sm_90, the loads' latency is not hidden). The same values, so the
+    same copies; the loads past H are masked off."""
+    c = tl.arange(0, CH)
+    m0 = ld[:, None] & (c < H)[None, :]
+    vx = tl.load(x_rows[:, None] + c[None, :], mask=m0, other=0)
+    vd = tl.load(dy_rows[:, None] + c[None, :], mask=m0, other=0)
+    for h0 in range(0, H, CH):
+        cols = h0 + c
+        cm = cols < H
+        nm = ld[:, None] & (cols + CH < H)[None, :]
+        nx = tl.load(x_rows[:, None] + (cols + CH)[None, :], mask=nm, other=0)
+        nd = tl.load(dy_rows[:, None] + (cols + CH)[None, :], mask=nm, other=0)
+        tcols = cols.to(tl.int64)[None, :] * P + rows[:, None]
+        inv = e4m3_scales(tl.load(gxam_ptr + cols, mask=cm, other=0.0), POW2)[0]
+        tl.store(xq + tcols, to_e4m3(to_f32(vx, SOFT_CAST) * inv[None, :], SOFT_CAST),
+                 mask=cm[None, :])
+        if DY16:
+            tl.store(dyg_ptr + out16[:, None] + cols[None, :], vd,
+                     mask=wr[:, None] & cm[None, :])
+        inv = e4m3_scales(tl.load(gdyam_ptr + cols, mask=cm, other=0.0), POW2)[0]
+        tl.store(dyq + tcols, to_e4m3(to_f32(vd, SOFT_CAST) * inv[None, :], SOFT_CAST),
+                 mask=cm[None, :])
+        vx = nx
+        vd = nd
 
 
 @triton.jit
@@ -270,10 +305,11 @@ def _pull_fp8t_rows(rows, lr, src_ptr, x_base, x_tab, dy_base, tab16, dyg_ptr, x
                     dyqT_ptr, gxam_ptr, gdyam_ptr, T, P, H: tl.constexpr, S: tl.constexpr,
                     CH: tl.constexpr, DY16: tl.constexpr, POW2: tl.constexpr,
                     SOFT_CAST: tl.constexpr, first_ptr=None, xg_ptr=None,
-                    PHASE: tl.constexpr = 0, PRE: tl.constexpr = False):
+                    PHASE: tl.constexpr = 0, PRE: tl.constexpr = False,
+                    AHEAD: tl.constexpr = False):
     """The body of ``pull_rows_fp8t_kernel`` for schedule rows ``rows`` of logical rank lr
     (below its total); also the in-kernel pull items' (``bwd_fused_pull`` with FP8 weight
-    gradients, PHASE 0)."""
+    gradients, PHASE 0). AHEAD (PHASE 0, not PRE): ``_pull_fp8t_ahead``."""
     x_rows, dy_rows, ld, wr = _row_sources(
         rows, lr, src_ptr + lr.to(tl.int64) * P,
         first_ptr + lr.to(tl.int64) * P if PHASE > 0 else first_ptr, x_base, x_tab,
@@ -283,31 +319,35 @@ def _pull_fp8t_rows(rows, lr, src_ptr, x_base, x_tab, dy_base, tab16, dyg_ptr, x
     xq = xqT_ptr + lr.to(tl.int64) * H * P
     dyq = dyqT_ptr + lr.to(tl.int64) * H * P
     out16 = (lr.to(tl.int64) * P + rows) * H
-    for h0 in range(0, H, CH):
-        cols = h0 + tl.arange(0, CH)
-        cm = cols < H
-        m = ld[:, None] & cm[None, :]
-        mw = wr[:, None] & cm[None, :]
-        # The transposed stores are masked by column only (a row mask along their
-        # contiguous dimension made them byte stores): PHASE 0 and 2 write every row
-        # (padding rows 0), PHASE 1 none (it writes the bf16 copies that PHASE 2 reads).
-        tcols = cols.to(tl.int64)[None, :] * P + rows[:, None]
-        v = tl.load(x_rows[:, None] + cols[None, :], mask=m, other=0)
-        if PHASE == 1:  # the second pass's source
-            tl.store(xg_ptr + out16[:, None] + cols[None, :], v, mask=mw)
-        elif PRE:  # e4m3 bytes already, scaled at home
-            tl.store(xq + tcols, v, mask=cm[None, :])
-        else:
-            inv = e4m3_scales(tl.load(gxam_ptr + cols, mask=cm, other=0.0), POW2)[0]
-            tl.store(xq + tcols, to_e4m3(to_f32(v, SOFT_CAST) * inv[None, :], SOFT_CAST),
-                     mask=cm[None, :])
-        v = tl.load(dy_rows[:, None] + cols[None, :], mask=m, other=0)
-        if DY16:
-            tl.store(dyg_ptr + out16[:, None] + cols[None, :], v, mask=mw)
-        if PHASE != 1:
-            if PRE:
-                tl.store(dyq + tcols, v, mask=cm[None, :])
+    if AHEAD:
+        _pull_fp8t_ahead(x_rows, dy_rows, ld, wr, rows, xq, dyq, gxam_ptr, gdyam_ptr, dyg_ptr,
+                         out16, P, H, CH, DY16, POW2, SOFT_CAST)
+    else:
+        for h0 in range(0, H, CH):
+            cols = h0 + tl.arange(0, CH)
+            cm = cols < H
+            m = ld[:, None] & cm[None, :]
+            mw = wr[:, None] & cm[None, :]
+            # The transposed stores are masked by column only (a row mask along their
+            # contiguous dimension made them byte stores): PHASE 0 and 2 write every row
+            # (padding rows 0), PHASE 1 none (it writes the bf16 copies that PHASE 2 reads).
+            tcols = cols.to(tl.int64)[None, :] * P + rows[:, None]
+            v = tl.load(x_rows[:, None] + cols[None, :], mask=m, other=0)
+            if PHASE == 1:  # the second pass's source
+                tl.store(xg_ptr + out16[:, None] + cols[None, :], v, mask=mw)
+            elif PRE:  # e4m3 bytes already, scaled at home
+                tl.store(xq + tcols, v, mask=cm[None, :])
             else:
-                inv = e4m3_scales(tl.load(gdyam_ptr + cols, mask=cm, other=0.0), POW2)[0]
-                tl.store(dyq + tcols, to_e4m3(to_f32(v, SOFT_CAST) * inv[None, :], SOFT_CAST),
+                inv = e4m3_scales(tl.load(gxam_ptr + cols, mask=cm, other=0.0), POW2)[0]
+                tl.store(xq + tcols, to_e4m3(to_f32(v, SOFT_CAST) * inv[None, :], SOFT_CAST),
                          mask=cm[None, :])
+            v = tl.load(dy_rows[:, None] + cols[None, :], mask=m, other=0)
+            if DY16:
+                tl.store(dyg_ptr + out16[:, None] + cols[None, :], v, mask=mw)
+            if PHASE != 1:
+                if PRE:
+                    tl.store(dyq + tcols, v, mask=cm[None, :])
+                else:
+                    inv = e4m3_scales(tl.load(gdyam_ptr + cols, mask=cm, other=0.0), POW2)[0]
+                    tl.store(dyq + tcols, to_e4m3(to_f32(v, SOFT_CAST) * inv[None, :], SOFT_CAST),
+                             mask=cm[None, :])

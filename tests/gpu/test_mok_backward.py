@@ -479,6 +479,14 @@ def test_fp8_pull_items_give_the_separate_pulls_gradients_bitwise(ranks, shared,
                                             "bwd_pull_programs": pullers}, 7)
 
 
+@pytest.mark.parametrize("ranks, shared, interleave", [(1, True, True), (2, False, False)])
+def test_pull_loading_ahead_gives_the_same_gradients_bitwise(ranks, shared, interleave):
+    """``bwd_pull_prefetch`` (the FP8 pull loads the next chunk of its rows before it stores
+    the current one): every gradient bitwise the plain loop's, reruns bitwise equal."""
+    _fp8_variant_is_bitwise(ranks, shared, {"bwd_pull_prefetch": True,
+                                            "bwd_pull_interleave": interleave}, 37)
+
+
 @pytest.mark.parametrize("ranks, shared", [(1, True), (2, False)])
 def test_block_column_maxima_give_the_two_pass_gradients_bitwise(ranks, shared):
     """``bwd_fp8_block_colmax`` (the Q items take each column's max from the row blocks'

@@ -664,6 +664,34 @@ def test_column_maxima_from_the_quantisers_give_the_same_gradients_bitwise():
     _prints(run_interpreted(COLUMN_MAXIMA_SCRIPT), "column maxima ok", 1)
 
 
+PULL_PREFETCH_SCRIPT = COMMON + textwrap.dedent("""
+    # H 320: the FP8 pull's 128-column chunks are 3, the last one partial; two loopback ranks
+    L, T, E, K, shared, H, I = 2, 13, 3, 2, True, 320, 32
+    x, idx, p, _, W, dy, exact = interleaved_case(L, T, E, K, shared, 53, H=H, I=I)
+    for da in (True, False):  # FP8 dA items, or bf16 ones (the pull also writes bf16 dY rows)
+        out = []
+        for knobs in ({}, {"bwd_pull_prefetch": True},
+                      {"bwd_pull_prefetch": True, "bwd_pull_interleave": True}):
+            cfg = config(True, bwd_fp8_da=da, bwd_fp8_dx=da, bwd_fp8_wgrad=True, **knobs)
+            out.append(run_fp8(cfg, L, T, E, K, shared, H, I, x, idx, p, W, dy)[0])
+        for i in range(1, len(out)):
+            assert_bitwise(out[0], out[i], (da, i))
+        assert rel(out[1].w_gate_up, exact.dweights["w1_EHF"]) < 1e-1
+        assert rel(out[1].w_down, exact.dweights["w2_EIH"]) < 1e-1
+        print("pull prefetch ok", da)
+""")
+
+
+def test_pull_loading_the_next_chunk_ahead_gives_the_same_gradients_bitwise():
+    """``bwd_pull_prefetch`` (the FP8 pull loads the next 128 columns of its rows before it
+    converts and stores the current ones): every gradient bitwise the plain loop's, with
+    FP8 and bf16 dA items (then the pull also writes the bf16 dY rows), with the
+    interleaved block order, over three column chunks of which the last is partial (a chunk
+    stored from the wrong columns changes the weight gradients, which read only the
+    copies)."""
+    _prints(run_interpreted(PULL_PREFETCH_SCRIPT), "pull prefetch ok", 2)
+
+
 ROWS_SCRIPT = COMMON + textwrap.dedent("""
     for L, T, E, K, shared, colmax, experts in [(1, 24, 4, 2, True, False, None),
                                                 (2, 13, 3, 2, False, True, None),

@@ -428,6 +428,25 @@ def test_separate_pulls_move_rows_in_16_byte_vectors(kind, phase, interleave):
     assert ops.count("st.global.v4.b32") >= 8, sorted(set(ops))
 
 
+def test_prefetching_pull_loads_the_next_chunk_before_it_stores():
+    """``bwd_pull_prefetch``: the FP8 pull's sm_90 build loads the next chunk's x and dY
+    rows (16-byte vectors) ahead of the current chunk's stores: twice the plain loop's row
+    loads (the first chunk's before the loop, the next chunk's in it), no byte-wide access,
+    no spills."""
+    from mok_kernels._details.quant_lowering import compile_pull_kernel
+
+    def row_loads(lw) -> int:
+        return re.findall(r"\b((?:ld|st)\.global(?:\.[a-z0-9]+)+)", lw.ptx).count(
+            "ld.global.v4.b32")
+
+    plain = compile_pull_kernel("fp8t", 0, hidden=7168, interleave=True)
+    ahead = compile_pull_kernel("fp8t", 0, hidden=7168, interleave=True, prefetch=True)
+    assert row_loads(ahead) == 2 * row_loads(plain) > 0
+    ops = re.findall(r"\b((?:ld|st)\.global(?:\.[a-z0-9]+)+)", ahead.ptx)
+    assert not [op for op in ops if op.endswith((".b8", ".u8", ".b16", ".u16"))]
+    assert not ahead.spills, ahead.ptxas_log
+
+
 @pytest.mark.parametrize("phase", [0, 1, 2])
 def test_prequantised_pull_moves_e4m3_rows_in_wide_words(phase):
     """``bwd_fp8_prequant``'s pull (the rows e4m3 at home, moved as bytes into the
