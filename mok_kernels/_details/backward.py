@@ -688,13 +688,19 @@ def _pull_by_token(ws: Workspace, bb: BackwardBuffers, st: ScheduleTensors,
         raise ValueError("bwd_pull_by_token: the schedule has no slot rows (build it with "
                          "this config: build_schedule)")
     N = st.slot_rows_LJ.shape[1] // ws.S
-    ch = _row_chunk(ws.H)
+    ch = bf16_pull_cols(ws.config, ws.H)
     pull_rows_by_token_kernel[(ws.L, -(-N // PULL_TOKENS))](
         st.slot_rows_LJ, st.total_L, x_src, ws.x_tab_R, dy_src, bb.tab16_R, sc.xg_LPH,
         sc.dyg_LPH, N, ws.T, ws.P, H=ws.H, S=ws.S, BT=PULL_TOKENS, CH=ch, num_warps=4)
     zero_padding_rows_kernel[(ws.L, ws.P // PULL_ROWS)](
         st.src_LP, st.total_L, sc.xg_LPH, sc.dyg_LPH, ws.P, H=ws.H, BR=PULL_ROWS, CH=ch,
         num_warps=4)
+
+
+def bf16_pull_cols(cfg: MoKConfig, H: int) -> int:
+    """Columns per step of the separate bf16 pulls (the row pull, the pull by token):
+    ``bwd_pull_cols``, or H rounded up to a power of two, at most 1024 (``_row_chunk``)."""
+    return cfg.bwd_pull_cols or _row_chunk(H)
 
 
 def backward_trace_capacity(ws: Workspace) -> int:
@@ -719,7 +725,7 @@ def _pull_rows(ws: Workspace, bb: BackwardBuffers, st: ScheduleTensors, x_src: t
     br = PULL_ROWS
     pull_rows_kernel[(ws.L, ws.P // br)](st.src_LP, st.total_L, x_src, ws.x_tab_R, dy_src,
                                          bb.tab16_R, xg_LPH, dyg_LPH, ws.T, ws.P, H=ws.H,
-                                         S=ws.S, BR=br, CH=_row_chunk(ws.H),
+                                         S=ws.S, BR=br, CH=bf16_pull_cols(ws.config, ws.H),
                                          first_ptr=st.first_LP, PHASE=phase,
                                          num_warps=4)
 

@@ -261,6 +261,12 @@ class MoKConfig:
         instead of HBM (in row order the programs of one wave cover a few groups, so a
         token's rows are read in different waves). The same rows, so the same gradients;
         off here, the mok backend's FP8 default on one Hopper rank (``bwd_split_launch``).
+    bwd_pull_cols: columns per step of the separate bf16 pulls (the row pull, and the pull
+        by token of ``bwd_pull_by_token``); 0 (the default) H rounded up to a power of two,
+        at most 1024; else a power of two in 64..1024. At 1024 the sm_90 build of the pull
+        by token (16 tokens, x and dY rows in flight together) holds 255 registers a thread
+        with 152 bytes of spill stores, one program an SM; at 256, 94 registers and no
+        spills (the row pull: 198 and 64). The same rows, so the same gradients; untimed.
     bwd_pull_prefetch: with ``bwd_fp8_wgrad`` and the separate one-pass pull (not
         ``bwd_pull_dedup``, ``bwd_fp8_prequant`` or ``bwd_fused_pull``): each program of the
         FP8 pull loads the next 128 columns of its x and dY rows before it converts and
@@ -378,6 +384,7 @@ class MoKConfig:
     bwd_q_cols: int = 0
     bwd_pull_interleave: bool = False
     bwd_pull_prefetch: bool = False
+    bwd_pull_cols: int = 0
     bwd_fp8_prequant: bool = False
     bwd_split_launch: bool = False
     bwd_side_sms: int = 0
@@ -491,6 +498,10 @@ class MoKConfig:
                "bwd_pull_interleave", self.bwd_pull_interleave,
                "false unless bwd_fp8_wgrad is set without bwd_fused_pull (it orders the "
                "separate FP8 pull)")
+        cols = self.bwd_pull_cols
+        _check(isinstance(cols, int) and not isinstance(cols, bool)
+               and (cols == 0 or (_is_pow2(cols) and 64 <= cols <= 1024)), "bwd_pull_cols",
+               cols, "0 or a power of two in 64..1024")
         _check(isinstance(self.bwd_pull_prefetch, bool), "bwd_pull_prefetch",
                self.bwd_pull_prefetch, "true | false")
         _check(not self.bwd_pull_prefetch or (self.bwd_fp8_wgrad and not (

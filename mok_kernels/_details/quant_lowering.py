@@ -113,7 +113,8 @@ def compile_fp8_ffn_kernel(kernel: str, recipe: str, *, arch: int = 90, hidden: 
 
 def compile_pull_kernel(kind: str = "bf16", phase: int = 0, *, hidden: int = 7168,
                         arch: int = 90, interleave: bool = False,
-                        prequant: bool = False, prefetch: bool = False) -> Lowered:
+                        prequant: bool = False, prefetch: bool = False,
+                        cols: int = 0) -> Lowered:
     """Compile the backward's separate pull for sm_<arch> as the backward launches it: kind
     "bf16" (``pull_rows_kernel``: token rows gathered by loaded offsets into [L, P, H] bf16
     rows, PULL_ROWS rows and ``_row_chunk(H)`` columns per step) or "fp8t"
@@ -125,7 +126,8 @@ def compile_pull_kernel(kind: str = "bf16", phase: int = 0, *, hidden: int = 716
     program's row block from the block order; ``prequant`` ("fp8t" only,
     ``bwd_fp8_prequant``): the rows already e4m3 at home, moved as bytes (every row buffer
     a byte view); ``prefetch`` ("fp8t", phase 0, ``bwd_pull_prefetch``): the next chunk's
-    rows loaded before the current one is stored."""
+    rows loaded before the current one is stored; ``cols`` (the bf16 kinds,
+    ``bwd_pull_cols``): columns per step, 0 for ``_row_chunk(hidden)``."""
     from mok_kernels._details.backward import PULL_ROWS, PULL_TOKENS
     from mok_kernels._details.forward import _row_chunk
     from mok_kernels._details.tl_backward_pull import (
@@ -156,10 +158,10 @@ def compile_pull_kernel(kind: str = "bf16", phase: int = 0, *, hidden: int = 716
                                                        "dyg_ptr", "xqT_ptr", "dyqT_ptr")})
     elif kind == "bf16":
         fn = pull_rows_kernel
-        consts = {"BR": PULL_ROWS, "CH": _row_chunk(hidden), "WHICH": 0}
+        consts = {"BR": PULL_ROWS, "CH": cols or _row_chunk(hidden), "WHICH": 0}
     elif kind == "bf16_by_token" and phase == 0:
         fn = pull_rows_by_token_kernel
-        consts = {"BT": PULL_TOKENS, "CH": _row_chunk(hidden), "S": 9}
+        consts = {"BT": PULL_TOKENS, "CH": cols or _row_chunk(hidden), "S": 9}
     else:
         raise ValueError(f"kind={kind!r}, phase={phase} is invalid: allowed bf16 | fp8t "
                          "(phase 0, 1, 2) | bf16_by_token (phase 0)")

@@ -117,6 +117,8 @@ def test_lean_da_epilogue_and_the_plain_one_both_match_reference():
                                   {"bwd_dx_band": 16, "bwd_dx_tma": True},
                                   {"bwd_dx_band": 3},
                                   {"bwd_pull_by_token": True},
+                                  {"bwd_pull_by_token": True, "bwd_pull_cols": 256},
+                                  {"bwd_pull_cols": 256},
                                   {"bwd_dw_tiles": 4},
                                   {"bwd_dw_tiles": 2},
                                   {"bwd_dw_tiles": 4, "bwd_dw_stages": 4},
@@ -135,7 +137,8 @@ def test_backward_variants_match_the_default_bitwise(ranks, rows):
     through TMA) and bwd_pull_dedup (a token's rows pulled once per rank, the others copied
     from it in a second pass) and bwd_dx_band (the dX items in bands of row blocks) and
     bwd_pull_by_token (the pull token by token,
-    then zeros in the padding rows) and bwd_dw_tiles (several weight-gradient tiles per item,
+    then zeros in the padding rows), bwd_pull_cols (either bf16 pull in 256-column steps)
+    and bwd_dw_tiles (several weight-gradient tiles per item,
     two or four pipeline stages deep) and bwd_split_launch (the dgrad and weight-gradient
     items in two launches) give the default backward's gradients (and the reference's),
     bitwise, on a rerun as well."""

@@ -692,6 +692,31 @@ def test_pull_loading_the_next_chunk_ahead_gives_the_same_gradients_bitwise():
     _prints(run_interpreted(PULL_PREFETCH_SCRIPT), "pull prefetch ok", 2)
 
 
+PULL_COLS_SCRIPT = COMMON + textwrap.dedent("""
+    # H 320: the bf16 pulls' steps of 512 columns (the default) against 128 (three steps,
+    # the last partial) and 64; the row pull and the pull by token; two loopback ranks
+    L, T, E, K, shared, H, I = 2, 13, 3, 2, True, 320, 32
+    x, idx, p, _, W, dy, exact = interleaved_case(L, T, E, K, shared, 59, H=H, I=I)
+    for by_token in (False, True):
+        out = []
+        for cols in (0, 128, 64):
+            cfg = config(True, bwd_pull_by_token=by_token, bwd_pull_cols=cols)
+            out.append(run_fp8(cfg, L, T, E, K, shared, H, I, x, idx, p, W, dy)[0])
+        for i in range(1, len(out)):
+            assert_bitwise(out[0], out[i], (by_token, i))
+        assert rel(out[0].dx_TH, exact.dx_TH) < 2e-2
+        print("pull cols ok", by_token)
+""")
+
+
+def test_bf16_pulls_in_narrower_steps_give_the_same_gradients_bitwise():
+    """``bwd_pull_cols`` (the bf16 pulls' columns per step): every gradient of the bf16
+    backward bitwise the default steps', with the row pull and with the pull by token, over
+    steps of which the last is partial (a step's columns written from the wrong place
+    change dx and the weight gradients)."""
+    _prints(run_interpreted(PULL_COLS_SCRIPT), "pull cols ok", 2)
+
+
 ROWS_SCRIPT = COMMON + textwrap.dedent("""
     for L, T, E, K, shared, colmax, experts in [(1, 24, 4, 2, True, False, None),
                                                 (2, 13, 3, 2, False, True, None),

@@ -428,6 +428,22 @@ def test_separate_pulls_move_rows_in_16_byte_vectors(kind, phase, interleave):
     assert ops.count("st.global.v4.b32") >= 8, sorted(set(ops))
 
 
+@pytest.mark.parametrize("kind", ["bf16", "bf16_by_token"])
+def test_bf16_pulls_in_256_column_steps_hold_fewer_registers(kind):
+    """``bwd_pull_cols`` 256 at the Kimi hidden size: either bf16 pull builds for sm_90 with
+    16-byte vectors, no spills and under half the registers of its 1024-column steps (the
+    pull by token spills there: 255 registers, 152 bytes of spill stores, Triton 3.9)."""
+    from mok_kernels._details.quant_lowering import compile_pull_kernel
+
+    wide = compile_pull_kernel(kind, 0, hidden=7168)
+    narrow = compile_pull_kernel(kind, 0, hidden=7168, cols=256)
+    assert not narrow.spills, narrow.ptxas_log
+    assert 2 * narrow.registers < wide.registers, (narrow.registers, wide.registers)
+    ops = re.findall(r"\b((?:ld|st)\.global(?:\.[a-z0-9]+)+)", narrow.ptx)
+    assert not [op for op in ops if op.endswith((".b8", ".u8", ".b16", ".u16"))]
+    assert "ld.global.v4.b32" in ops and "st.global.v4.b32" in ops
+
+
 def test_prefetching_pull_loads_the_next_chunk_before_it_stores():
     """``bwd_pull_prefetch``: the FP8 pull's sm_90 build loads the next chunk's x and dY
     rows (16-byte vectors) ahead of the current chunk's stores: twice the plain loop's row
