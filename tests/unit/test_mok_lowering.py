@@ -406,6 +406,17 @@ def test_dispatch_dedup_builds_without_spills(fp8_forward):
     assert not lw.spills, lw.ptxas_log
 
 
+def _global_ops(ptx: str) -> list[str]:
+    """Every plain global load and store of a build's PTX, with its width
+    (``ld.global.v4.b32``, ``st.global.b8``, ...), in order."""
+    return re.findall(r"\b((?:ld|st)\.global(?:\.[a-z0-9]+)+)", ptx)
+
+
+def _narrow(ops: list[str]) -> list[str]:
+    """The byte- and halfword-wide ones among ``ops``."""
+    return [op for op in ops if op.endswith((".b8", ".u8", ".b16", ".u16"))]
+
+
 @pytest.mark.parametrize("kind, phase, interleave", [
     ("bf16", 0, False), ("bf16", 1, False), ("bf16", 2, False), ("fp8t", 0, False),
     ("fp8t", 1, False), ("fp8t", 2, False), ("bf16_by_token", 0, False), ("fp8t", 0, True)])
@@ -421,9 +432,8 @@ def test_separate_pulls_move_rows_in_16_byte_vectors(kind, phase, interleave):
     from mok_kernels._details.quant_lowering import compile_pull_kernel
 
     lw = compile_pull_kernel(kind, phase, hidden=4096, interleave=interleave)
-    ops = re.findall(r"\b((?:ld|st)\.global(?:\.[a-z0-9]+)+)", lw.ptx)
-    narrow = [op for op in ops if op.endswith((".b8", ".u8", ".b16", ".u16"))]
-    assert not narrow, sorted(set(ops))
+    ops = _global_ops(lw.ptx)
+    assert not _narrow(ops), sorted(set(ops))
     assert ops.count("ld.global.v4.b32") >= 16, sorted(set(ops))
     assert ops.count("st.global.v4.b32") >= 8, sorted(set(ops))
 
@@ -439,8 +449,8 @@ def test_bf16_pulls_in_256_column_steps_hold_fewer_registers(kind):
     narrow = compile_pull_kernel(kind, 0, hidden=7168, cols=256)
     assert not narrow.spills, narrow.ptxas_log
     assert 2 * narrow.registers < wide.registers, (narrow.registers, wide.registers)
-    ops = re.findall(r"\b((?:ld|st)\.global(?:\.[a-z0-9]+)+)", narrow.ptx)
-    assert not [op for op in ops if op.endswith((".b8", ".u8", ".b16", ".u16"))]
+    ops = _global_ops(narrow.ptx)
+    assert not _narrow(ops)
     assert "ld.global.v4.b32" in ops and "st.global.v4.b32" in ops
 
 
@@ -451,15 +461,12 @@ def test_prefetching_pull_loads_the_next_chunk_before_it_stores():
     no spills."""
     from mok_kernels._details.quant_lowering import compile_pull_kernel
 
-    def row_loads(lw) -> int:
-        return re.findall(r"\b((?:ld|st)\.global(?:\.[a-z0-9]+)+)", lw.ptx).count(
-            "ld.global.v4.b32")
-
     plain = compile_pull_kernel("fp8t", 0, hidden=7168, interleave=True)
     ahead = compile_pull_kernel("fp8t", 0, hidden=7168, interleave=True, prefetch=True)
-    assert row_loads(ahead) == 2 * row_loads(plain) > 0
-    ops = re.findall(r"\b((?:ld|st)\.global(?:\.[a-z0-9]+)+)", ahead.ptx)
-    assert not [op for op in ops if op.endswith((".b8", ".u8", ".b16", ".u16"))]
+    ops = _global_ops(ahead.ptx)
+    assert ops.count("ld.global.v4.b32") == 2 * _global_ops(plain.ptx).count(
+        "ld.global.v4.b32") > 0
+    assert not _narrow(ops)
     assert not ahead.spills, ahead.ptxas_log
 
 
@@ -472,9 +479,8 @@ def test_prequantised_pull_moves_e4m3_rows_in_wide_words(phase):
     from mok_kernels._details.quant_lowering import compile_pull_kernel
 
     lw = compile_pull_kernel("fp8t", phase, hidden=4096, prequant=True)
-    ops = re.findall(r"\b((?:ld|st)\.global(?:\.[a-z0-9]+)+)", lw.ptx)
-    narrow = [op for op in ops if op.endswith((".b8", ".u8", ".b16", ".u16"))]
-    assert not narrow, sorted(set(ops))
+    ops = _global_ops(lw.ptx)
+    assert not _narrow(ops), sorted(set(ops))
     assert any(op.startswith("ld.global.v") for op in ops), sorted(set(ops))
     assert "cvt.rn.satfinite.e4m3x2.f32" not in lw.ptx and "mul.f32" not in lw.ptx
 
