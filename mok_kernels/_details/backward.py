@@ -148,6 +148,10 @@ class BackwardScratch:
     dyg_LPH: torch.Tensor | None  # pulled dY rows (likewise)
     gq_LPG: torch.Tensor | None = None  # bwd_fp8_dx: dG/dU as FP8 rows (2I e4m3, a scale)
     wgrad8: Fp8WgradScratch | None = None  # bwd_fp8_wgrad
+    # bwd_dw_tma_store: the buffers the dW tensors above are views of, the shared expert's
+    # L slots after the routed experts' L*E: [L*E (+ L), H, 2I] and [L*E (+ L), I, H]
+    dw1_all: torch.Tensor | None = None
+    dw2_all: torch.Tensor | None = None
 
 
 @dataclass
@@ -191,11 +195,11 @@ def backward_scratch(ws: Workspace) -> BackwardScratch:
     L, H, I, P, dev = ws.L, ws.H, ws.I, ws.P, ws.device
     bf = torch.bfloat16
     w8, dedup = cfg.bwd_fp8_wgrad, cfg.bwd_pull_dedup
+    dw1, dws1, dw1_all = _dw_buffers(L, ws.E, ws.shared, (H, 2 * I), cfg.bwd_dw_tma_store, dev)
+    dw2, dws2, dw2_all = _dw_buffers(L, ws.E, ws.shared, (I, H), cfg.bwd_dw_tma_store, dev)
     return BackwardScratch(
-        dw1_EHF=torch.empty(L * ws.E, H, 2 * I, dtype=bf, device=dev),
-        dw2_EIH=torch.empty(L * ws.E, I, H, dtype=bf, device=dev),
-        dws1_LHF=torch.empty((L, H, 2 * I) if ws.shared else (1,), dtype=bf, device=dev),
-        dws2_LIH=torch.empty((L, I, H) if ws.shared else (1,), dtype=bf, device=dev),
+        dw1_EHF=dw1, dw2_EIH=dw2, dws1_LHF=dws1, dws2_LIH=dws2, dw1_all=dw1_all,
+        dw2_all=dw2_all,
         hs_LPI=torch.empty(L, P, I, dtype=bf, device=dev),
         xg_LPH=(torch.empty(L, P, H, dtype=bf, device=dev) if dedup or not w8 else None),
         dyg_LPH=(torch.empty(L, P, H, dtype=bf, device=dev)
@@ -205,6 +209,40 @@ def backward_scratch(ws: Workspace) -> BackwardScratch:
         wgrad8=(Fp8WgradScratch.empty(L, H, I, P, ws.E + int(ws.shared), dev,
                                       P // cfg.bwd_bm if cfg.bwd_fp8_block_colmax else 0)
                 if w8 else None))
+
+
+def _dw_buffers(L: int, E: int, shared: bool, shape: tuple[int, int], combined: bool,
+                device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor,
+                                                    torch.Tensor | None]:
+    """bf16 weight-gradient buffers of one weight: (routed [L*E, *shape], shared [L,
+    *shape] or a one-element placeholder without the shared expert, the buffer both are
+    views of or None). ``combined`` (``bwd_dw_tma_store``): one buffer, the shared
+    expert's L slots after the routed experts', so one TMA descriptor covers every slot."""
+    bf = torch.bfloat16
+    if not combined:
+        return (torch.empty(L * E, *shape, dtype=bf, device=device),
+                torch.empty((L, *shape) if shared else (1,), dtype=bf, device=device), None)
+    every = torch.empty(L * E + (L if shared else 0), *shape, dtype=bf, device=device)
+    routed = every[:L * E]
+    return (routed, every[L * E:] if shared else torch.empty(1, dtype=bf, device=device),
+            every)
+
+
+def _dw_descriptors(cfg: MoKConfig, sc: BackwardScratch) -> dict:
+    """``bwd_dw_tma_store``'s store descriptors over the combined dW buffers ([slots *
+    rows, cols] views, [block_n / 2, block_n / 2] boxes: half a weight-gradient tile) and
+    the shared expert's first slot; None and 0 without the knob."""
+    if sc.dw1_all is None or sc.dw2_all is None:
+        return dict(dw1_desc=None, dw2_desc=None, SH0=0)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    half = cfg.block_n // 2
+
+    def desc(t: torch.Tensor) -> TensorDescriptor:
+        return TensorDescriptor.from_tensor(t.view(-1, t.shape[-1]), [half, half])
+
+    return dict(dw1_desc=desc(sc.dw1_all), dw2_desc=desc(sc.dw2_all),
+                SH0=sc.dw1_EHF.shape[0])
 
 
 def dgu_row_elements(intermediate: int) -> int:
@@ -516,7 +554,8 @@ def backward_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots:
                 DXBAND=cfg.bwd_dx_band, DWT=cfg.bwd_dw_tiles,
                 DWSC=3 if cfg.bwd_dw_stages == 4 else 2, DWSD=cfg.bwd_dw_stages,
                 LEAN=cfg.bwd_lean_epilogue,
-                QCNT=cfg.bwd_q_count_rows, SPLIT=split, QC=cfg.q_cols, QR=q_rows(cfg))
+                QCNT=cfg.bwd_q_count_rows, SPLIT=split, QC=cfg.q_cols, QR=q_rows(cfg),
+                DWTMA=cfg.bwd_dw_tma_store)
 
 
 def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tensor,
@@ -558,6 +597,7 @@ def backward_kernel_args(ws: Workspace, st: ScheduleTensors, pre_LPF: torch.Tens
         dw1_ptr=sc.dw1_EHF, dw2_ptr=sc.dw2_EIH, dws1_ptr=sc.dws1_LHF, dws2_ptr=sc.dws2_LIH,
         **descs, **pull, **_fp8_da_args(ws, bb, fp8_weights),
         **_fp8_dx_args(ws, sc, fp8_weights), **_fp8_wgrad_args(cfg, sc, pre_LPF),
+        **_dw_descriptors(cfg, sc),
         T=ws.T, E=ws.E, NG=ws.E + int(ws.shared), P=ws.P, NCTR=bb.counters_LC.shape[1],
         budget=cfg.spin_budget, withhold=withhold, trace_ptr=None, MAXT=0, TRACE=False,
         **backward_constants(cfg, hidden=ws.H, intermediate=ws.I, slots=ws.S,

@@ -324,6 +324,20 @@ class MoKConfig:
         four). 2 here; the mok backend sets 4 with bwd_dw_tiles: the profiling script timed
         the deeper loops faster at Kimi K2 48 x 16384, 384 x 4096 and Qwen3.5 on one H200
         (they fit there too, Triton 3.6).
+    bwd_dw_tma_store: with bwd_dw_tiles > 1: the weight-gradient items store each bf16
+        dW tile through TMA (two [block_n / 2, block_n / 2] boxes a tile: dG and dU halves,
+        or left and right) instead of plain stores. The plain store converts the tile's
+        layout through shared memory and then issues 16-byte stores from every thread, the
+        tensor cores idle until it is done; in the items' flattened tile loop Triton
+        pipelines a TMA store (sm_90 PTX, Triton 3.6 and 3.9: ``cp.async.bulk`` stores,
+        each followed only by a wait for its shared buffer to be read, before that buffer's
+        next use), so a tile's bytes go out while the next tile's K loop runs. The dW
+        tiles are the items' outputs only (nothing in the kernel reads them). At Kimi K2 48
+        x 16384 the dW_gate_up items run their FLOPs about a fifth slower than the dX items
+        of the same FLOPs and output bytes a tile but a K loop half as long again
+        (notes/mok-kernel.md): a fixed cost a tile, which the store is part of. The shared
+        expert's gradients then sit after the routed experts' in one buffer per weight (the
+        gradients are views of it). The same values, so the same gradients. Off: untimed.
     bwd_fp8_block_k: the reduction step of the backward's FP8 items (with bwd_fp8_da,
         bwd_fp8_dx or bwd_fp8_wgrad): 64 (the bf16 items' step, 128 bytes of bf16 per row)
         or 128 (128 bytes of e4m3 per row, the FP8 forward's block_k: half the K-loop
@@ -392,6 +406,7 @@ class MoKConfig:
     bwd_pull_by_token: bool = False
     bwd_dw_tiles: int = 1
     bwd_dw_stages: int = 2
+    bwd_dw_tma_store: bool = False
     fp8: str = "none"
     fp8_pow2_scales: bool = False
 
@@ -485,6 +500,11 @@ class MoKConfig:
                "an integer in 1..64 (a divisor of the weight gradients' tiles per row)")
         _check(self.bwd_dw_stages in (2, 4) and not isinstance(self.bwd_dw_stages, bool),
                "bwd_dw_stages", self.bwd_dw_stages, "2 | 4")
+        _check(isinstance(self.bwd_dw_tma_store, bool), "bwd_dw_tma_store",
+               self.bwd_dw_tma_store, "true | false")
+        _check(not self.bwd_dw_tma_store or self.bwd_dw_tiles > 1, "bwd_dw_tma_store",
+               self.bwd_dw_tma_store, "false unless bwd_dw_tiles > 1 (the stores overlap "
+               "the next tile only inside an item's tile loop)")
         _check(isinstance(self.bwd_pull_by_token, bool), "bwd_pull_by_token",
                self.bwd_pull_by_token, "true | false")
         _check(not self.bwd_pull_by_token or not (

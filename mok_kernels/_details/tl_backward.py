@@ -128,7 +128,8 @@ def mok_backward_kernel(
         DXBAND: tl.constexpr = 0,
         DWT: tl.constexpr = 1, DWSC: tl.constexpr = 2, DWSD: tl.constexpr = 2,
         LEAN: tl.constexpr = False, gcount_ptr=None, QCNT: tl.constexpr = False,
-        SPLIT: tl.constexpr = 0, QC: tl.constexpr = 128, QR: tl.constexpr = 64):
+        SPLIT: tl.constexpr = 0, QC: tl.constexpr = 128, QR: tl.constexpr = 64,
+        dw1_desc=None, dw2_desc=None, SH0=0, DWTMA: tl.constexpr = False):
     """One persistent program per SM; see the module docstring for the work order. The C
     and D items fence the async proxy after their group's acquire (they read through TMA
     rows written with plain stores). FP8DA (``bwd_fp8_da``): the A items' FP8 tiles read dY
@@ -167,7 +168,9 @@ def mok_backward_kernel(
     (``bwd_split_launch``): 1, this launch ends after the A and B items; 2, its tickets come
     from the counter in the last slot (``NCTR - 1``), offset by the A and B items' count, so
     it starts at the Q (or C) items. QC (``bwd_q_cols``): columns per Q item, QR rows per
-    step of its loops (``backward.q_rows``)."""
+    step of its loops (``backward.q_rows``). DWTMA (``bwd_dw_tma_store``): the C and D
+    items store their tiles through ``dw2_desc`` / ``dw1_desc`` (the dW buffers with the
+    shared expert's slots from SH0 on) instead of at ``dw*_ptr``."""
     HALF: tl.constexpr = BN // 2
     BKA: tl.constexpr = BK8 if FP8DA else BK  # reduction steps of the A, B, C and D items:
     BKX: tl.constexpr = BK8 if FP8DX else BK  # ``bwd_fp8_block_k`` (BK8, BKW8) for the FP8
@@ -298,7 +301,7 @@ def mok_backward_kernel(
                                       E, NBMAX, budget, H, I, HAS_SHARED, BM, BN, BKWF,
                                       DAC, F32_DOT,
                                       FP8W, qready, NQ, hqT_desc, dyqT_desc, srh, gdyam_ptr,
-                                      POW2, PULLG, xgrp, DWT, DWSC)
+                                      POW2, PULLG, xgrp, DWT, DWSC, dw2_desc, SH0, DWTMA)
         else:
             if PHASES & 8:
                 i = tk - end_c
@@ -309,7 +312,8 @@ def mok_backward_kernel(
                                          dws1_ptr, E, NBMAX, budget, H, I, HAS_SHARED,
                                          BM, BN, BKWF, DAC, F32_DOT, INTERLEAVED,
                                          xgrp, PULLG, FP8W, qready, NQ, xqT_desc, gqT_desc,
-                                         srg, gxam_ptr, POW2, DWT, DWSD)
+                                         srg, gxam_ptr, POW2, DWT, DWSD, dw1_desc, SH0,
+                                         DWTMA)
         if TRACE:
             kind = tl.where(tk < end_a, 0, tl.where(tk < end_b, 1, tl.where(
                 tk < end_q, 2, tl.where(tk < end_c, 3, 4))))

@@ -185,7 +185,8 @@ def _wgrad_down_item(g, it, jn, lr, gst, total, P, hs_c_desc, dyg_c_desc, ctr, e
                      NQ: tl.constexpr = 0,
                      hqT_desc=None, dyqT_desc=None, srh=None, gdyam=None,
                      POW2: tl.constexpr = False, XW: tl.constexpr = False, xgrp=None,
-                     DWT: tl.constexpr = 1, DWS: tl.constexpr = 2):
+                     DWT: tl.constexpr = 1, DWS: tl.constexpr = 2, dw_desc=None, SH0=0,
+                     DWTMA: tl.constexpr = False):
     """C item: dW_down[g][I tile it, H tiles jn * DWT ..] = sum over g's rows of (r h)^T dY;
     waits for every A item of g (they write r h). DWT tiles (``bwd_dw_tiles``) in one
     flattened loop of DWS pipeline stages, so the software pipeline loads a tile's first rows
@@ -194,7 +195,8 @@ def _wgrad_down_item(g, it, jn, lr, gst, total, P, hs_c_desc, dyg_c_desc, ctr, e
     tiles of the transposed copies (``hqT_desc`` [L*I, P], ``dyqT_desc`` [L*H, P]: K-major,
     a pure FP8 K loop), then the column scales (r h's of group g in ``srh``, dY's from the
     global column max ``gdyam``); waits for g's Q items instead. XW: also for g's pulled
-    rows (``_pulled_rows``)."""
+    rows (``_pulled_rows``). DWTMA (``bwd_dw_tma_store``, with DWT > 1): the tiles stored
+    through ``dw_desc`` ([slots * I, H] bf16, the shared expert's slots from SH0 on)."""
     HALF: tl.constexpr = BN // 2
     start, end, ok = _wgrad_wait(g, gst, total, ctr, err, NBMAX, budget, I, BM, DAC, F32_DOT,
                                  FP8W, qready, NQ)
@@ -215,8 +217,12 @@ def _wgrad_down_item(g, it, jn, lr, gst, total, P, hs_c_desc, dyg_c_desc, ctr, e
                 acc = _wgrad_down_tile(jt, it, icols, g, lr, start, end, P, hs_c_desc,
                                        dyg_c_desc, H, I, BN, BKW, F32_DOT, FP8W, hqT_desc,
                                        dyqT_desc, srh, gdyam, POW2)
-                tl.store(out_rows + (jt * BN + tl.arange(0, BN))[None, :],
-                         acc.to(tl.bfloat16))
+                if DWTMA:
+                    _tma_store_halves(dw_desc, _dw_slot(lr, g, E, SH0, HAS_SHARED) * I
+                                      + it * HALF, acc, jt * BN, jt * BN + HALF, HALF, False)
+                else:
+                    tl.store(out_rows + (jt * BN + tl.arange(0, BN))[None, :],
+                             acc.to(tl.bfloat16))
     return ok
 
 
@@ -230,6 +236,33 @@ def _dw_rows(dw, dws, lr, g, E, rows, SIZE: tl.constexpr, ROW: tl.constexpr,
         if g == E:
             out = dws + lr.to(tl.int64) * SIZE
     return out + rows.to(tl.int64)[:, None] * ROW
+
+
+@triton.jit
+def _dw_slot(lr, g, E, SH0, HAS_SHARED: tl.constexpr):
+    """Group g's expert slot in the weight-gradient buffers of ``bwd_dw_tma_store``: the
+    routed experts' ``lr * E + g``, the shared expert's (g == E) ``SH0 + lr`` after them."""
+    slot = lr * E + g
+    if HAS_SHARED:
+        if g == E:
+            slot = SH0 + lr
+    return slot
+
+
+@triton.jit
+def _tma_store_halves(dw_desc, row0, acc, col_a, col_b, HALF: tl.constexpr,
+                      INTERLEAVED: tl.constexpr):
+    """Store a [HALF, 2 HALF] fp32 tile as bf16 through two [HALF, HALF] boxes of
+    ``dw_desc`` at (row0, col_a) and (row0, col_b): its gate and up columns (INTERLEAVED:
+    they alternate) or its left and right halves. In a pipelined loop Triton waits only
+    for a box's shared buffer to be read before it is written again, so the stores overlap
+    what follows (``bwd_dw_tma_store``)."""
+    if INTERLEAVED:
+        a, b = tl.split(tl.reshape(acc, (HALF, HALF, 2)))
+    else:
+        a, b = tl.split(tl.permute(tl.reshape(acc, (HALF, 2, HALF)), (0, 2, 1)))
+    dw_desc.store([row0, col_a], a.to(tl.bfloat16))
+    dw_desc.store([row0, col_b], b.to(tl.bfloat16))
 
 
 @triton.jit
@@ -265,14 +298,16 @@ def _wgrad_gate_up_item(g, it, jn, lr, gst, total, P, pre_d_desc, xg_d_desc, ctr
                         FP8W: tl.constexpr = False, qready=None, NQ: tl.constexpr = 0,
                         xqT_desc=None, gqT_desc=None, srg=None, gxam=None,
                         POW2: tl.constexpr = False, DWT: tl.constexpr = 1,
-                        DWS: tl.constexpr = 2):
+                        DWS: tl.constexpr = 2, dw_desc=None, SH0=0,
+                        DWTMA: tl.constexpr = False):
     """D item: dW_gate_up[g][H tile it, 2I tiles jn * DWT ..] = sum over g's rows of
     x^T [dG dU], DWT tiles in one flattened loop (as the C items).
     XW (``bwd_fused_pull`` with dA items that do not wait for the pull): also waits until
     every row block of g has its rows pulled (``_pulled_rows``).
     FP8W: e4m3 tiles of the transposed copies (``xqT_desc`` [L*H, P], ``gqT_desc``
     [L*2I, P]), then the column scales (x's from the global column max ``gxam``, dG/dU's
-    of group g in ``srg``); waits for g's Q items instead."""
+    of group g in ``srg``); waits for g's Q items instead. DWTMA: the tiles stored through
+    ``dw_desc`` ([slots * H, 2I] bf16), as the C items'."""
     HALF: tl.constexpr = BN // 2
     start, end, ok = _wgrad_wait(g, gst, total, ctr, err, NBMAX, budget, I, BM, DAC, F32_DOT,
                                  FP8W, qready, NQ)
@@ -293,7 +328,16 @@ def _wgrad_gate_up_item(g, it, jn, lr, gst, total, P, pre_d_desc, xg_d_desc, ctr
                 acc = _wgrad_gate_up_tile(jt, it, hcols, g, lr, start, end, P, pre_d_desc,
                                           xg_d_desc, H, I, BN, BKW, F32_DOT, FP8W, xqT_desc,
                                           gqT_desc, srg, gxam, POW2)
-                _store_dw_gate_up(out_rows, acc, jt, I, BN, INTERLEAVED)
+                if DWTMA:
+                    row0 = _dw_slot(lr, g, E, SH0, HAS_SHARED) * H + it * HALF
+                    if INTERLEAVED:
+                        _tma_store_halves(dw_desc, row0, acc, jt * HALF, I + jt * HALF,
+                                          HALF, True)
+                    else:
+                        _tma_store_halves(dw_desc, row0, acc, jt * BN, jt * BN + HALF,
+                                          HALF, False)
+                else:
+                    _store_dw_gate_up(out_rows, acc, jt, I, BN, INTERLEAVED)
     return ok
 
 

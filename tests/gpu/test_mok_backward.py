@@ -128,7 +128,9 @@ def test_lean_da_epilogue_and_the_plain_one_both_match_reference():
                                    "bwd_dw_tiles": 4, "bwd_dw_stages": 4,
                                    "bwd_pull_by_token": True},
                                   {"bwd_split_launch": True},
-                                  {"bwd_split_launch": True, "bwd_fused_pull": True}],
+                                  {"bwd_split_launch": True, "bwd_fused_pull": True},
+                                  {"bwd_dw_tiles": 4, "bwd_dw_stages": 4,
+                                   "bwd_dw_tma_store": True}],
                          ids=lambda rows: "+".join(f"{k}={v}" for k, v in rows.items()))
 def test_backward_variants_match_the_default_bitwise(ranks, rows):
     """bwd_fused_pull: the pull items inside the backward megakernel (rows written with plain
@@ -139,7 +141,8 @@ def test_backward_variants_match_the_default_bitwise(ranks, rows):
     bwd_pull_by_token (the pull token by token,
     then zeros in the padding rows), bwd_pull_cols (either bf16 pull in 256-column steps)
     and bwd_dw_tiles (several weight-gradient tiles per item,
-    two or four pipeline stages deep) and bwd_split_launch (the dgrad and weight-gradient
+    two or four pipeline stages deep; bwd_dw_tma_store: their tiles stored through TMA)
+    and bwd_split_launch (the dgrad and weight-gradient
     items in two launches) give the default backward's gradients (and the reference's),
     bitwise, on a rerun as well."""
     base = dict(gate_up_interleaved=True, minibatch=256, macrobatch=768, tma=True,
@@ -488,6 +491,18 @@ def test_pull_loading_ahead_gives_the_same_gradients_bitwise(ranks, shared, inte
     the current one): every gradient bitwise the plain loop's, reruns bitwise equal."""
     _fp8_variant_is_bitwise(ranks, shared, {"bwd_pull_prefetch": True,
                                             "bwd_pull_interleave": interleave}, 37)
+
+
+@pytest.mark.parametrize("ranks, shared", [(1, True), (2, True)])
+def test_weight_gradient_tiles_stored_through_tma_give_the_same_gradients_bitwise(ranks,
+                                                                                  shared):
+    """``bwd_dw_tma_store`` (four weight-gradient tiles per item, each stored as two TMA
+    boxes, the shared expert's gradients after the routed experts' in one buffer) on the
+    whole FP8 backward with the split launch: every gradient bitwise the plain stores' of
+    one tile per item in one launch, reruns bitwise equal."""
+    _fp8_variant_is_bitwise(ranks, shared, {"bwd_dw_tiles": 4, "bwd_dw_stages": 4,
+                                            "bwd_split_launch": True,
+                                            "bwd_dw_tma_store": True}, 23)
 
 
 @pytest.mark.parametrize("ranks, shared", [(1, True), (2, False)])

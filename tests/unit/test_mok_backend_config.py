@@ -309,3 +309,24 @@ def test_fp8_cells_on_one_rank_split_the_launch_and_interleave_the_pull(monkeypa
     assert ",side_sms=4" in variant_text(side, 7168, 2048, fp8=True, graphed=False)
     both = scenario_config(fp8, {"bwd_side_sms": 4, "bwd_side_sum": True})
     assert ",side_sms=4,side_sum=1" in variant_text(both, 7168, 2048, fp8=True, graphed=False)
+
+
+def test_weight_gradient_tma_stores_are_a_variant_of_the_tiled_items(monkeypatch):
+    """``mok@bwd_dw_tma_store=true`` on one Hopper rank (four weight-gradient tiles an item
+    by default) resolves and the row's variant names it; at EP 2, where the items keep one
+    tile, it is a one-line error naming the knob and what it needs."""
+    from mokbench.mok_backend import scenario_config, variant_text
+    from mokbench.scenario import ModelShape, Scenario
+
+    monkeypatch.delenv(CONFIG_ENV, raising=False)
+    shape = ModelShape("kimi", 48, 7168, 2048, 8)
+    one = Scenario(shape, tokens_per_rank=16384, world_size=1)
+    cfg = scenario_config(one, {"bwd_dw_tma_store": True})
+    assert cfg.bwd_dw_tma_store and cfg.bwd_dw_tiles == 4
+    assert ",dw_tma_store=1" in variant_text(cfg, 7168, 2048, fp8=False, graphed=False)
+    assert ",dw_tma_store" not in variant_text(scenario_config(one), 7168, 2048, fp8=False,
+                                               graphed=False)
+    ep2 = Scenario(shape, tokens_per_rank=8192, world_size=2)
+    with pytest.raises(MoKConfigError, match=r"^bwd_dw_tma_store=True is invalid: allowed "
+                                             r"false unless bwd_dw_tiles > 1"):
+        scenario_config(ep2, {"bwd_dw_tma_store": True})

@@ -69,6 +69,8 @@ from mok_kernels import MoKConfig, MoKConfigError, plan
     ({"bwd_pull_cols": 32}, "bwd_pull_cols"),
     ({"bwd_pull_cols": 96}, "bwd_pull_cols"),
     ({"bwd_pull_cols": True}, "bwd_pull_cols"),
+    ({"bwd_dw_tma_store": 1, "bwd_dw_tiles": 4}, "bwd_dw_tma_store"),
+    ({"bwd_dw_tma_store": True}, "bwd_dw_tma_store"),
     ({"bwd_pull_prefetch": True}, "bwd_pull_prefetch"),
     ({"bwd_pull_prefetch": True, "bwd_fp8_wgrad": True, "bwd_pull_dedup": True},
      "bwd_pull_prefetch"),

@@ -90,6 +90,29 @@ COMMON = textwrap.dedent("""
         for u, v in zip(vars(a).values(), vars(b).values()):
             assert (u is None and v is None) or torch.equal(u, v), what
 
+    def same_weight_gradients(base, il, shared, experts, seed, knobs, other):
+        # two loopback ranks (13 tokens, 3 experts, top-2): every gradient with base, knobs
+        # and other bitwise the one with base and knobs; the weight gradients near the exact
+        # layer's (the FP8 bound with FP8 knobs in base); experts past `experts` got no rows:
+        # zero gradients, every tile written
+        L, T, E, K, H, I = 2, 13, 3, 2, 64, 32
+        torch.manual_seed(seed)
+        x, idx, p, w1, w2, ws1, ws2, dy = layer(L, T, E, K, shared, H, I, experts)
+        lay = mk.interleave_gate_up if il else (lambda w: w)
+        W = (lay(w1), w2, lay(ws1) if shared else None, ws2)
+        exact = reference_all_experts(x, idx, p, w1, w2, ws1, ws2, dy_NH=dy)
+        out = [run_fp8(config(il, **base, **knobs, **more), L, T, E, K, shared, H, I, x,
+                       idx, p, W, dy)[0] for more in ({}, other)]
+        assert_bitwise(out[0], out[1], (base, il, shared, experts))
+        tol = 1e-1 if base.get("bwd_fp8_wgrad") else 2e-2
+        pairs = [("w_gate_up", "w1_EHF"), ("w_down", "w2_EIH")]
+        if shared:
+            pairs += [("shared_gate_up", "ws1_HF"), ("shared_down", "ws2_IH")]
+        for got, want in pairs:
+            assert rel(getattr(out[1], got), exact.dweights[want]) < tol, got
+        if experts:
+            assert not out[1].w_gate_up[experts:].any() and not out[1].w_down[experts:].any()
+
     def same_gradients_over(knob_sets, seed):
         # two loopback ranks, bf16 and the whole FP8 backward, each with every knob set of
         # knob_sets: every gradient bitwise the first set's, dx near the exact layer
@@ -901,23 +924,9 @@ def test_dx_bands_give_the_same_gradients_bitwise():
 
 
 DW_TILES_SCRIPT = COMMON + textwrap.dedent("""
-    L, T, E, K, shared, H, I = 2, 13, 3, 2, True, 64, 32
     f8 = dict(bwd_fp8_da=True, bwd_fp8_dx=True, bwd_fp8_wgrad=True)
     for base, experts in (({}, None), ({}, 2), (f8, None)):
-        torch.manual_seed(43)
-        x, idx, p, w1, w2, ws1, ws2, dy = layer(L, T, E, K, shared, H, I, experts)
-        il = mk.interleave_gate_up
-        W = (il(w1), w2, il(ws1), ws2)
-        exact = reference_all_experts(x, idx, p, w1, w2, ws1, ws2, dy_NH=dy)
-        out = [run_fp8(config(True, **base, **knobs), L, T, E, K, shared, H, I, x, idx, p, W,
-                       dy)[0]
-               for knobs in ({}, {"bwd_dw_tiles": 2})]
-        assert_bitwise(out[0], out[1], (bool(base), experts))
-        tol = 1e-1 if base else 2e-2
-        assert rel(out[1].w_gate_up, exact.dweights["w1_EHF"]) < tol
-        assert rel(out[1].w_down, exact.dweights["w2_EIH"]) < tol
-        if experts:  # experts 2.. got no rows: zero gradients, every tile written
-            assert not out[1].w_gate_up[experts:].any() and not out[1].w_down[experts:].any()
+        same_weight_gradients(base, True, True, experts, 43, {}, {"bwd_dw_tiles": 2})
         print("dw tiles ok")
 """)
 
@@ -928,6 +937,26 @@ def test_weight_gradient_items_of_several_tiles_give_the_same_gradients_bitwise(
     items', bf16 and the whole FP8 backward, two loopback ranks; with experts that get no
     rows (their K loops run no step) their gradients are zero, every tile written."""
     _prints(run_interpreted(DW_TILES_SCRIPT), "dw tiles ok", 3)
+
+
+DW_TMA_SCRIPT = COMMON + textwrap.dedent("""
+    f8 = dict(bwd_fp8_da=True, bwd_fp8_dx=True, bwd_fp8_wgrad=True, bwd_split_launch=True)
+    for base, il, shared, experts in (({}, True, True, None), ({}, False, True, 2),
+                                      ({}, True, False, None), (f8, True, True, 2)):
+        same_weight_gradients({**base, "bwd_dw_tiles": 2}, il, shared, experts, 47, {},
+                              {"bwd_dw_tma_store": True})
+        print("dw tma ok")
+""")
+
+
+def test_weight_gradient_tiles_stored_through_tma_give_the_same_gradients_bitwise():
+    """``bwd_dw_tma_store`` (each weight-gradient tile stored as two TMA boxes, the shared
+    expert's gradients in the routed experts' buffer after them): every gradient bitwise the
+    plain stores', bf16 with both gate/up layouts (the dW_gate_up tile split into its gate and
+    up columns, or into halves), with and without the shared expert, and the whole FP8
+    backward; two loopback ranks (a slot or column offset off by one lands a box on another
+    expert's or rank's rows: a mismatch, or zeros where an expert got no rows)."""
+    _prints(run_interpreted(DW_TMA_SCRIPT), "dw tma ok", 4)
 
 
 SPLIT_SCRIPT = COMMON + textwrap.dedent("""

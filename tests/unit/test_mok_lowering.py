@@ -626,3 +626,38 @@ def test_narrow_q_items_hold_fewer_registers():
             spills[q_cols, phases] = _spill_bytes(lw.ptxas_log)
     assert spills[64, 4] == 0, spills
     assert spills[64, 12] < spills[0, 12], spills
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_weight_gradient_tiles_stored_through_tma_do_not_wait_for_their_writes(fp8):
+    """``bwd_dw_tma_store`` at the Kimi shape (mok's bf16 defaults, one launch; its FP8
+    backward, the weight-gradient launch): the C items and the D items alone (phase masks 4
+    and 8) store their tiles as bulk tensor copies instead of 16-byte vectors (32 of those
+    without the knob), and every wait on those copies is for their shared buffer to be read
+    (``.read``: the writes overlap the next tile's K loop; Triton 3.9 adds one full wait
+    where an item's tile loop ends, Triton 3.6 none); within sm_90's shared memory, no
+    spills; the whole launch fits too."""
+    from mok_kernels._details.backward import split_launches
+    from mokbench.mok_backend import fp8_backward_fields, fp8_config_fields
+
+    fields = default_config_fields(H, I, 16384, 8, 132, 1, 48)
+    if fp8:
+        fields = {**fields, **fp8_config_fields(90), **fp8_backward_fields(90)}
+    assert fields["bwd_dw_tiles"] > 1
+    split, whole = split_launches(mk.MoKConfig.for_shape(H, I, **fields))[-1]
+    for knob in (False, True):
+        cfg = mk.MoKConfig.for_shape(H, I, **fields, bwd_dw_tma_store=knob)
+        for phases in (4, 8):
+            lw = mk.compile_megakernel(cfg, H, I, kernel="backward", phases=phases,
+                                       split=split)
+            vectors = lw.ptx.count("st.global.v4")
+            stores = lw.ptx.count("cp.async.bulk.tensor.2d.global.shared")
+            waits = re.findall(r"cp\.async\.bulk\.wait_group(\.read)?\s", lw.ptx)
+            if not knob:
+                assert vectors >= 32 and stores == 0, (phases, vectors, stores)
+                continue
+            assert vectors <= 4 and stores >= 2, (phases, vectors, stores)
+            assert waits.count(".read") >= stores and waits.count("") <= 2, waits
+            assert lw.shared_bytes <= SMEM_LIMIT and not lw.spills, lw.ptxas_log
+    lw = mk.compile_megakernel(cfg, H, I, kernel="backward", phases=whole, split=split)
+    assert lw.shared_bytes <= SMEM_LIMIT
