@@ -103,10 +103,18 @@ def fp8_backward_fields(arch: int = 90, world_size: int = 1) -> dict:
     group (``bwd_pull_interleave``): in results/20261204-183317-h200-fp8-backward the backward
     took 27.115 / 29.976 / 12.154 ms against 27.287 / 30.400 / 12.582 at Kimi K2 48 x 16384,
     Kimi K2.7 Code and Qwen3.5 (28.291 against 28.175 at Kimi K2 384, where no baseline has a
-    backward); unmeasured at EP > 1, where the two stay off."""
+    backward); unmeasured at EP > 1, where the two stay off. Also on one rank the
+    weight-gradient items store their tiles through TMA (``bwd_dw_tma_store``): in
+    results/20261205-015933-h200-fp8-backward (its first two scenarios) the backward took
+    24.714 / 27.674 ms against 26.609 / 29.440 at Kimi K2 48 x 16384 and Kimi K2.7 Code
+    (1.252x / 1.258x TE's there, against 1.163x / 1.182x); the profiling script on the same
+    machine 11.217 and 11.266 against 11.998 and 11.946 at Qwen3.5 and 22.488 against 28.139
+    at Kimi K2 384 x 4096 (notes/mok-kernel.md). In bf16 cells it timed within noise: off
+    there."""
     if arch >= 100:
         return {}
-    one_rank = {"bwd_split_launch": True, "bwd_pull_interleave": True} if world_size == 1 else {}
+    one_rank = ({"bwd_split_launch": True, "bwd_pull_interleave": True,
+                 "bwd_dw_tma_store": True} if world_size == 1 else {})
     return {"bwd_fp8_da": True, "bwd_fp8_dx": True, "bwd_fp8_wgrad": True,
             "bwd_fp8_block_k": 128, "bwd_pull_by_token": False, "bwd_q_count_rows": True,
             **one_rank}
@@ -267,8 +275,9 @@ def config_from_env(hidden: int, intermediate: int, defaults: dict,
     defaults that need it unless they are asked for too (then the conflict is the error; the
     pull by token yields the same way to ``bwd_pull_dedup`` and ``bwd_fp8_wgrad``),
     one ring slot (macrobatch = minibatch) turns off the default ``skew_down`` the same
-    way, and a backward without FP8 weight gradients the defaults ``bwd_q_count_rows`` and
-    ``bwd_pull_interleave`` (which ``bwd_fused_pull`` turns off too)."""
+    way, a backward without FP8 weight gradients the defaults ``bwd_q_count_rows`` and
+    ``bwd_pull_interleave`` (which ``bwd_fused_pull`` turns off too), and one
+    weight-gradient tile per item the default ``bwd_dw_tma_store``."""
     from mok_kernels import MoKConfig
 
     fields = dict(defaults)
@@ -295,6 +304,9 @@ def config_from_env(hidden: int, intermediate: int, defaults: dict,
     fields.update(over)
     if fields["macrobatch"] < 2 * fields["minibatch"]:
         yield_defaults(("skew_down",), False)  # one ring slot: the default order needs two
+    if fields.get("bwd_dw_tiles", 1) <= 1:
+        yield_defaults(("bwd_dw_tma_store",), False)  # its stores overlap within the items'
+        # tile loops only
     return MoKConfig.for_shape(hidden, intermediate, **fields)
 
 

@@ -337,7 +337,11 @@ class MoKConfig:
         of the same FLOPs and output bytes a tile but a K loop half as long again
         (notes/mok-kernel.md): a fixed cost a tile, which the store is part of. The shared
         expert's gradients then sit after the routed experts' in one buffer per weight (the
-        gradients are views of it). The same values, so the same gradients. Off: untimed.
+        gradients are views of it). The same values, so the same gradients. Off here; the mok
+        backend's FP8 default on one Hopper rank since
+        results/20261205-015933-h200-fp8-backward timed the FP8 backward 1.9 and 1.8 ms
+        faster with it at Kimi K2 48 x 16384 and Kimi K2.7 Code (the profiling script: faster
+        at Qwen3.5 and Kimi K2 384 too, within noise in bf16).
     bwd_fp8_block_k: the reduction step of the backward's FP8 items (with bwd_fp8_da,
         bwd_fp8_dx or bwd_fp8_wgrad): 64 (the bf16 items' step, 128 bytes of bf16 per row)
         or 128 (128 bytes of e4m3 per row, the FP8 forward's block_k: half the K-loop

@@ -311,10 +311,13 @@ def test_fp8_cells_on_one_rank_split_the_launch_and_interleave_the_pull(monkeypa
     assert ",side_sms=4,side_sum=1" in variant_text(both, 7168, 2048, fp8=True, graphed=False)
 
 
-def test_weight_gradient_tma_stores_are_a_variant_of_the_tiled_items(monkeypatch):
-    """``mok@bwd_dw_tma_store=true`` on one Hopper rank (four weight-gradient tiles an item
-    by default) resolves and the row's variant names it; at EP 2, where the items keep one
-    tile, it is a one-line error naming the knob and what it needs."""
+def test_weight_gradient_tma_stores_are_the_fp8_one_rank_default(monkeypatch):
+    """``bwd_dw_tma_store``: on by default in FP8 cells on one Hopper rank
+    (results/20261205-015933-h200-fp8-backward), off in bf16 cells and at EP 2; asked for
+    in a bf16 cell (four weight-gradient tiles an item by default) it resolves and the
+    row's variant names it; a variant of one tile per item turns the FP8 default off
+    instead of failing, and asking for both, or for the knob at EP 2 (one tile there), is a
+    one-line error naming the knob and what it needs."""
     from mokbench.mok_backend import scenario_config, variant_text
     from mokbench.scenario import ModelShape, Scenario
 
@@ -330,3 +333,10 @@ def test_weight_gradient_tma_stores_are_a_variant_of_the_tiled_items(monkeypatch
     with pytest.raises(MoKConfigError, match=r"^bwd_dw_tma_store=True is invalid: allowed "
                                              r"false unless bwd_dw_tiles > 1"):
         scenario_config(ep2, {"bwd_dw_tma_store": True})
+    fp8 = Scenario(shape, tokens_per_rank=16384, world_size=1, precision="fp8")
+    assert scenario_config(fp8).bwd_dw_tma_store
+    assert not scenario_config(fp8, {"bwd_dw_tiles": 1}).bwd_dw_tma_store
+    assert not scenario_config(Scenario(shape, tokens_per_rank=8192, world_size=2,
+                                        precision="fp8")).bwd_dw_tma_store
+    with pytest.raises(MoKConfigError, match=r"^bwd_dw_tma_store=True is invalid"):
+        scenario_config(fp8, {"bwd_dw_tiles": 1, "bwd_dw_tma_store": True})

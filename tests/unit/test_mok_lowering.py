@@ -646,7 +646,7 @@ def test_weight_gradient_tiles_stored_through_tma_do_not_wait_for_their_writes(f
     assert fields["bwd_dw_tiles"] > 1
     split, whole = split_launches(mk.MoKConfig.for_shape(H, I, **fields))[-1]
     for knob in (False, True):
-        cfg = mk.MoKConfig.for_shape(H, I, **fields, bwd_dw_tma_store=knob)
+        cfg = mk.MoKConfig.for_shape(H, I, **{**fields, "bwd_dw_tma_store": knob})
         for phases in (4, 8):
             lw = mk.compile_megakernel(cfg, H, I, kernel="backward", phases=phases,
                                        split=split)
