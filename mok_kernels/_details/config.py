@@ -48,6 +48,18 @@ class MoKConfig:
         2 on two H200s the forward was slower with it in every cell timed (bf16 and FP8;
         results/20261201-102706-h200x2-mok-ep, results/20261201-101615-h200x2-fp8), by
         0.15-0.42 ms in bf16 and 0.8-2.1 ms in FP8.
+    dispatch_remote_only: the communication programs pull only other ranks' token rows into
+        the ring; the gate+up tiles read their own rank's rows straight from its token buffer
+        (as without communication programs), so a rank's dispatch moves only the rows that
+        cross NVLink (about half of them at EP 2) and no local copies. Needs fwd_comm_sms > 0
+        and not dispatch_dedup. Off by default: untimed.
+    combine_direct: the down tiles write their rows straight into the (peer) combine slots
+        (stores over NVLink for other ranks' tokens, as without communication programs)
+        instead of the output ring, and the communication programs only dispatch: no combine
+        copies, and the last minibatch's combine no longer trails the GEMMs. A ring slot is
+        free once the down tiles of its previous minibatch are done. Needs fwd_comm_sms > 0.
+        Off by default: untimed. With dispatch_remote_only, the communication programs move
+        only the remote rows of the dispatch: about a quarter of their default bytes at EP 2.
     minibatch: schedule rows (tokens x k, padded per expert to block_m) handed to the experts
         at once; a multiple of block_m.
     macrobatch: ring capacity in rows; a multiple of minibatch (ring slots = macrobatch /
@@ -365,6 +377,8 @@ class MoKConfig:
 
     fwd_comm_sms: int = 0
     dispatch_dedup: bool = False
+    dispatch_remote_only: bool = False
+    combine_direct: bool = False
     minibatch: int = 2048
     macrobatch: int = 6144
     capacity_mult: float = 1.0
@@ -421,6 +435,15 @@ class MoKConfig:
                and not (self.dispatch_dedup and self.fwd_comm_sms == 0), "dispatch_dedup",
                self.dispatch_dedup, "true | false; true needs fwd_comm_sms > 0 (the "
                "communication programs pull)")
+        _check(isinstance(self.dispatch_remote_only, bool)
+               and not (self.dispatch_remote_only
+                        and (self.fwd_comm_sms == 0 or self.dispatch_dedup)),
+               "dispatch_remote_only", self.dispatch_remote_only,
+               "true | false; true needs fwd_comm_sms > 0 and dispatch_dedup false")
+        _check(isinstance(self.combine_direct, bool)
+               and not (self.combine_direct and self.fwd_comm_sms == 0), "combine_direct",
+               self.combine_direct, "true | false; true needs fwd_comm_sms > 0 (without "
+               "communication programs the down tiles always write the combine slots)")
         _check(self.block_m in (16, 32, 64, 128, 256), "block_m", self.block_m,
                "16 | 32 | 64 | 128 | 256")
         _check(_is_pow2(self.block_n) and 32 <= self.block_n <= 256, "block_n", self.block_n,

@@ -155,7 +155,7 @@ def kernel_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots: i
         F32_DOT=interpreting, TMA=cfg.tma,
         INTERLEAVED=cfg.gate_up_interleaved, PREFETCH=cfg.prefetch_ticket,
         K=slots - int(shared), FUSED_SUM=cfg.fused_sum, SAVE_PRE=save_pre,
-        SKEW=cfg.skew_down)
+        SKEW=cfg.skew_down, RONLY=cfg.dispatch_remote_only, CDIRECT=cfg.combine_direct)
 
 
 def forward_kernel_args(ws: Workspace, st: ScheduleTensors, w1: torch.Tensor,
@@ -176,6 +176,8 @@ def forward_kernel_args(ws: Workspace, st: ScheduleTensors, w1: torch.Tensor,
         tcache_LNX, tflag_LN = dedup_buffers(ws)
         dedup = dict(DEDUP=True, first_ptr=st.first_LP, tcache_ptr=tcache_LNX,
                      tflag_ptr=tflag_LN, rank0=ws.rank_base, NTOK=ws.R * ws.T)
+    if cfg.dispatch_remote_only:  # which rows are this rank's own
+        dedup["rank0"] = ws.rank_base
     args = dict(
         **dedup,
         x_base=x_LTH, x_tab=ws.x_tab_R, comb_base=ws.comb_LTSH, comb_tab=ws.comb_tab_R,

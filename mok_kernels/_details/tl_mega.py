@@ -86,6 +86,13 @@ def _token_rows(src, rows, rmask, T, S: tl.constexpr, x_tab, x_base, H: tl.const
 
 
 @triton.jit
+def _token_home(src, rows, rmask, T, S: tl.constexpr):
+    """EP rank of each schedule row's token (slot id // S = r*T + t); -1 for padding rows."""
+    s = tl.load(src + rows, mask=rmask, other=-1)
+    return tl.where(s >= 0, (tl.maximum(s, 0) // S) // T, -1)
+
+
+@triton.jit
 def _copy_rows(src_rows, smask, dst_rows, dmask, H: tl.constexpr, CR: tl.constexpr,
                CH: tl.constexpr):
     """Copy CR rows of H bf16 elements in CH-column chunks (16-byte vectors per thread)."""
@@ -164,14 +171,26 @@ def _dispatch_dedup(rows, rmask, src, first, T, S: tl.constexpr, x_tab, x_base, 
 def _dispatch(m, c, src, total, ring, ctr, err, x_base, x_tab, T, Q, MMAX, budget, withhold,
               H: tl.constexpr, XW: tl.constexpr, S: tl.constexpr, C: tl.constexpr,
               MB: tl.constexpr, CR: tl.constexpr, CH: tl.constexpr,
-              DEDUP: tl.constexpr = False, first=None, tcache=None, tflag=None, me=0):
+              DEDUP: tl.constexpr = False, first=None, tcache=None, tflag=None, me=0,
+              RONLY: tl.constexpr = False, CDIRECT: tl.constexpr = False,
+              BM: tl.constexpr = 1, BN: tl.constexpr = 1):
     """Pull the token rows of minibatch m into its ring slot (this program's share): the
     first XW bf16 elements of each H-element row (H for bf16; an FP8 row's e4m3 values and
-    scales, about half of it). DEDUP: once per (token, this rank), ``_dispatch_dedup``."""
+    scales, about half of it). DEDUP: once per (token, this rank), ``_dispatch_dedup``.
+    RONLY (``dispatch_remote_only``): only the rows of other ranks' tokens (and padding rows,
+    as zeros); rank ``me``'s own rows are left unwritten (the gate+up tiles read them from
+    its token buffer). The ring slot is free once the combine of minibatch m - slots pushed
+    its outputs, or, CDIRECT (``combine_direct``: no combine step), once that minibatch's
+    down tiles (BN columns of BM rows each) are done, its gate+up tiles having read the rows
+    before them."""
     ok = 1
     slots = Q // MB
     if m >= slots:
-        ok = wait_geq(ctr + 1 + 2 * MMAX + m - slots, C, err, budget, _E_RING_FREE, m)
+        if CDIRECT:
+            ok = wait_geq(ctr + 1 + MMAX + m - slots, (MB // BM) * (H // BN), err, budget,
+                          _E_RING_FREE, m)
+        else:
+            ok = wait_geq(ctr + 1 + 2 * MMAX + m - slots, C, err, budget, _E_RING_FREE, m)
     if ok != 0:
         row0 = m * MB
         nrows = tl.minimum(total - row0, MB)
@@ -185,8 +204,13 @@ def _dispatch(m, c, src, total, ring, ctr, err, x_base, x_tab, T, Q, MMAX, budge
                                          tcache, tflag, me, err, budget, H, XW, CH)
             else:
                 x_rows, valid = _token_rows(src, rows, rmask, T, S, x_tab, x_base, H)
-                _copy_rows(x_rows, valid, ring + (rows % Q).to(tl.int64) * H, rmask, XW, CR,
-                           CH)
+                if RONLY:  # other ranks' rows (and padding rows, as zeros) only
+                    far = valid & (_token_home(src, rows, rmask, T, S) != me)
+                    _copy_rows(x_rows, far, ring + (rows % Q).to(tl.int64) * H,
+                               rmask & (far | ~valid), XW, CR, CH)
+                else:
+                    _copy_rows(x_rows, valid, ring + (rows % Q).to(tl.int64) * H, rmask, XW,
+                               CR, CH)
         if ok != 0:
             if (withhold != 1) | (m != 0):
                 signal(ctr + 1 + m)
@@ -218,18 +242,26 @@ def _comm_loop(c, src, total, ring, outb, ctr, err, x_base, x_tab, comb_base, co
                T, Q, MMAX, budget, withhold, H: tl.constexpr, XW: tl.constexpr,
                S: tl.constexpr, C: tl.constexpr, MB: tl.constexpr, BM: tl.constexpr,
                BN: tl.constexpr, CR: tl.constexpr, CH: tl.constexpr,
-               DEDUP: tl.constexpr = False, first=None, tcache=None, tflag=None, me=0):
+               DEDUP: tl.constexpr = False, first=None, tcache=None, tflag=None, me=0,
+               RONLY: tl.constexpr = False, CDIRECT: tl.constexpr = False):
+    """Communication program c: dispatch minibatch s, then combine minibatch s - (slots - 1),
+    for s = 0, 1, ...; CDIRECT (``combine_direct``): dispatch only (the down tiles write the
+    combine slots themselves)."""
     lag = Q // MB - 1
     num_mb = (total + MB - 1) // MB
+    steps = num_mb + lag
+    if CDIRECT:
+        steps = num_mb
     ok = 1
-    for step in range(0, num_mb + lag):
+    for step in range(0, steps):
         if (ok != 0) & (step < num_mb):
             ok = _dispatch(step, c, src, total, ring, ctr, err, x_base, x_tab, T, Q, MMAX,
                            budget, withhold, H, XW, S, C, MB, CR, CH, DEDUP, first, tcache,
-                           tflag, me)
-        if (ok != 0) & (step >= lag):
-            ok = _combine(step - lag, c, src, total, outb, ctr, err, comb_base, comb_tab, T, Q,
-                          MMAX, budget, H, S, C, MB, BM, BN, CR, CH)
+                           tflag, me, RONLY, CDIRECT, BM, BN)
+        if not CDIRECT:
+            if (ok != 0) & (step >= lag):
+                ok = _combine(step - lag, c, src, total, outb, ctr, err, comb_base, comb_tab,
+                              T, Q, MMAX, budget, H, S, C, MB, BM, BN, CR, CH)
 
 
 @triton.jit
@@ -268,10 +300,13 @@ def _gate_up_item(m, b, j, lr, src, grp, total, ring, hbuf, pre, ctr, err, x_bas
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GJ: tl.constexpr,
                   QUANT: tl.constexpr, POW2: tl.constexpr, SW1: tl.constexpr,
                   F32_DOT: tl.constexpr, TMA: tl.constexpr,
-                  INTERLEAVED: tl.constexpr, SAVE_PRE: tl.constexpr):
+                  INTERLEAVED: tl.constexpr, SAVE_PRE: tl.constexpr,
+                  RONLY: tl.constexpr = False, me=0):
     """GJ consecutive gate+up tiles (column tiles j*GJ ..) of row block b: one wait, one
     signal (+GJ) for all of them. QUANT > 0: the FP8 tiles (token and h rows are FP8 rows in
-    bf16-row storage; w1 / sw1 e4m3 weights and their scales, SW1 scales per expert)."""
+    bf16-row storage; w1 / sw1 e4m3 weights and their scales, SW1 scales per expert).
+    RONLY (``dispatch_remote_only``): the rows of rank ``me``'s own tokens straight from its
+    token buffer (filled before the launch), the others from the ring."""
     GATHER: tl.constexpr = COMM == 0
     ok = 1
     slots = Q // MB
@@ -289,6 +324,10 @@ def _gate_up_item(m, b, j, lr, src, grp, total, ring, hbuf, pre, ctr, err, x_bas
         if COMM > 0:
             a_rows = ring + qrows * H
             a_valid = rows >= 0
+            if RONLY:
+                x_rows, x_valid = _token_rows(src, rows, a_valid, T, S, x_tab, x_base, H)
+                own = x_valid & (_token_home(src, rows, a_valid, T, S) == me)
+                a_rows = tl.where(own, x_rows, a_rows)
         else:  # gather straight from the (peer) token buffers
             a_rows, a_valid = _token_rows(src, rows, rows >= 0, T, S, x_tab, x_base, H)
         # rows per expert of the descriptor's 2-D view: H of [H, 2I], 2I of FP8's K-major [2I, H]
@@ -364,9 +403,12 @@ def _down_item(m, b, jd, lr, src, grp, hbuf, outb, ctr, err, comb_base, comb_tab
                K: tl.constexpr, COMM: tl.constexpr, HAS_SHARED: tl.constexpr, BM: tl.constexpr,
                BN: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, QUANT: tl.constexpr,
                SW2: tl.constexpr, F32_DOT: tl.constexpr, TMA: tl.constexpr,
-               FUSED_SUM: tl.constexpr):
+               FUSED_SUM: tl.constexpr, CDIRECT: tl.constexpr = False):
     """DT consecutive down tiles (column tiles jd*DT ..) of row block b: one wait, one
-    signal for all of them (the fixed per-item cost is a few L2 round trips)."""
+    signal for all of them (the fixed per-item cost is a few L2 round trips). Without
+    communication programs, or CDIRECT (``combine_direct``), the tiles go straight to the
+    rows' (peer) combine slots, else to the output ring that the communication programs
+    push."""
     # every gate+up tile of the row block (ROWWISE_ALL: then its requantisation, +1)
     ok = wait_geq(ctr + 1 + 3 * MMAX + b, I // (BN // 2) + (QUANT == 4), err, budget,
                   _E_ROWBLOCK, b)
@@ -379,11 +421,10 @@ def _down_item(m, b, jd, lr, src, grp, hbuf, outb, ctr, err, comb_base, comb_tab
         h_row0 = lr * Q + (b * BM) % Q  # row block b's h rows are contiguous
         W2_ROWS: tl.constexpr = H if QUANT > 0 else I  # FP8 w2 is K-major [H, I]
         d2, w_row0 = _weight_desc(lr, g, E, w2_desc, ws2_desc, W2_ROWS, TMA, HAS_SHARED)
-        if COMM == 0:  # scatter straight into the (peer) combine slots
+        dst = outb + qrows * H  # the output ring; the communication programs push it
+        valid = rows >= 0
+        if (COMM == 0) or CDIRECT:  # scatter straight into the (peer) combine slots
             dst, valid = _slot_rows(src, rows, rows >= 0, T, S, comb_tab, comb_base, H)
-        else:  # the output ring; the communication programs push it
-            dst = outb + qrows * H
-            valid = rows >= 0
         if QUANT > 0:
             sw2 = _weights(lr, g, E, sw2_ptr, sws2_ptr, SW2, HAS_SHARED)
             down_fp8_tiles(h_rows, w2, sw2, jd * DT, dst, valid, d2, w_row0, I, H, BM, BN, BK,
@@ -410,7 +451,8 @@ def _compute_loop(lr, src, grp, total, ring, hbuf, pre, outb, ctr, err, x_base, 
                   SW1: tl.constexpr, SW2: tl.constexpr, F32_DOT: tl.constexpr,
                   TMA: tl.constexpr, INTERLEAVED: tl.constexpr, PREFETCH: tl.constexpr,
                   FUSED_SUM: tl.constexpr, SAVE_PRE: tl.constexpr, trace=None, MAXT=0,
-                  lp=0, TRACE: tl.constexpr = False, SKEW: tl.constexpr = False):
+                  lp=0, TRACE: tl.constexpr = False, SKEW: tl.constexpr = False,
+                  RONLY: tl.constexpr = False, CDIRECT: tl.constexpr = False, me=0):
     """Claim tickets until the work of this logical rank is done (or an error is set).
     TRACE (profiling only): each item writes (start, end) in global-timer nanoseconds,
     program ``lp`` and its kind (0 gate+up, 1 down) at its ticket in ``trace`` [MAXT, 4].
@@ -452,7 +494,7 @@ def _compute_loop(lr, src, grp, total, ring, hbuf, pre, outb, ctr, err, x_base, 
                                    err, x_base, x_tab, w1_ptr, ws1_ptr, sw1_ptr, sws1_ptr,
                                    w1_desc, ws1_desc, T, E, Q, MMAX, budget, withhold, H, I, S,
                                    COMM, HAS_SHARED, MB, BM, BN, BK, GJ, QUANT, POW2, SW1,
-                                   F32_DOT, TMA, INTERLEAVED, SAVE_PRE)
+                                   F32_DOT, TMA, INTERLEAVED, SAVE_PRE, RONLY, me)
         else:
             i2 = i - NG1
             b = m * NBM + i2 // N2
@@ -461,7 +503,7 @@ def _compute_loop(lr, src, grp, total, ring, hbuf, pre, outb, ctr, err, x_base, 
                                 comb_tab, w2_ptr, ws2_ptr, sw2_ptr, sws2_ptr, h_desc, w2_desc,
                                 ws2_desc, y_ptr, p_ptr, sums, T, E, Q, MMAX, budget, H, I, S, K,
                                 COMM, HAS_SHARED, BM, BN, BK, DT, QUANT, SW2, F32_DOT, TMA,
-                                FUSED_SUM)
+                                FUSED_SUM, CDIRECT)
         if TRACE:
             record_item(trace, tk, MAXT, t0, globaltimer(tk, F32_DOT), lp, i >= NG1)
         if PREFETCH:
@@ -491,13 +533,18 @@ def mok_forward_kernel(
         INTERLEAVED: tl.constexpr, PREFETCH: tl.constexpr, K: tl.constexpr,
         FUSED_SUM: tl.constexpr, SAVE_PRE: tl.constexpr, DEDUP: tl.constexpr = False,
         first_ptr=None, tcache_ptr=None, tflag_ptr=None, rank0=0, NTOK=0, trace_ptr=None,
-        MAXT=0, TRACE: tl.constexpr = False, SKEW: tl.constexpr = False):
+        MAXT=0, TRACE: tl.constexpr = False, SKEW: tl.constexpr = False,
+        RONLY: tl.constexpr = False, CDIRECT: tl.constexpr = False):
     """One persistent program per SM. x_tab/comb_tab hold, for every EP rank r, the element
     offset of rank r's token / combine buffer from x_base / comb_base (peer memory). DEDUP
     (``dispatch_dedup``): ``first_ptr`` [L, P] each row's token's first row here,
     ``tcache_ptr`` [L, NTOK, XW] the token cache, ``tflag_ptr`` [L, NTOK] its flags (zeroed
-    before the launch), ``rank0`` the EP rank of logical rank 0. TRACE (profiling only): the
-    compute programs' items at ``trace_ptr`` [L, MAXT, 4] (``_compute_loop``)."""
+    before the launch), ``rank0`` the EP rank of logical rank 0 (also with RONLY). RONLY
+    (``dispatch_remote_only``): the communication programs pull only other ranks' rows, the
+    gate+up tiles read their own rank's from its token buffer. CDIRECT (``combine_direct``):
+    the down tiles write the (peer) combine slots, the communication programs only
+    dispatch. TRACE (profiling only): the compute programs' items at ``trace_ptr``
+    [L, MAXT, 4] (``_compute_loop``)."""
     pid = tl.program_id(0)
     lr = pid // PROGS
     lp = pid % PROGS
@@ -517,11 +564,11 @@ def mok_forward_kernel(
                            comb_tab, T, Q, MMAX, budget, withhold, H, XW, S, COMM, MB, BM, BN,
                            CR, CH, DEDUP, first_ptr + lr.to(tl.int64) * P,
                            tcache_ptr + lr.to(tl.int64) * NTOK * XW,
-                           tflag_ptr + lr.to(tl.int64) * NTOK, rank0 + lr)
+                           tflag_ptr + lr.to(tl.int64) * NTOK, rank0 + lr, RONLY, CDIRECT)
             else:
                 _comm_loop(lp, src, total, ring, outb, ctr, err, x_base, x_tab, comb_base,
                            comb_tab, T, Q, MMAX, budget, withhold, H, XW, S, COMM, MB, BM, BN,
-                           CR, CH)
+                           CR, CH, False, None, None, None, rank0 + lr, RONLY, CDIRECT)
         else:
             _compute_loop(lr, src, grp, total, ring, hbuf, pre, outb, ctr, err, x_base, x_tab,
                           comb_base, comb_tab, w1_ptr, w2_ptr, ws1_ptr, ws2_ptr, sw1_ptr,
@@ -530,7 +577,7 @@ def mok_forward_kernel(
                           S, K, COMM, HAS_SHARED, MB, BM, BN, BK, DT, GJ, QUANT, POW2, SW1,
                           SW2, F32_DOT, TMA, INTERLEAVED, PREFETCH, FUSED_SUM, SAVE_PRE,
                           trace_ptr + lr.to(tl.int64) * MAXT * 4 if TRACE else trace_ptr, MAXT,
-                          lp, TRACE, SKEW)
+                          lp, TRACE, SKEW, RONLY, CDIRECT, rank0 + lr)
     else:
         _compute_loop(lr, src, grp, total, ring, hbuf, pre, outb, ctr, err, x_base, x_tab,
                       comb_base, comb_tab, w1_ptr, w2_ptr, ws1_ptr, ws2_ptr, sw1_ptr, sw2_ptr,

@@ -599,19 +599,26 @@ gen = torch.Generator("cuda").manual_seed(1)
 dy = torch.randn(R * T, H, device="cuda", generator=gen).bfloat16()
 ref = reference_grads(x, idx, p, w, dy)
 mine = slice(rank * T, (rank + 1) * T)
-for comm, by_token, fp8da, w8, items, pre in ((0, False, False, False, False, False),
-                                              (8, False, False, False, False, False),
-                                              (8, True, False, False, False, False),
-                                              (8, False, True, False, False, False),
-                                              (8, False, True, True, False, False),
-                                              (8, False, True, True, True, False),
-                                              (8, False, True, True, False, True)):
+y_comm = None
+for comm, by_token, fp8da, w8, items, pre, direct in (
+        (0, False, False, False, False, False, False),
+        (8, False, False, False, False, False, False),
+        (8, True, False, False, False, False, False),
+        (8, False, True, False, False, False, False),
+        (8, False, True, True, False, False, False),
+        (8, False, True, True, True, False, False),
+        (8, False, True, True, False, True, False),
+        (8, False, False, False, False, False, True),
+        (8, True, False, False, False, False, True)):
     # items: the pull as items inside the megakernel (bwd_fused_pull, 8 pulling programs),
     # reading the peer's rows while the dA items run; by_token: bwd_pull_by_token (the
     # peer's tokens read once each, over NVLink); pre: bwd_fp8_prequant (the peer's e4m3
-    # rows, quantised there, pulled as bytes)
+    # rows, quantised there, pulled as bytes); direct: dispatch_remote_only and
+    # combine_direct (only the peer's rows pulled into the ring, the down tiles' rows
+    # stored into the peer's combine slots): y bitwise the plain communication programs'
     cfg = mk.MoKConfig.for_shape(H, I, minibatch=256, macrobatch=768, tma=True,
-                                 fwd_comm_sms=comm, bwd_pull_by_token=by_token,
+                                 fwd_comm_sms=comm, dispatch_remote_only=direct,
+                                 combine_direct=direct, bwd_pull_by_token=by_token,
                                  bwd_fp8_da=fp8da,
                                  bwd_fp8_dx=fp8da, dispatch_dedup=fp8da, bwd_fp8_wgrad=w8,
                                  bwd_pull_dedup=fp8da and not items, bwd_fused_pull=items,
@@ -625,6 +632,10 @@ for comm, by_token, fp8da, w8, items, pre in ((0, False, False, False, False, Fa
     g = mk.backward(cfg, ws, saved, dy[mine].contiguous(), *wk,
                     fp8_weights=mk.quantize_backward_weights(cfg, wk[1], wk[3], wk[0], wk[2]))
     mk.check_errors(ws)
+    if comm and y_comm is None:
+        y_comm = y.clone()
+    if direct:
+        assert torch.equal(y.view(torch.int16), y_comm.view(torch.int16)), (rank, by_token)
     out = grads_of(y, g)
     for name, r in ref.items():
         if name in ("dws1", "dws2"):  # each rank holds its tokens' share: sum over the group
@@ -642,7 +653,7 @@ for comm, by_token, fp8da, w8, items, pre in ((0, False, False, False, False, Fa
                or (w8 and name.startswith("dw")) else 1e-2)
         assert err < tol, (rank, comm, by_token, fp8da, w8, name, err)
     print("rank", rank, "comm", comm, "by_token", by_token, "fp8da", fp8da, "wgrad8", w8, "items",
-          items, "pre", pre, "ok")
+          items, "pre", pre, "direct", direct, "ok")
 dist.destroy_process_group()
 """
 
@@ -659,7 +670,7 @@ def test_real_ep_over_two_gpus():
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     # one line per rank and case, ending in "ok" ("by_token" holds "ok" too: count lines)
     done = [ln for ln in out.stdout.splitlines() if ln.startswith("rank ") and ln.endswith(" ok")]
-    assert len(done) == 14, out.stdout[-3000:]
+    assert len(done) == 18, out.stdout[-3000:]
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")

@@ -324,6 +324,37 @@ def test_fp8_graphed_forward_equals_eager_from_the_first_call():
 
 @pytest.mark.parametrize("ranks, shared, fp8", [(2, True, False), (4, False, False),
                                                  (2, True, True)])
+def test_remote_only_dispatch_and_direct_combine_equal_the_plain_path_bitwise(ranks, shared,
+                                                                              fp8):
+    """``dispatch_remote_only`` (the communication programs pull only other ranks' rows; a
+    rank's own rows read from its token buffer) and ``combine_direct`` (the down tiles write
+    the combine slots; the communication programs only dispatch, each ring slot reused once
+    the down tiles of its previous minibatch are done), alone and together, with a ring of
+    three minibatches (so the dispatch waits for free slots): the output equals the plain
+    communication programs' bit for bit (bf16 and FP8 rows), on a rerun too."""
+    H, I, E, K, T = 2048, 512, 4, 8 if ranks == 4 else 4, 256
+    kw = dict(minibatch=256, macrobatch=768, fwd_comm_sms=8, tma=True, gate_up_interleaved=True)
+    if fp8:
+        kw.update(fp8="rowwise_all", block_k=128, block_m=128, block_n=256)
+    x, idx, p, w = make_layer(ranks, T, H, I, E, K, shared, seed=23)
+    il = mk.interleave_gate_up
+    wk = (il(w[0]), w[1], il(w[2]) if shared else None, w[3])
+    out = []
+    for ronly, direct in ((False, False), (True, False), (False, True), (True, True),
+                          (True, True)):
+        cfg = mk.MoKConfig.for_shape(H, I, dispatch_remote_only=ronly, combine_direct=direct,
+                                     **kw)
+        wq = mk.quantize_weights(cfg, *wk) if fp8 else wk
+        y, ws = run_mok(cfg, ranks, x, idx, p, wq, E)
+        mk.check_errors(ws)
+        out.append(y)
+    for y in out[1:]:
+        assert torch.equal(out[0].view(torch.int16), y.view(torch.int16))
+    assert rel_err(out[0], reference_all_experts(x, idx, p, *w).y_TH) < (0.1 if fp8 else 1e-2)
+
+
+@pytest.mark.parametrize("ranks, shared, fp8", [(2, True, False), (4, False, False),
+                                                 (2, True, True)])
 def test_dispatch_dedup_equals_the_plain_pull_bitwise(ranks, shared, fp8):
     """``dispatch_dedup``: a remote token's row pulled once per rank into the token cache, its
     other rows there copied from the cache: the ring holds the same rows, so the output equals

@@ -340,3 +340,22 @@ def test_weight_gradient_tma_stores_are_the_fp8_one_rank_default(monkeypatch):
                                         precision="fp8")).bwd_dw_tma_store
     with pytest.raises(MoKConfigError, match=r"^bwd_dw_tma_store=True is invalid"):
         scenario_config(fp8, {"bwd_dw_tiles": 1, "bwd_dw_tma_store": True})
+
+
+def test_direct_communication_knobs_at_ep2_name_the_row_variant(monkeypatch):
+    """At EP 2 (16 communication programs by default) ``dispatch_remote_only`` and
+    ``combine_direct`` come through the variant syntax and name the row's variant; at one
+    rank (no communication programs) asking for either is the one-line error."""
+    from mokbench.mok_backend import scenario_config, variant_text
+    from mokbench.scenario import ModelShape, Scenario
+
+    monkeypatch.delenv(CONFIG_ENV, raising=False)
+    ep2 = Scenario(ModelShape("kimi", 24, 7168, 2048, 8), tokens_per_rank=8192, world_size=2)
+    plain = variant_text(scenario_config(ep2), 7168, 2048, fp8=False, graphed=False)
+    asked = scenario_config(ep2, {"dispatch_remote_only": True, "combine_direct": True})
+    assert asked.fwd_comm_sms == 16 and asked.dispatch_remote_only and asked.combine_direct
+    text = variant_text(asked, 7168, 2048, fp8=False, graphed=False)
+    assert ",remote_only=1,combine_direct=1" in text
+    assert text.replace(",remote_only=1,combine_direct=1", "") == plain
+    with pytest.raises(MoKConfigError, match="combine_direct"):
+        scenario_config(_scenario("bf16"), {"combine_direct": True})

@@ -406,6 +406,24 @@ def test_dispatch_dedup_builds_without_spills(fp8_forward):
     assert not lw.spills, lw.ptxas_log
 
 
+@pytest.mark.parametrize("fp8_forward", [False, True])
+def test_direct_communication_builds_like_the_plain_pull(fp8_forward):
+    """``dispatch_remote_only`` and ``combine_direct`` together at the EP-2 defaults (16
+    communication programs): the same shared memory as the plain pull, and spills within
+    64 bytes of its build (bf16 at H 7168: 60 bytes under Triton 3.9 against none for the
+    plain pull; none under 3.6, the GPU machine's; FP8: 28 bytes under 3.6)."""
+    from mokbench.mok_backend import fp8_config_fields
+
+    fields = {**_row_pull(H, I, 8192, 8, 132, 2, 6, 90),
+              **(fp8_config_fields(90) if fp8_forward else {})}
+    plain = mk.compile_megakernel(mk.MoKConfig.for_shape(H, I, **fields), H, I, shared=True,
+                                  comm_programs=16)
+    cfg = mk.MoKConfig.for_shape(H, I, **fields, dispatch_remote_only=True, combine_direct=True)
+    lw = mk.compile_megakernel(cfg, H, I, shared=True, comm_programs=16)
+    assert lw.shared_bytes == plain.shared_bytes <= SMEM_LIMIT
+    assert _spill_bytes(lw.ptxas_log) <= _spill_bytes(plain.ptxas_log) + 64, lw.ptxas_log
+
+
 def _global_ops(ptx: str) -> list[str]:
     """Every plain global load and store of a build's PTX, with its width
     (``ld.global.v4.b32``, ``st.global.b8``, ...), in order."""
