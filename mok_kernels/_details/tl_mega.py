@@ -204,13 +204,13 @@ def _dispatch(m, c, src, total, ring, ctr, err, x_base, x_tab, T, Q, MMAX, budge
                                          tcache, tflag, me, err, budget, H, XW, CH)
             else:
                 x_rows, valid = _token_rows(src, rows, rmask, T, S, x_tab, x_base, H)
+                smask = valid
+                dmask = rmask
                 if RONLY:  # other ranks' rows (and padding rows, as zeros) only
-                    far = valid & (_token_home(src, rows, rmask, T, S) != me)
-                    _copy_rows(x_rows, far, ring + (rows % Q).to(tl.int64) * H,
-                               rmask & (far | ~valid), XW, CR, CH)
-                else:
-                    _copy_rows(x_rows, valid, ring + (rows % Q).to(tl.int64) * H, rmask, XW,
-                               CR, CH)
+                    smask = valid & (_token_home(src, rows, rmask, T, S) != me)
+                    dmask = rmask & (smask | ~valid)
+                _copy_rows(x_rows, smask, ring + (rows % Q).to(tl.int64) * H, dmask, XW, CR,
+                           CH)
         if ok != 0:
             if (withhold != 1) | (m != 0):
                 signal(ctr + 1 + m)
@@ -421,10 +421,11 @@ def _down_item(m, b, jd, lr, src, grp, hbuf, outb, ctr, err, comb_base, comb_tab
         h_row0 = lr * Q + (b * BM) % Q  # row block b's h rows are contiguous
         W2_ROWS: tl.constexpr = H if QUANT > 0 else I  # FP8 w2 is K-major [H, I]
         d2, w_row0 = _weight_desc(lr, g, E, w2_desc, ws2_desc, W2_ROWS, TMA, HAS_SHARED)
-        dst = outb + qrows * H  # the output ring; the communication programs push it
-        valid = rows >= 0
         if (COMM == 0) or CDIRECT:  # scatter straight into the (peer) combine slots
             dst, valid = _slot_rows(src, rows, rows >= 0, T, S, comb_tab, comb_base, H)
+        else:  # the output ring; the communication programs push it
+            dst = outb + qrows * H
+            valid = rows >= 0
         if QUANT > 0:
             sw2 = _weights(lr, g, E, sw2_ptr, sws2_ptr, SW2, HAS_SHARED)
             down_fp8_tiles(h_rows, w2, sw2, jd * DT, dst, valid, d2, w_row0, I, H, BM, BN, BK,
