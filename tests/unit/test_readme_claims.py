@@ -60,8 +60,7 @@ def _speedups(run: str, scenarios: list[str], pass_: str, column: str,
 
 
 # The "Where mok stands" table: (row label start, run, scenario id prefixes in the row's order
-# [, the row's mok backend when not plain mok, or (forward's, backward's) backends, or
-# {run: backend} where the runs differ]).
+# [, the row's mok backend when not plain mok, or (forward's, backward's) backends]).
 STANDS = [
     ("| one GPU, bf16:", ["20261202-170016-h200-bf16-train", "20261202-104809-h200-bf16-train",
                          "20261204-013620-h200-bf16-train-dsv4",
@@ -98,7 +97,6 @@ def test_where_mok_stands_matches_the_runs():
     lines = REPO.joinpath("README.md").read_text().splitlines()
     for label, runs, scenarios, *backend in STANDS:
         who = backend[0] if backend else "mok"
-        per_run = who if isinstance(who, dict) else {}
         who_fwd, who_bwd = who if isinstance(who, tuple) else (who, who)
         row = [ln for ln in lines if ln.startswith(label)]
         assert len(row) == 1, label
@@ -108,8 +106,6 @@ def test_where_mok_stands_matches_the_runs():
         want_fwd, want_bwd = [], []
         for prefix in scenarios:
             for run in runs:
-                if per_run:
-                    who_fwd = who_bwd = per_run.get(run, "mok")
                 try:
                     fwd = _speedups(run, [prefix], "forward", "speedup_vs_best_baseline",
                                     who_fwd)
