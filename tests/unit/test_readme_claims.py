@@ -62,7 +62,7 @@ def _speedups(run: str, scenarios: list[str], pass_: str, column: str,
 # The "Where mok stands" table: (row label start, run, scenario id prefixes in the row's order
 # [, the row's mok backend when not plain mok, or (forward's, backward's) backends]).
 STANDS = [
-    ("| one GPU, bf16:", ["20261202-170016-h200-bf16-train", "20261202-104809-h200-bf16-train",
+    ("| one GPU, bf16:", ["20261205-170936-h200-bf16-train", "20261202-104809-h200-bf16-train",
                          "20261204-013620-h200-bf16-train-dsv4",
                          "20261203-062448-h200-bf16-train-presets"],
      ["kimi-k2-e48-", "kimi-k2.7-code-E48", "kimi-k2-e384-", "qwen3.5-397b-E64", "glm-5.2-E32",
@@ -72,7 +72,7 @@ STANDS = [
       "kimi-k2.7-code-E48H7168I2048k8+se-T16384-ep1-fp8",
       "kimi-k2-e384-E384H7168I2048k8-T4096-ep1-fp8",
       "qwen3.5-397b-E64H4096I1024k10+se-T16384-ep1-fp8"]),
-    ("| one GPU, FP8, the whole FP8 backward", ["20261205-135809-h200-fp8-backward"],
+    ("| one GPU, FP8, the whole FP8 backward", ["20261205-165752-h200-fp8-backward"],
      ["kimi-k2-e48-", "kimi-k2.7-code-", "qwen3.5-397b-", "kimi-k2-e384-"]),
     ("| two GPUs, EP 2, bf16, every backend", ["20261204-145626-h200x2"],
      ["kimi-k2.7-code-E12H7168I2048k8+se-T8192-ep2-bf16-uniform"]),
