@@ -241,8 +241,6 @@ def compare_cmd(
 ) -> None:
     """Two runs side by side: the rows they share (scenario, backend label, pass), each run's
     median and spread, and B's speedup over A, marked where it is within noise."""
-    from rich.table import Table
-
     from mokbench import compare
 
     formats = ("table", "md", "csv")
@@ -255,13 +253,7 @@ def compare_cmd(
     if format == "csv":
         sys.stdout.write(compare.to_csv(cmp))
         return
-    for line in compare.header_lines(run_a, run_b):
-        console.print(escape(line), highlight=False)
-    table = Table(*compare.HEADERS)
-    for row in compare.table_rows(cmp):
-        table.add_row(*(escape(c) for c in row))
-    console.print(table)
-    console.print(escape(compare.NOTE), highlight=False)
+    compare.render(cmp, run_a, run_b, console)
 
 
 @app.command()

@@ -24,9 +24,14 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+from rich import box
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
 
 from mokbench import report, tables
 from mokbench.errors import InputError
+from mokbench.labels import short_scenario_labels
 from mokbench.results import read_env
 from mokbench.scenario import pass_label
 
@@ -114,6 +119,76 @@ def table_rows(cmp: pd.DataFrame) -> list[list[str]]:
 
 HEADERS = ["scenario", "backend", "pass", "A status", "A median ms", "A p10–p90 ms",
            "B status", "B median ms", "B p10–p90 ms", "B vs A"]
+
+
+def _side_cells(row: pd.Series, side: str) -> tuple[str, str]:
+    """(median, p10–p90) of one side, or (its status, "-") where it did not run ok."""
+    status = _status(row, side)
+    if status != "ok":
+        return status, "-"
+    return _ms(row[f"median_ms_{side}"]), _spread(row[f"p10_ms_{side}"], row[f"p90_ms_{side}"])
+
+
+def _terminal_table(cmp: pd.DataFrame, labels: dict[str, str], stacked: bool,
+                    widths: tuple[int | None, ...] = (None, None, None)) -> Table:
+    """Scenario (short label, on its group's first row), backend, pass, then each side's median
+    and spread (a side that did not run ok: its status) and B vs A. ``stacked``: each spread
+    under its median, for a console narrower than the flat table; ``widths``: the scenario,
+    backend and pass columns' (None: rich decides)."""
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1))
+    for name, width in zip(("scenario", "backend", "pass"), widths):
+        table.add_column(name, overflow="fold", width=width)
+    heads = (["A median ms\np10–p90", "B median ms\np10–p90"] if stacked else
+             ["A median ms", "A p10–p90 ms", "B median ms", "B p10–p90 ms"])
+    for head in [*heads, "B vs A"]:
+        table.add_column(head, justify="right", no_wrap=True)
+    previous = None
+    for _, r in cmp.iterrows():
+        sid = r["scenario_id"]
+        (ma, sa), (mb, sb) = _side_cells(r, "a"), _side_cells(r, "b")
+        nums = [f"{ma}\n{sa}", f"{mb}\n{sb}"] if stacked else [ma, sa, mb, sb]
+        table.add_row(labels.get(sid, sid) if sid != previous else "", r["backend"],
+                      pass_label(r["pass"]), *(Text(c) for c in nums), Text(speedup_text(r)))
+        previous = sid
+    return table
+
+
+def _text_widths(cmp: pd.DataFrame, labels: dict[str, str],
+                 console: Console) -> tuple[int | None, ...]:
+    """Scenario, backend and pass widths that leave the stacked table's numbers their full
+    width: the pass and the scenario label get their longest word (they wrap at spaces), the
+    backend label the rest (it folds); (None, None, None) when even that does not fit."""
+    probe = _terminal_table(cmp, labels, True, (1, 1, 1))
+    avail = console.width - tables._natural_width(console, probe) + 3
+    passes = [pass_label(p) for p in pd.unique(cmp["pass"])]
+    scen_labels = [labels.get(s, s) for s in pd.unique(cmp["scenario_id"])]
+    pass_w = min(max(map(len, passes)), max(len(w) for p in passes for w in p.split()))
+    scen_w = max(len(w) for lab in scen_labels for w in lab.split())
+    backend_w = min(max(map(len, cmp["backend"])), avail - pass_w - scen_w)
+    scen_w = min(max(map(len, scen_labels)), avail - pass_w - backend_w)
+    if backend_w < 8:
+        return None, None, None
+    return scen_w, backend_w, pass_w
+
+
+def render(cmp: pd.DataFrame, a_dir: Path | str, b_dir: Path | str, console: Console) -> None:
+    """The comparison for a terminal or a piped log, by the rules of the report's tables
+    (:mod:`mokbench.tables`): short scenario labels that wrap at spaces, their full ids once
+    below; numbers never wrap, and where the flat table is wider than the console each spread
+    is stacked under its median, so that at 80 columns no number is cut."""
+    for line in header_lines(a_dir, b_dir):
+        console.print(line, markup=False, highlight=False)
+    labels, common = short_scenario_labels(cmp["scenario_id"])
+    table = _terminal_table(cmp, labels, stacked=False)
+    if tables._natural_width(console, table) > console.width:
+        table = _terminal_table(cmp, labels, True, _text_widths(cmp, labels, console))
+    console.print(table)
+    if common:
+        console.print(f"all scenarios: {common}", markup=False, highlight=False)
+    for sid, label in labels.items():
+        if label != sid:
+            console.print(f"{label} = {sid}", markup=False, highlight=False)
+    console.print(NOTE, markup=False, highlight=False)
 
 
 def header_lines(a_dir: Path | str, b_dir: Path | str) -> list[str]:

@@ -125,3 +125,25 @@ def test_readme_example_is_what_compare_prints():
     quoted = (f"{compare.speedup_text(row)} faster in the second run ({cells[4]} against "
               f"{cells[7]} ms; p10–p90 {cells[5]} and {cells[8]} ms)")
     assert quoted in readme, quoted
+
+
+@pytest.mark.parametrize("width", [80, 200])
+def test_terminal_table_cuts_no_number_at_80_columns(width: int):
+    """The table as a piped log or a narrow terminal prints it: every line within the console,
+    every median, spread and speedup whole (stacked at 80 columns, flat at 200), the short
+    scenario labels' full ids below."""
+    import io
+
+    from rich.console import Console
+
+    cmp = compare.compare(OLD, NEW)
+    out = io.StringIO()
+    compare.render(cmp, OLD, NEW, Console(file=out, width=width))
+    text = out.getvalue()
+    assert max(len(line) for line in text.splitlines()) <= width
+    for cells in compare.table_rows(cmp):
+        for cell in (cells[4], cells[5], cells[7], cells[8], cells[9]):
+            assert cell in ("", "-") or cell in text, (width, cell)
+    assert ("A p10–p90 ms" in text) == (width == 200)
+    for sid in cmp["scenario_id"].unique():
+        assert sid in " ".join(text.split()), sid
