@@ -272,7 +272,7 @@ def backends(
     ws = world_size or max(local_gpus("auto"), 1)
     table = Table(title=f"backends (world size {ws})")
     for col in ("backend", "kind", "available", "reason / notes"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")  # a long URL in a reason folds, never cut
     hints: list[tuple[str, str]] = []
     for name in registry():
         try:

@@ -19,6 +19,17 @@ def test_backends_lists_every_backend_with_a_reason_when_unavailable():
     assert "mokbench[te]" in r.output  # install hint survives rich markup
 
 
+def test_backends_at_80_columns_folds_reasons_and_cuts_none():
+    """In a narrow terminal or a piped log a long reason (an install URL) folds onto more
+    lines: each reason's words are all there, none replaced by an ellipsis."""
+    r = runner.invoke(app, ["backends", "--world-size", "1"], env={"COLUMNS": "80"})
+    assert r.exit_code == 0, r.output
+    assert "…" not in r.output
+    folded = "".join(ln.split("│")[4].strip() for ln in r.output.splitlines()
+                     if ln.count("│") == 5)
+    assert "git+https://github.com/cursor/mixture-of-kittens" in folded
+
+
 def test_backends_prints_the_deepep_build_recipe_where_deep_ep_is_missing(monkeypatch):
     from baselines import deepep
     from baselines import hybridep_megatron as hm
