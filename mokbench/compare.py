@@ -147,8 +147,9 @@ def _terminal_table(cmp: pd.DataFrame, labels: dict[str, str], stacked: bool,
         sid = r["scenario_id"]
         (ma, sa), (mb, sb) = _side_cells(r, "a"), _side_cells(r, "b")
         nums = [f"{ma}\n{sa}", f"{mb}\n{sb}"] if stacked else [ma, sa, mb, sb]
-        table.add_row(labels.get(sid, sid) if sid != previous else "", r["backend"],
-                      pass_label(r["pass"]), *(Text(c) for c in nums), Text(speedup_text(r)))
+        texts = [labels.get(sid, sid) if sid != previous else "", r["backend"],
+                 pass_label(r["pass"]), *nums, speedup_text(r)]
+        table.add_row(*(Text(c) for c in texts))  # Text: no cell is read as rich markup
         previous = sid
     return table
 
@@ -159,7 +160,7 @@ def _text_widths(cmp: pd.DataFrame, labels: dict[str, str],
     width: the pass and the scenario label get their longest word (they wrap at spaces), the
     backend label the rest (it folds); (None, None, None) when even that does not fit."""
     probe = _terminal_table(cmp, labels, True, (1, 1, 1))
-    avail = console.width - tables._natural_width(console, probe) + 3
+    avail = console.width - tables.natural_width(console, probe) + 3
     passes = [pass_label(p) for p in pd.unique(cmp["pass"])]
     scen_labels = [labels.get(s, s) for s in pd.unique(cmp["scenario_id"])]
     pass_w = min(max(map(len, passes)), max(len(w) for p in passes for w in p.split()))
@@ -180,7 +181,7 @@ def render(cmp: pd.DataFrame, a_dir: Path | str, b_dir: Path | str, console: Con
         console.print(line, markup=False, highlight=False)
     labels, common = short_scenario_labels(cmp["scenario_id"])
     table = _terminal_table(cmp, labels, stacked=False)
-    if tables._natural_width(console, table) > console.width:
+    if tables.natural_width(console, table) > console.width:
         table = _terminal_table(cmp, labels, True, _text_widths(cmp, labels, console))
     console.print(table)
     if common:

@@ -191,7 +191,7 @@ def _text_widths(console: Console, part: pd.DataFrame, legend: Legend, title: st
     console-wide table: the backend's name gets the room first, the scenario label wraps one
     field a line if it must. (None, None) when not even that fits (rich then decides)."""
     probe = _build(part, legend, title, cols, (1, 1))
-    avail = console.width - _natural_width(console, probe) + 2
+    avail = console.width - natural_width(console, probe) + 2
     labels = [legend.scenarios.get(s, s) for s in pd.unique(part["scenario_id"])]
     scen_word = max(len(w) for lab in labels for w in lab.split())
     backend_nat = max(len(backend_cell(r, legend)) for _, r in part.iterrows())
@@ -208,7 +208,7 @@ def _rich_table(console: Console, part: pd.DataFrame, legend: Legend, title: str
     ceiling stacked under the median and the TFLOP/s, and the text columns sized so the
     numbers keep their full width."""
     table = _build(part, legend, title, _columns(False, show), (None, None))
-    if _natural_width(console, table) <= console.width:
+    if natural_width(console, table) <= console.width:
         return table
     cols = _columns(True, show)
     return _build(part, legend, title, cols, _text_widths(console, part, legend, title, cols))
@@ -235,7 +235,7 @@ def _build(part: pd.DataFrame, legend: Legend, title: str, cols: list[tuple[str,
     return table
 
 
-def _natural_width(console: Console, table: Table) -> int:
+def natural_width(console: Console, table: Table) -> int:
     """The table's width with nothing wrapped."""
     return Measurement.get(console, console.options.update_width(10_000), table).maximum
 
