@@ -240,13 +240,13 @@ def _ws_producer(dy_desc, wdt_desc, pre_desc, a_ring, b_ring, pre_slabs, ready, 
         i += 1
 
 
-
 @gluon.jit
 def _ws_epi_quarter(acc_MQ, q: gl.constexpr, gu_smem, off_m, n, pre_i32_PI, hs_PI, r_P,
                     I: gl.constexpr, BN: gl.constexpr, PRE_TMA: gl.constexpr):
     """SwiGLU backward of columns [q*BN/4, (q+1)*BN/4) of the tile: gate/up from the smem slab
     (PRE_TMA; dG/dU written back there) or global memory; hs stored; returns the rows'
-    partial sums of dA_raw*h."""
+    partial sums of dA_raw*h. The arithmetic of ``_plain_epi_quarter``, written again: a
+    Gluon kernel cannot call a ``triton.jit`` function, and the layouts here are explicit."""
     Q: gl.constexpr = BN // 4
     layout: gl.constexpr = acc_MQ.type.layout
     rows_M = off_m + gl.arange(0, acc_MQ.shape[0], layout=gl.SliceLayout(1, layout))
@@ -273,6 +273,7 @@ def _ws_epi_quarter(acc_MQ, q: gl.constexpr, gu_smem, off_m, n, pre_i32_PI, hs_P
         gl.store(pre_i32_PI + offs_MQ, dg_bits | du_bits)
     gl.store(hs_PI + offs_MQ, (h * r_M1).to(gl.bfloat16))
     return gl.sum(acc_MQ * h, axis=1)
+
 
 @gluon.jit
 def _ws_consumer(WG: gl.constexpr, pre_desc, a_ring, b_ring, pre_slabs, ready, empty,
