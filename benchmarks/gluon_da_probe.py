@@ -68,7 +68,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -544,7 +544,7 @@ def rel_err(got: Any, ref: Any) -> float:
     return float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
 
 
-def run_check() -> int:
+def run_check(variants: list[Variant]) -> int:
     import torch
 
     s, tol = SMALL, 1e-2
@@ -553,7 +553,7 @@ def run_check() -> int:
     failed = 0
     # Full grid (one or two tiles per CTA), then 3 CTAs: many tiles per CTA, so both
     # warpgroups, the ring's and the gate/up slabs' phase wraps and the turn order all run.
-    for v, programs in ((v, p) for v in VARIANTS for p in (None, 3)):
+    for v, programs in ((v, p) for v in variants for p in (None, 3)):
         name = f"{v.name}/{'full' if programs is None else programs}"
         ref = refs.setdefault(v.bn, reference(s, inp, v.bn))
         pre = inp["pre_PF"].clone()
@@ -577,27 +577,34 @@ def run_check() -> int:
     return 1 if failed else 0
 
 
-def run_time(warmup: int, iters: int) -> int:
+def run_time(warmup: int, iters: int, variants: list[Variant], back_to_back: int = 1) -> int:
+    """Median ms per launch of each variant at the Kimi K2 shape. back_to_back 1: one launch
+    per sample, the GPU idle around it (fresh gate/up copied in before it); N > 1: N launches
+    per sample with nothing between them, the time divided by N, as the megakernel's items
+    run (a sustained load: the power limit may lower the clocks; the epilogue variants then
+    rework gate/up already reworked, the same work on other values)."""
     import torch
 
     s = KIMI
     inp = make_inputs(s)
     work = inp["pre_PF"].clone()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    print(f"shape G={s.G} R={s.R} H={s.H} I={s.I} (P={s.P}); {torch.cuda.get_device_name()}")
+    print(f"shape G={s.G} R={s.R} H={s.H} I={s.I} (P={s.P}); {torch.cuda.get_device_name()}; "
+          f"{back_to_back} launch(es) per sample")
     results: dict[str, float] = {}
-    for v in VARIANTS:
+    for v in variants:
         try:
             launch = Launch(v, s, inp, work)
             samples = []
             for it in range(warmup + iters):
                 work.copy_(inp["pre_PF"])  # fresh gate/up, outside the timed region
                 start.record()
-                launch()
+                for _ in range(back_to_back):
+                    launch()
                 end.record()
                 end.synchronize()  # after the timed region
                 if it >= warmup:
-                    samples.append(start.elapsed_time(end))
+                    samples.append(start.elapsed_time(end) / back_to_back)
         except Exception as exc:
             print(f"{v.name:16s} did not run: {type(exc).__name__}: {exc}")
             continue
@@ -677,11 +684,11 @@ def compile_variant(v: Variant, s: Shape) -> tuple[int, str, str]:
     return int(c.metadata.shared), "\n    ".join(lines), ", ".join(maxnreg) or "none"
 
 
-def run_compile_only() -> int:
+def run_compile_only(variants: list[Variant]) -> int:
     s = KIMI
     print(f"triton {triton.__version__}; sm_90, shape G={s.G} R={s.R} H={s.H} I={s.I}")
     failed = 0
-    for v in VARIANTS:
+    for v in variants:
         try:
             shared, lines, maxnreg = compile_variant(v, s)
         except Exception as exc:
@@ -704,12 +711,41 @@ def main() -> int:
     mode.add_argument("--compile-only", action="store_true", help="sm_90 compile, no GPU")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--only", default="", metavar="NAMES",
+                    help="comma-separated variants to run (default all: "
+                         + ", ".join(v.name for v in VARIANTS) + ")")
+    ap.add_argument("--back-to-back", type=int, default=1, metavar="N",
+                    help="--time: N launches per timed sample, nothing between them")
+    ap.add_argument("--plain-stages", type=int, default=PLAIN_STAGES, metavar="N",
+                    help=f"pipeline stages of the plain Triton variants (default {PLAIN_STAGES};"
+                         " the megakernel's backward runs 4)")
     a = ap.parse_args()
+    try:
+        variants = select_variants(a.only, a.plain_stages)
+    except ValueError as exc:
+        ap.error(str(exc))
+    if a.back_to_back < 1:
+        ap.error(f"--back-to-back: got {a.back_to_back}; allowed an integer >= 1")
     if a.compile_only:
-        return run_compile_only()
+        return run_compile_only(variants)
     if a.check:
-        return run_check()
-    return run_time(a.warmup, a.iters)
+        return run_check(variants)
+    return run_time(a.warmup, a.iters, variants, a.back_to_back)
+
+
+def select_variants(only: str, plain_stages: int = PLAIN_STAGES) -> list[Variant]:
+    """VARIANTS named in ``only`` (comma-separated; empty: all), in VARIANTS' order, the plain
+    ones at ``plain_stages`` pipeline stages (2 to 4: 4 x 48 KB of ring is what sm_90's
+    shared memory holds)."""
+    names = [n.strip() for n in only.split(",") if n.strip()]
+    known = [v.name for v in VARIANTS]
+    bad = [n for n in names if n not in known]
+    if bad:
+        raise ValueError(f"--only: unknown variant {bad[0]!r}; allowed {', '.join(known)}")
+    if not 2 <= plain_stages <= 4:
+        raise ValueError(f"--plain-stages: got {plain_stages}; allowed 2, 3 or 4")
+    return [v if v.gluon else replace(v, stages=plain_stages)
+            for v in VARIANTS if not names or v.name in names]
 
 
 if __name__ == "__main__":
