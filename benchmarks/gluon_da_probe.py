@@ -651,8 +651,9 @@ def _ptxas_path() -> str:
         return knobs.nvidia.ptxas.path
 
 
-def compile_variant(v: Variant, s: Shape) -> tuple[int, str, str]:
-    """(shared bytes, ptxas -v register/spill lines, setmaxnreg values in the PTX)."""
+def build_variant(v: Variant, s: Shape) -> Any:
+    """Triton's sm_90 build of variant ``v`` at shape ``s`` (its ``asm`` holds the TTGIR,
+    PTX and cubin), as the launch would compile it."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -668,7 +669,12 @@ def compile_variant(v: Variant, s: Shape) -> tuple[int, str, str]:
     opts: dict[str, Any] = {"num_warps": v.num_warps}
     if not v.gluon:
         opts["num_stages"] = v.stages
-    c = triton.compile(src, target=GPUTarget("cuda", 90, 64), options=opts)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 64), options=opts)
+
+
+def compile_variant(v: Variant, s: Shape) -> tuple[int, str, str]:
+    """(shared bytes, ptxas -v register/spill lines, setmaxnreg values in the PTX)."""
+    c = build_variant(v, s)
     ptx = c.asm["ptx"]
     with tempfile.TemporaryDirectory() as tmp:
         f = Path(tmp) / "k.ptx"

@@ -34,24 +34,25 @@ class Lowered:
     cubin: bytes = field(default=b"", repr=False)  # ptxas's output
     tools: str = ""  # the folder of the ptxas that built it (cuobjdump beside it)
 
-    def sass_opcodes(self) -> Counter[str]:
-        """How many SASS instructions of each opcode (``FMUL``, ``MUFU``, ``LDS``, ...; the
-        part before the first dot) the cubin holds, static counts over the whole kernel, by
-        the ``cuobjdump`` that ships beside Triton's ptxas. Of a build of one item kind
-        (``phases``), less a build without its epilogue, they say what that epilogue costs
-        per thread: e.g. how the dA items' SwiGLU backward fell from 6328 to 3024 with
-        ``bwd_lean_epilogue`` (notes/mok-kernel.md)."""
+    def sass(self) -> str:
+        """The cubin's SASS as text, by the ``cuobjdump -sass`` that ships beside Triton's
+        ptxas (so the disassembler matches the assembler that built it)."""
         tool = Path(self.tools) / "cuobjdump"
         if not self.cubin or not tool.exists():
             raise RuntimeError(f"no cubin, or no cuobjdump at {tool}: cannot list SASS")
         with tempfile.TemporaryDirectory() as tmp:
             f = Path(tmp) / "k.cubin"
             f.write_bytes(self.cubin)
-            out = subprocess.run([str(tool), "-sass", str(f)], capture_output=True, text=True,
-                                 check=True).stdout
-        ops = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)",
-                         out, re.M)
-        return Counter(ops)
+            return subprocess.run([str(tool), "-sass", str(f)], capture_output=True,
+                                  text=True, check=True).stdout
+
+    def sass_opcodes(self) -> Counter[str]:
+        """How many SASS instructions of each opcode (``FMUL``, ``MUFU``, ``LDS``, ...; the
+        part before the first dot) the cubin holds, static counts over the whole kernel. Of
+        a build of one item kind (``phases``), less a build without its epilogue, they say
+        what that epilogue costs per thread: e.g. how the dA items' SwiGLU backward fell from
+        6328 to 3024 with ``bwd_lean_epilogue`` (notes/mok-kernel.md)."""
+        return Counter(m.split(".")[0] for _, m in sass_instructions(self.sass()))
 
     @property
     def spills(self) -> bool:
@@ -76,6 +77,67 @@ class Lowered:
     def mma_serialized(self) -> bool:
         """ptxas warning C7515: wgmma instructions serialised (Hopper)."""
         return "C7515" in self.ptxas_log
+
+
+_SASS_LINE = re.compile(
+    r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[\w.]+)?)(.*)$", re.M)
+
+
+def sass_instructions(sass: str) -> list[tuple[int, str]]:
+    """(byte offset, mnemonic) of every instruction in ``cuobjdump -sass`` text, in order;
+    the mnemonic with its modifiers (``HGMMA.64x256x16.F32.BF16``), without predicate or
+    operands."""
+    return [(int(m[1], 16), m[2]) for m in _SASS_LINE.finditer(sass)]
+
+
+SKELETON = frozenset({"HGMMA", "WARPGROUP", "SYNCS", "BAR", "UTMALDG", "UTMAPF", "BRA",
+                      "UTCHMMA", "UTCQMMA", "UTCBAR", "DEPBAR", "LDGSTS"})
+
+
+@dataclass(frozen=True)
+class SassLoop:
+    """One loop of a kernel's SASS: the instructions from a backward branch's target (byte
+    offset ``start``) through the branch itself (``end``), their mnemonics in order."""
+
+    start: int
+    end: int
+    mnemonics: tuple[str, ...]
+
+    @property
+    def counts(self) -> Counter[str]:
+        """Instructions of each opcode (the mnemonic's part before the first dot)."""
+        return Counter(m.split(".")[0] for m in self.mnemonics)
+
+    def skeleton(self, opcodes: frozenset[str] = SKELETON) -> tuple[str, ...]:
+        """The mnemonics, in order, of the instructions that decide a K step's time: MMAs,
+        their waits, barriers, mbarrier operations, TMA loads and branches (``opcodes``);
+        the scalar address arithmetic between them left out."""
+        return tuple(m for m in self.mnemonics if m.split(".")[0] in opcodes)
+
+
+def mma_loop(sass: str) -> SassLoop:
+    """The shortest loop of ``sass`` (``cuobjdump -sass`` text of one kernel) that holds a
+    tensor-core MMA (``HGMMA`` on Hopper; an opcode ending in ``MMA``): a GEMM's K loop. Two
+    builds whose K loops are the same opcodes in the same order run the same instructions
+    per K step, so a speed gap between them lies outside the loop's code (its clock, its
+    operands' path through L2, what runs beside it)."""
+    ins = sass_instructions(sass)
+    at = {off: i for i, (off, _) in enumerate(ins)}
+    best: tuple[int, int] | None = None
+    for m in _SASS_LINE.finditer(sass):
+        if m[2].split(".")[0] != "BRA":
+            continue
+        target = re.search(r"0x([0-9a-f]+)", m[3])
+        end, start = int(m[1], 16), int(target[1], 16) if target else -1
+        if not 0 <= start <= end or start not in at:
+            continue
+        body = ins[at[start]:at[end] + 1]
+        if any(m.split(".")[0].endswith("MMA") for _, m in body) and (
+                best is None or end - start < best[1] - best[0]):
+            best = (start, end)
+    if best is None:
+        raise ValueError("no loop with a tensor-core MMA in this SASS")
+    return SassLoop(best[0], best[1], tuple(m for _, m in ins[at[best[0]]:at[best[1]] + 1]))
 
 
 def _ptxas(arch: int):
