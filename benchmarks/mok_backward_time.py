@@ -62,11 +62,17 @@ def main() -> None:
                     help="also trace the megakernels' items in one training forward and its "
                     "backward (after the timed ones): a table per item kind, "
                     "PREFIX-{forward,backward}.csv (every item) and .png (timeline)")
+    ap.add_argument("--trace-phases", type=int, default=15, metavar="MASK",
+                    help="the traced backward's phase mask (as --phases; default 15: every "
+                         "item); its table per time window says whether a kind's items run "
+                         "slower in part of the kernel, e.g. the dA items beside the pull")
     a = ap.parse_args()
     passes = [p for p in a.passes.split(",") if p]
     bad = sorted(set(passes) - {"inference", "forward_train", "backward"})
     if a.trace_runs < 1:
         ap.error(f"--trace-runs: got {a.trace_runs}; allowed an integer >= 1")
+    if not 0 <= a.trace_phases <= 63:
+        ap.error(f"--trace-phases: got {a.trace_phases}; allowed a phase mask in 0..63")
     if a.ncu_mask is not None and not 0 <= a.ncu_mask <= 63:
         ap.error(f"--ncu-mask: got {a.ncu_mask}; allowed a phase mask in 0..63")
     if bad or not passes:
@@ -163,7 +169,8 @@ def main() -> None:
             btr.fill_(-1)
             held["ctx"] = mk.forward_train(cfg, ws, mk.build_schedule(ws, idx), x, p, *wf,
                                            _trace=ftr)[1]
-            mk.backward(cfg, ws, held["ctx"], dy, *w, fp8_weights=w8, _trace=btr)
+            mk.backward(cfg, ws, held["ctx"], dy, *w, fp8_weights=w8, _trace=btr,
+                        _phases=a.trace_phases)
         mk.check_errors(ws)
         prefix = f"{a.trace}-r{rank}" if R > 1 else a.trace
         for name, tr, kinds in (("forward", ftr, item_trace.FORWARD_KINDS),
@@ -175,6 +182,9 @@ def main() -> None:
                 print(f"{name} items" + (" (compute programs only)" if name == "forward"
                                          else "") + (" of rank 0" if R > 1 else ""))
                 print(item_trace.summarize(df, int(df.program.max()) + 1).round(3).to_string())
+                if name == "backward":
+                    print(f"backward items by time window (phase mask {a.trace_phases})")
+                    print(item_trace.windows(df, 4).round(1).to_string(index=False))
     ctx = train()[1]
     if R > 1:  # every rank's medians, printed by rank 0
         import torch.distributed as dist

@@ -70,6 +70,27 @@ def summarize(df: pd.DataFrame, programs: int) -> pd.DataFrame:
     return table
 
 
+def windows(df: pd.DataFrame, n: int = 4) -> pd.DataFrame:
+    """Per item kind and time window (the span of the trace cut into ``n`` equal slices;
+    an item falls in the slice where it starts): items, and their median, p10 and p90 time
+    in microseconds. Says whether a kind's items run slower in one part of the kernel, e.g.
+    the backward's dA items while its pull copies rows beside them; an item's time includes
+    its waits, so early items that wait for their rows show in p90 first."""
+    if n < 1:
+        raise ValueError(f"n: want >= 1, got {n}")
+    span = float(df.end_ms.max() - df.start_ms.min())
+    edges = df.start_ms.min() + span * np.arange(n + 1) / n
+    slot = np.clip(np.searchsorted(edges, df.start_ms, side="right") - 1, 0, n - 1)
+    rows = pd.DataFrame({"kind": df.kind, "window": slot,
+                         "dur_us": 1e3 * (df.end_ms - df.start_ms)})
+    out = []
+    for (kind, w), g in rows.groupby(["kind", "window"], observed=True, sort=True):
+        out.append({"kind": str(kind), "window_ms": f"{edges[w]:.2f}-{edges[w + 1]:.2f}",
+                    "items": len(g), "median_us": g.dur_us.median(),
+                    "p10_us": g.dur_us.quantile(0.1), "p90_us": g.dur_us.quantile(0.9)})
+    return pd.DataFrame(out)
+
+
 def plot_timeline(df: pd.DataFrame, path: Path, rank: int = 0) -> Path:
     """One horizontal bar per item of ``rank``: programs on the y axis, time (ms from the
     first start) on the x axis, a colour per kind. Written to ``path`` (PNG)."""

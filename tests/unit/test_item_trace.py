@@ -51,3 +51,18 @@ def test_forward_kinds_name_the_forward_items():
     table = item_trace.summarize(df, programs=2)
     assert list(table.index) == ["gate+up", "down", "total"]
     assert table.loc["down", "items"] == 1
+
+
+def test_windows_put_each_item_in_the_slice_where_it_starts():
+    """Over a 3 ms span in three 1 ms slices: both A items start at 0 (1 and 2 ms long), the
+    B item at 1 ms; with one slice every item is in it."""
+    df = item_trace.items(_trace())
+    w = item_trace.windows(df, 3)
+    assert list(zip(w.kind, w.window_ms, w["items"])) == [
+        ("A dgrad down", "0.00-1.00", 2), ("B dgrad gate+up", "1.00-2.00", 1)]
+    a = w.iloc[0]
+    assert a.median_us == pytest.approx(1500.0) and a.p90_us == pytest.approx(1900.0)
+    assert a.p10_us == pytest.approx(1100.0)
+    assert list(item_trace.windows(df, 1)["items"]) == [2, 1]
+    with pytest.raises(ValueError, match="n: want >= 1, got 0"):
+        item_trace.windows(df, 0)
