@@ -19,8 +19,15 @@ Variants:
   gluon_ws_noepi  the same Gluon kernel storing only the per-row sums.
   gluon_ws_gpre   gluon_ws with gate/up loaded from (and dG/dU stored to) global memory in the
                   epilogue instead of through TMA'd smem slabs (PRE_TMA=False; 4 stages).
+  gluon_coop_noepi  Gluon, warp-specialised cooperative: plain_noepi's [128, 256] tile and
+                  4-stage ring, the TMA loads issued by a producer warp, each consumer
+                  warpgroup [64, 256] of the tile; the warpgroups meet only at the ring's
+                  mbarriers (per K step: 2 barriers of one warpgroup's 128 threads, where the
+                  plain loop has 4 of all 256; benchmarks/kloop_sass.py). Row sums only.
 
-The answer is whether gluon_ws approaches plain_noepi while plain does not.
+The answer is whether gluon_ws approaches plain_noepi while plain does not; and
+gluon_coop_noepi against plain_noepi says what Triton's CTA-wide barriers in the plain K loop
+cost.
 
 Gluon design (ping-pong, CUTLASS "KernelTmaWarpSpecializedPingpong"-like):
   * 1 producer warp (worker, few registers): TMA loads of dY [BM, BK] and WdT [BN, BK] into a
@@ -113,6 +120,7 @@ BM, BK = 128, 64
 PLAIN_BN, PLAIN_WARPS, PLAIN_STAGES = 256, 8, 3
 WS_BN, WS_STAGES, WS_STAGES_NO_PRE = 128, 3, 4
 WS_PRODUCER_REGS, WS_CONSUMER_REGS = 40, 232
+COOP_STAGES = 4  # 4 x 48 KB of ring, as the megakernel's backward runs
 SM90_SMEM_LIMIT = 232448
 
 
@@ -399,6 +407,114 @@ def gluon_ws_da_kernel(dy_desc, wdt_desc, pre_desc, pre_i32_PI, hs_PI, r_P, drp_
 
 
 # ---------------------------------------------------------------------------------------------
+# (e): Gluon, warp-specialised cooperative main loop (no epilogue)
+# ---------------------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _coop_producer(dy_desc, wdt_desc, a_ring, b_ring, ready, empty, n_tiles,
+                   NT: gl.constexpr, MB: gl.constexpr, I: gl.constexpr, H: gl.constexpr,
+                   BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+                   STAGES: gl.constexpr):
+    """1 warp: the CTA's tiles in order, each tile's K steps through the ring. K step c (over
+    all the CTA's tiles) fills slot c % STAGES in round c // STAGES, once both consumer
+    warpgroups have released it (``empty`` counts two arrivals)."""
+    KSTEPS: gl.constexpr = H // BK
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    ab_bytes: gl.constexpr = dy_desc.block_type.nbytes + wdt_desc.block_type.nbytes
+    i = 0
+    for tile in range(pid, n_tiles, nprog):
+        off_m, n, w_row = _ws_tile(tile, NT, MB, I, BM, BN)
+        c0 = i * KSTEPS
+        for kk in range(KSTEPS):
+            c = c0 + kk
+            s = c % STAGES
+            mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), ab_bytes)
+            tma.async_copy_global_to_shared(dy_desc, [off_m, kk * BK], ready.index(s),
+                                            a_ring.index(s))
+            tma.async_copy_global_to_shared(wdt_desc, [w_row, kk * BK], ready.index(s),
+                                            b_ring.index(s))
+        i += 1
+
+
+@gluon.jit
+def _coop_consumer(WG: gl.constexpr, a_ring, b_ring, ready, empty, drp_PT, n_tiles,
+                   NT: gl.constexpr, MB: gl.constexpr, I: gl.constexpr, H: gl.constexpr,
+                   BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+                   STAGES: gl.constexpr):
+    """One warpgroup: rows WG*BM/2 .. of every tile of the CTA ([BM/2, BN] fp32 accumulator,
+    128 registers a thread at [64, 256]); per K step wait for the slot, async wgmma on its
+    half of the dY box and the whole WdT box, one in flight, release the previous slot. No
+    CTA-wide barrier: the warpgroups meet only at the ring's mbarriers."""
+    KSTEPS: gl.constexpr = H // BK
+    HM: gl.constexpr = BM // 2
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BN, 16])
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    i = 0
+    for tile in range(pid, n_tiles, nprog):
+        off_m, n, w_row = _ws_tile(tile, NT, MB, I, BM, BN)
+        acc_MN = gl.zeros([HM, BN], gl.float32, acc_layout)
+        c0 = i * KSTEPS
+        for kk in range(KSTEPS):
+            c = c0 + kk
+            s = c % STAGES
+            mbarrier.wait(ready.index(s), (c // STAGES) & 1)
+            a_half = a_ring.index(s).slice(WG * HM, HM, dim=0)
+            acc_MN = warpgroup_mma(a_half, b_ring.index(s).permute((1, 0)), acc_MN,
+                                   is_async=True)
+            acc_MN, _, _ = warpgroup_mma_wait(num_outstanding=1,
+                                              deps=(acc_MN, a_half, b_ring.index(s)))
+            # The wgmma of step c - 1 has finished: this warpgroup is done with its slot.
+            mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), pred=kk > 0)
+        acc_MN = warpgroup_mma_wait(num_outstanding=0, deps=(acc_MN, ))
+        mbarrier.arrive(empty.index((c0 + KSTEPS - 1) % STAGES))
+        rows_M = off_m + WG * HM + gl.arange(0, HM, layout=gl.SliceLayout(1, acc_layout))
+        gl.store(drp_PT + rows_M * NT + n, gl.sum(acc_MN, axis=1))
+        i += 1
+
+
+@gluon.jit
+def gluon_coop_da_kernel(dy_desc, wdt_desc, pre_desc, pre_i32_PI, hs_PI, r_P, drp_PT, n_tiles,
+                         I: gl.constexpr, H: gl.constexpr, R: gl.constexpr, BM: gl.constexpr,
+                         BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+                         EPI: gl.constexpr, PRE_TMA: gl.constexpr,
+                         PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+    """The plain kernel's K loop ([BM, BN] tile, STAGES-deep TMA ring) with the loads issued
+    by a producer warp and the two consumer warpgroups meeting only at mbarriers, where
+    Triton's plain loop puts four CTA-wide barriers in each K step (benchmarks/kloop_sass.py).
+    Stores the per-row sums of dA_raw only (as plain_noepi); ``pre_desc``, ``pre_i32_PI``,
+    ``hs_PI``, ``r_P``, ``EPI`` and ``PRE_TMA`` unused (the probe's one argument list).
+    Launch with num_warps=4 (the default partition is consumer warpgroup 0)."""
+    NT: gl.constexpr = I // BN
+    MB: gl.constexpr = R // BM
+    a_ring = gl.allocate_shared_memory(dy_desc.dtype, [STAGES, BM, BK], dy_desc.layout)
+    b_ring = gl.allocate_shared_memory(wdt_desc.dtype, [STAGES, BN, BK], wdt_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)
+    fence_async_shared()
+
+    gl.warp_specialize(
+        [
+            (_coop_consumer, (0, a_ring, b_ring, ready, empty, drp_PT, n_tiles, NT, MB, I, H,
+                              BM, BN, BK, STAGES)),
+            (_coop_consumer, (1, a_ring, b_ring, ready, empty, drp_PT, n_tiles, NT, MB, I, H,
+                              BM, BN, BK, STAGES)),
+            (_coop_producer, (dy_desc, wdt_desc, a_ring, b_ring, ready, empty, n_tiles, NT,
+                              MB, I, H, BM, BN, BK, STAGES)),
+        ],
+        [4, 1],
+        [CONSUMER_REGS, PRODUCER_REGS],
+    )
+
+
+# ---------------------------------------------------------------------------------------------
 # Variants: launch parameters shared by the GPU paths and --compile-only
 # ---------------------------------------------------------------------------------------------
 
@@ -411,6 +527,7 @@ class Variant:
     bn: int
     stages: int
     pre_tma: bool = True
+    coop: bool = False  # gluon: the cooperative main loop (e) instead of the ping-pong
 
     @property
     def num_warps(self) -> int:
@@ -434,7 +551,16 @@ VARIANTS = [
     Variant("gluon_ws_gpre", gluon=True, epi=True, bn=WS_BN, stages=WS_STAGES_NO_PRE,
             pre_tma=False),
     Variant("gluon_ws", gluon=True, epi=True, bn=WS_BN, stages=WS_STAGES),
+    Variant("gluon_coop_noepi", gluon=True, epi=False, bn=PLAIN_BN, stages=COOP_STAGES,
+            coop=True),
 ]
+
+
+def variant_kernel(v: Variant) -> Any:
+    """The jitted kernel that runs variant ``v``."""
+    if not v.gluon:
+        return plain_da_kernel
+    return gluon_coop_da_kernel if v.coop else gluon_ws_da_kernel
 
 
 def _gl_layout(block: list[int]) -> gl.NVMMASharedLayout:
@@ -506,7 +632,7 @@ class Launch:
         pre_i32 = self.pre_PF.view(torch.int32)  # [P, I]: one (gate, up) pair per element
         args = (*self.descs, pre_i32, self.hs_PI, self.r_P, self.drp_PT, self.tiles)
         if v.gluon:
-            gluon_ws_da_kernel[self.grid](*args, **v.constexprs(s), num_warps=4)
+            variant_kernel(v)[self.grid](*args, **v.constexprs(s), num_warps=4)
         else:
             plain_da_kernel[self.grid](*args, **v.constexprs(s), num_warps=v.num_warps)
 
@@ -618,8 +744,9 @@ def run_time(warmup: int, iters: int, variants: list[Variant], back_to_back: int
             extra = results[full] - results[noepi]
             print(f"{full} - {noepi}: {extra:.3f} ms ({100 * extra / results[full]:.1f}% of "
                   f"{full})")
-    if "gluon_ws" in results and "plain_noepi" in results:
-        print(f"gluon_ws / plain_noepi: {results['gluon_ws'] / results['plain_noepi']:.3f}")
+    for name in ("gluon_ws", "gluon_coop_noepi"):
+        if name in results and "plain_noepi" in results:
+            print(f"{name} / plain_noepi: {results[name] / results['plain_noepi']:.3f}")
     return 0
 
 
@@ -658,7 +785,7 @@ def build_variant(v: Variant, s: Shape) -> Any:
     from triton.compiler import ASTSource
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    fn = gluon_ws_da_kernel if v.gluon else plain_da_kernel
+    fn = variant_kernel(v)
     sig = _signature(v)
     consts = v.constexprs(s)
     sig.update({k: "constexpr" for k in consts})
