@@ -212,6 +212,24 @@ def _ws_tile(tile, NT: gl.constexpr, MB: gl.constexpr, I: gl.constexpr, BM: gl.c
 
 
 @gluon.jit
+def _ring_fill(dy_desc, wdt_desc, a_ring, b_ring, ready, empty, off_m, w_row, c0,
+               KSTEPS: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
+    """One tile's K steps into the ring: step c = c0 + kk fills slot c % STAGES in round
+    c // STAGES once its consumers have released it (a fresh ``empty`` barrier passes the
+    wait on parity 1), with the dY and WdT boxes counted on ``ready``."""
+    ab_bytes: gl.constexpr = dy_desc.block_type.nbytes + wdt_desc.block_type.nbytes
+    for kk in range(KSTEPS):
+        c = c0 + kk
+        s = c % STAGES
+        mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(s), ab_bytes)
+        tma.async_copy_global_to_shared(dy_desc, [off_m, kk * BK], ready.index(s),
+                                        a_ring.index(s))
+        tma.async_copy_global_to_shared(wdt_desc, [w_row, kk * BK], ready.index(s),
+                                        b_ring.index(s))
+
+
+@gluon.jit
 def _ws_producer(dy_desc, wdt_desc, pre_desc, a_ring, b_ring, pre_slabs, ready, empty,
                  pre_ready, pre_empty, n_tiles, NT: gl.constexpr, MB: gl.constexpr,
                  I: gl.constexpr, H: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
@@ -223,7 +241,6 @@ def _ws_producer(dy_desc, wdt_desc, pre_desc, a_ring, b_ring, pre_slabs, ready, 
     KSTEPS: gl.constexpr = H // BK
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
-    ab_bytes: gl.constexpr = dy_desc.block_type.nbytes + wdt_desc.block_type.nbytes
     i = 0
     for tile in range(pid, n_tiles, nprog):
         off_m, n, w_row = _ws_tile(tile, NT, MB, I, BM, BN)
@@ -235,16 +252,8 @@ def _ws_producer(dy_desc, wdt_desc, pre_desc, a_ring, b_ring, pre_slabs, ready, 
             mbarrier.expect(pre_ready.index(buf), pre_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(pre_desc, [off_m, 2 * n * BN], pre_ready.index(buf),
                                             pre_slabs.index(buf))
-        c0 = i * KSTEPS
-        for kk in range(KSTEPS):
-            c = c0 + kk
-            s = c % STAGES
-            mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(s), ab_bytes)
-            tma.async_copy_global_to_shared(dy_desc, [off_m, kk * BK], ready.index(s),
-                                            a_ring.index(s))
-            tma.async_copy_global_to_shared(wdt_desc, [w_row, kk * BK], ready.index(s),
-                                            b_ring.index(s))
+        _ring_fill(dy_desc, wdt_desc, a_ring, b_ring, ready, empty, off_m, w_row, i * KSTEPS,
+                   KSTEPS, BK, STAGES)
         i += 1
 
 
@@ -422,20 +431,11 @@ def _coop_producer(dy_desc, wdt_desc, a_ring, b_ring, ready, empty, n_tiles,
     KSTEPS: gl.constexpr = H // BK
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
-    ab_bytes: gl.constexpr = dy_desc.block_type.nbytes + wdt_desc.block_type.nbytes
     i = 0
     for tile in range(pid, n_tiles, nprog):
         off_m, n, w_row = _ws_tile(tile, NT, MB, I, BM, BN)
-        c0 = i * KSTEPS
-        for kk in range(KSTEPS):
-            c = c0 + kk
-            s = c % STAGES
-            mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(s), ab_bytes)
-            tma.async_copy_global_to_shared(dy_desc, [off_m, kk * BK], ready.index(s),
-                                            a_ring.index(s))
-            tma.async_copy_global_to_shared(wdt_desc, [w_row, kk * BK], ready.index(s),
-                                            b_ring.index(s))
+        _ring_fill(dy_desc, wdt_desc, a_ring, b_ring, ready, empty, off_m, w_row, i * KSTEPS,
+                   KSTEPS, BK, STAGES)
         i += 1
 
 
