@@ -132,7 +132,7 @@ def mma_loop(sass: str) -> SassLoop:
         if not 0 <= start <= end or start not in at:
             continue
         body = ins[at[start]:at[end] + 1]
-        if any(m.split(".")[0].endswith("MMA") for _, m in body) and (
+        if any(mn.split(".")[0].endswith("MMA") for _, mn in body) and (
                 best is None or end - start < best[1] - best[0]):
             best = (start, end)
     if best is None:
