@@ -96,3 +96,25 @@ def test_probe_rejects_unknown_variants_and_stage_counts(probe, only: str, stage
     with pytest.raises(ValueError) as err:
         probe.select_variants(only, plain_stages=stages)
     assert str(err.value).startswith(message)
+
+
+def test_probe_lists_the_cooperative_variant_last(probe) -> None:
+    """gluon_coop_noepi (the plain loop's tile and ring, warp-specialised) is selectable and
+    keeps its own 4-stage ring whatever --plain-stages says."""
+    (coop,) = probe.select_variants("gluon_coop_noepi", plain_stages=2)
+    assert coop.gluon and coop.coop and not coop.epi
+    assert (coop.bn, coop.stages) == (probe.PLAIN_BN, probe.COOP_STAGES)
+    assert probe.variant_kernel(coop) is probe.gluon_coop_da_kernel
+    assert probe.VARIANTS[-1].name == "gluon_coop_noepi"
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--time", "--only", "plain,fast"], "--only: unknown variant 'fast'; allowed plain, coop"),
+    (["--time", "--back-to-back", "0"], "--back-to-back: got 0; allowed an integer >= 1"),
+])
+def test_wgrad_probe_rejects_bad_arguments_in_one_line(args: list[str], message: str) -> None:
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gluon_wgrad_probe.py"),
+                          *args], capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1].endswith(message)
