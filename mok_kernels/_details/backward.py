@@ -524,10 +524,12 @@ def _fp8_wgrad_args(cfg: MoKConfig, sc: BackwardScratch, pre_LPF: torch.Tensor) 
 
 
 def backward_stages(cfg: MoKConfig) -> int:
-    """Pipeline stages of the backward kernel: the forward's, or at most 2 with split gate/up
-    columns, whose build otherwise needs more than 227 KB of shared memory (Triton 3.6, sm_90:
-    393 KB at 4 stages, 295 KB at 3, 197 KB at 2; the interleaved layout fits at 4)."""
-    return cfg.num_stages if cfg.gate_up_interleaved else min(2, cfg.num_stages)
+    """Pipeline stages of the backward kernel: ``bwd_stages``, or the forward's where it is 0;
+    at most 2 with split gate/up columns, whose build otherwise needs more than 227 KB of
+    shared memory (Triton 3.6, sm_90: 393 KB at 4 stages, 295 KB at 3, 197 KB at 2; the
+    interleaved layout fits at 4)."""
+    stages = cfg.bwd_stages or cfg.num_stages
+    return stages if cfg.gate_up_interleaved else min(2, stages)
 
 
 def backward_constants(cfg: MoKConfig, *, hidden: int, intermediate: int, slots: int,

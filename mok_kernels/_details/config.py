@@ -327,6 +327,14 @@ class MoKConfig:
         mok backend sets 4 (with bwd_dw_stages 4) in bf16 cells on one Hopper rank (at Kimi
         K2 384 x 4096 on one H200 its backward took 28.373 ms against 32.197 with two-stage
         loops, which were slower where experts are well loaded; notes/mok-kernel.md).
+    bwd_stages: pipeline stages of the backward's dA and dX K loops (and every other loop
+        of the backward kernel without a depth of its own; the weight-gradient loops keep
+        ``bwd_dw_stages``): 0 = ``num_stages``, the forward's, or 2, 3 or 4. With split
+        gate/up columns at most 2 (see ``backward.backward_stages``). Under a 700 W limit
+        the K loops run at the clock the power allows, and on one H100 the profiling script
+        timed the bf16 backward at Kimi K2 48 x 16384 at 38.494 ms with three against 39.922
+        with four, one run each (notes/mok-kernel.md): a knob to time, 0 (the forward's)
+        until a sweep says otherwise.
     bwd_dw_stages: pipeline stages of the flattened weight-gradient loops (with
         bwd_dw_tiles > 1): 2, or 4 (the dW_gate_up loop at four, the dW_down loop at three).
         Two is what the tiles were first timed with; it loads only one step ahead, too little
@@ -425,6 +433,7 @@ class MoKConfig:
     bwd_dw_tiles: int = 1
     bwd_dw_stages: int = 2
     bwd_dw_tma_store: bool = False
+    bwd_stages: int = 0
     fp8: str = "none"
     fp8_pow2_scales: bool = False
 
@@ -527,6 +536,8 @@ class MoKConfig:
                "an integer in 1..64 (a divisor of the weight gradients' tiles per row)")
         _check(self.bwd_dw_stages in (2, 4) and not isinstance(self.bwd_dw_stages, bool),
                "bwd_dw_stages", self.bwd_dw_stages, "2 | 4")
+        _check(self.bwd_stages in (0, 2, 3, 4) and not isinstance(self.bwd_stages, bool),
+               "bwd_stages", self.bwd_stages, "0 (num_stages) | 2 | 3 | 4")
         _check(isinstance(self.bwd_dw_tma_store, bool), "bwd_dw_tma_store",
                self.bwd_dw_tma_store, "true | false")
         _check(not self.bwd_dw_tma_store or self.bwd_dw_tiles > 1, "bwd_dw_tma_store",

@@ -84,6 +84,8 @@ from mok_kernels import MoKConfig, MoKConfigError, plan
     ({"bwd_pull_interleave": True, "bwd_fp8_wgrad": True, "bwd_fp8_da": True,
       "bwd_fused_pull": True}, "bwd_pull_interleave"),
     ({"bwd_dx_band": True}, "bwd_dx_band"),
+    ({"bwd_stages": 1}, "bwd_stages"),
+    ({"bwd_stages": True}, "bwd_stages"),
     ({"bwd_block_m": 96}, "bwd_block_m"),
     ({"bwd_block_m": True}, "bwd_block_m"),
     ({"block_m": 128, "bwd_block_m": 64}, "bwd_block_m"),

@@ -227,6 +227,20 @@ def test_weight_gradient_items_fit_at_their_depth(tiles, stages):
             assert f"memdesc<{depth}x64{operand}" in lw.ttgir, (depth, operand)
 
 
+def test_backward_stages_set_the_dgrad_loops_depth_alone():
+    """``bwd_stages`` 3: the dA items' K loop (phase mask 17) builds with the ring of a
+    three-stage build (the shared memory of ``num_stages`` 3, less than the default's four),
+    while the forward, built from ``num_stages``, is the default's; 0 keeps the forward's."""
+    base = _defaults()
+    three = mk.MoKConfig.for_shape(H, I, **{**base.__dict__, "bwd_stages": 3})
+    ns3 = mk.MoKConfig.for_shape(H, I, **{**base.__dict__, "num_stages": 3})
+    da = {name: mk.compile_megakernel(cfg, H, I, kernel="backward", phases=17).shared_bytes
+          for name, cfg in (("default", base), ("bwd_stages", three), ("num_stages", ns3))}
+    assert da["bwd_stages"] == da["num_stages"] < da["default"], da
+    fwd = [mk.compile_megakernel(cfg, H, I).shared_bytes for cfg in (base, three)]
+    assert fwd[0] == fwd[1]
+
+
 @pytest.mark.parametrize("dx_tiles", [1, 4])
 def test_dx_items_through_tma_build_without_copies(dx_tiles):
     """``bwd_dx_tma``: the dX (B) items alone (phase mask 2) load both GEMM operands through
