@@ -79,8 +79,9 @@ SMALL = Shape(G=3, R=320, H=512, I=256)
 @triton.jit
 def plain_wgrad_kernel(h_desc, dy_desc, dw_ptr, n_tiles, I: tl.constexpr, H: tl.constexpr,
                        R: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                       STAGES: tl.constexpr):
-    """Persistent: tile t = (group, I tile, H tile), H tile fastest; K over the group's rows."""
+                       STAGES: tl.constexpr, STORE: tl.constexpr):
+    """Persistent: tile t = (group, I tile, H tile), H tile fastest; K over the group's rows.
+    STORE False: only the tile's row sums go out (its first column of dw), the K loop's time."""
     NI: tl.constexpr = I // BM
     NJ: tl.constexpr = H // BN
     pid = tl.program_id(0)
@@ -94,9 +95,13 @@ def plain_wgrad_kernel(h_desc, dy_desc, dw_ptr, n_tiles, I: tl.constexpr, H: tl.
             dy = dy_desc.load([r0, jn * BN])  # [BK, BN]
             acc = tl.dot(tl.trans(h), dy, acc)
         rows = it * BM + tl.arange(0, BM)
-        cols = jn * BN + tl.arange(0, BN)
-        out = dw_ptr + g.to(tl.int64) * I * H + rows[:, None] * H + cols[None, :]
-        tl.store(out, acc.to(tl.bfloat16))
+        if STORE:
+            cols = jn * BN + tl.arange(0, BN)
+            out = dw_ptr + g.to(tl.int64) * I * H + rows[:, None] * H + cols[None, :]
+            tl.store(out, acc.to(tl.bfloat16))
+        else:
+            tl.store(dw_ptr + g.to(tl.int64) * I * H + rows * H + jn * BN,
+                     tl.sum(acc, axis=1).to(tl.bfloat16))
 
 
 @gluon.jit
@@ -131,7 +136,7 @@ def _producer(h_desc, dy_desc, a_ring, b_ring, ready, empty, n_tiles, NI: gl.con
 def _consumer(WG: gl.constexpr, a_ring, b_ring, ready, empty, dw_ptr, n_tiles,
               NI: gl.constexpr, NJ: gl.constexpr, I: gl.constexpr, H: gl.constexpr,
               R: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-              STAGES: gl.constexpr):
+              STAGES: gl.constexpr, STORE: gl.constexpr):
     """One warpgroup: I rows WG*BM/2 .. of each tile ([BM/2, BN] fp32, 128 registers a
     thread); its A operand the transposed view of its BM/2 columns of the h box."""
     KSTEPS: gl.constexpr = R // BK
@@ -153,17 +158,21 @@ def _consumer(WG: gl.constexpr, a_ring, b_ring, ready, empty, dw_ptr, n_tiles,
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         mbarrier.arrive(empty.index((i * KSTEPS + KSTEPS - 1) % STAGES))
         rows = it * BM + WG * HM + gl.arange(0, HM, layout=gl.SliceLayout(1, acc_layout))
-        cols = jn * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
-        out = (dw_ptr + g.to(gl.int64) * I * H + gl.expand_dims(rows, 1) * H
-               + gl.expand_dims(cols, 0))
-        gl.store(out, acc.to(gl.bfloat16))
+        if STORE:
+            cols = jn * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
+            out = (dw_ptr + g.to(gl.int64) * I * H + gl.expand_dims(rows, 1) * H
+                   + gl.expand_dims(cols, 0))
+            gl.store(out, acc.to(gl.bfloat16))
+        else:
+            gl.store(dw_ptr + g.to(gl.int64) * I * H + rows * H + jn * BN,
+                     gl.sum(acc, axis=1).to(gl.bfloat16))
         i += 1
 
 
 @gluon.jit
 def coop_wgrad_kernel(h_desc, dy_desc, dw_ptr, n_tiles, I: gl.constexpr, H: gl.constexpr,
                       R: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-                      STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                      STAGES: gl.constexpr, STORE: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                       CONSUMER_REGS: gl.constexpr):
     """Persistent cooperative dW_down (see the module docstring); num_warps=4 (the default
     partition is consumer warpgroup 0)."""
@@ -180,9 +189,9 @@ def coop_wgrad_kernel(h_desc, dy_desc, dw_ptr, n_tiles, I: gl.constexpr, H: gl.c
     gl.warp_specialize(
         [
             (_consumer, (0, a_ring, b_ring, ready, empty, dw_ptr, n_tiles, NI, NJ, I, H, R,
-                         BM, BN, BK, STAGES)),
+                         BM, BN, BK, STAGES, STORE)),
             (_consumer, (1, a_ring, b_ring, ready, empty, dw_ptr, n_tiles, NI, NJ, I, H, R,
-                         BM, BN, BK, STAGES)),
+                         BM, BN, BK, STAGES, STORE)),
             (_producer, (h_desc, dy_desc, a_ring, b_ring, ready, empty, n_tiles, NI, NJ, R,
                          BM, BN, BK, STAGES)),
         ],
@@ -191,7 +200,7 @@ def coop_wgrad_kernel(h_desc, dy_desc, dw_ptr, n_tiles, I: gl.constexpr, H: gl.c
     )
 
 
-VARIANTS = ("plain", "coop")
+VARIANTS = ("plain", "coop", "plain_nostore", "coop_nostore")
 
 
 def _layout(block: list[int]) -> Any:
@@ -199,8 +208,9 @@ def _layout(block: list[int]) -> Any:
 
 
 def _constexprs(name: str, s: Shape) -> dict[str, Any]:
-    c: dict[str, Any] = dict(I=s.I, H=s.H, R=s.R, BM=BM, BN=BN, BK=BK, STAGES=STAGES)
-    if name == "coop":
+    c: dict[str, Any] = dict(I=s.I, H=s.H, R=s.R, BM=BM, BN=BN, BK=BK, STAGES=STAGES,
+                             STORE=not name.endswith("_nostore"))
+    if name.startswith("coop"):
         c.update(PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS)
     return c
 
@@ -211,7 +221,7 @@ def build(name: str, s: Shape) -> Any:
     from triton.compiler import ASTSource
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    coop = name == "coop"
+    coop = name.startswith("coop")
     fn = coop_wgrad_kernel if coop else plain_wgrad_kernel
     lay = (lambda b: f",{_layout(b)!r}") if coop else (lambda b: "")
     sig = {"h_desc": f"tensordesc<bf16[{BK}, {BM}]{lay([BK, BM])}>",
@@ -266,7 +276,7 @@ class Launch:
         self.dw_GIH = torch.empty(s.G, s.I, s.H, device="cuda", dtype=torch.bfloat16)
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         self.grid = (min(programs or sms, s.tiles),)
-        if name == "coop":
+        if name.startswith("coop"):
             from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as Desc
 
             self.descs = [Desc.from_tensor(t, b, _layout(b))
@@ -278,10 +288,10 @@ class Launch:
 
     def __call__(self) -> None:
         args = (*self.descs, self.dw_GIH, self.s.tiles)
-        if self.name == "coop":
-            coop_wgrad_kernel[self.grid](*args, **_constexprs("coop", self.s), num_warps=4)
+        if self.name.startswith("coop"):
+            coop_wgrad_kernel[self.grid](*args, **_constexprs(self.name, self.s), num_warps=4)
         else:
-            plain_wgrad_kernel[self.grid](*args, **_constexprs("plain", self.s),
+            plain_wgrad_kernel[self.grid](*args, **_constexprs(self.name, self.s),
                                           num_warps=PLAIN_WARPS)
 
 
@@ -313,8 +323,12 @@ def run_check(names: list[str]) -> int:
             failed += 1
             continue
         got = launch.dw_GIH.float()
-        err = (float((got - ref).abs().max() / ref.abs().max()) if torch.isfinite(got).all()
-               else float("inf"))
+        want = ref
+        if name.endswith("_nostore"):  # each tile's row sums in its first column
+            got = got[:, :, ::BN]
+            want = ref.view(s.G, s.I, s.H // BN, BN).sum(-1)
+        err = (float((got - want).abs().max() / want.abs().max())
+               if torch.isfinite(got).all() else float("inf"))
         ok = err <= 1e-2
         failed += not ok
         print(f"{label:12s} {'PASS' if ok else 'FAIL'}  max rel err {err:.2e}")
@@ -343,8 +357,9 @@ def run_time(names: list[str], warmup: int, iters: int, back_to_back: int) -> in
         res[name] = statistics.median(samples)
         print(f"{name:6s} {res[name]:8.3f} ms  {s.flops() / res[name] / 1e9:7.1f} TFLOP/s"
               f"  (min {min(samples):.3f}, max {max(samples):.3f})")
-    if {"plain", "coop"} <= res.keys():
-        print(f"coop / plain: {res['coop'] / res['plain']:.3f}")
+    for a, b in (("coop", "plain"), ("coop_nostore", "plain_nostore")):
+        if {a, b} <= res.keys():
+            print(f"{a} / {b}: {res[a] / res[b]:.3f}")
     return 0
 
 
