@@ -109,7 +109,8 @@ def test_probe_lists_the_cooperative_variant_last(probe) -> None:
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["--time", "--only", "plain,fast"], "--only: unknown variant 'fast'; allowed plain, coop, plain_nostore, coop_nostore"),
+    (["--time", "--only", "plain,fast"],
+     "--only: unknown variant 'fast'; allowed plain, coop, plain_nostore, coop_nostore"),
     (["--time", "--back-to-back", "0"], "--back-to-back: got 0; allowed an integer >= 1"),
 ])
 def test_wgrad_probe_rejects_bad_arguments_in_one_line(args: list[str], message: str) -> None:
