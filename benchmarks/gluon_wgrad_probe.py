@@ -29,7 +29,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,34 +44,20 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gluon_da_probe import KIMI, Shape, _ptxas_path  # noqa: E402  (the dA probe's shapes)
+
 BM, BN, BK = 128, 256, 64  # tile [BM (I), BN (H)], K step of BK rows
 STAGES = 4
 PLAIN_WARPS = 8
 PRODUCER_REGS, CONSUMER_REGS = 40, 232
 
 
-@dataclass(frozen=True)
-class Shape:
-    """G groups of R rows each (P = G*R rows), hidden H, intermediate I."""
-
-    G: int
-    R: int
-    H: int
-    I: int
-
-    @property
-    def P(self) -> int:
-        return self.G * self.R
-
-    @property
-    def tiles(self) -> int:
-        return self.G * (self.I // BM) * (self.H // BN)
-
-    def flops(self) -> float:
-        return 2.0 * self.P * self.H * self.I
+def num_tiles(s: Shape) -> int:
+    """[BM, BN] tiles of dW over all groups."""
+    return s.G * (s.I // BM) * (s.H // BN)
 
 
-KIMI = Shape(G=48, R=2816, H=7168, I=2048)  # Kimi K2 48 x 16384 (k 8), rows padded per expert
 SMALL = Shape(G=3, R=320, H=512, I=256)
 
 
@@ -239,9 +224,6 @@ def build(name: str, s: Shape) -> Any:
 
 
 def run_compile_only(names: list[str]) -> int:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from gluon_da_probe import _ptxas_path
-
     tool = Path(_ptxas_path()).parent / "cuobjdump"
     print(f"triton {triton.__version__}; sm_90, shape {KIMI}")
     failed = 0
@@ -275,7 +257,7 @@ class Launch:
         self.name, self.s = name, s
         self.dw_GIH = torch.empty(s.G, s.I, s.H, device="cuda", dtype=torch.bfloat16)
         sms = torch.cuda.get_device_properties(0).multi_processor_count
-        self.grid = (min(programs or sms, s.tiles),)
+        self.grid = (min(programs or sms, num_tiles(s)),)
         if name.startswith("coop"):
             from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as Desc
 
@@ -287,7 +269,7 @@ class Launch:
             self.descs = [Desc.from_tensor(h_PI, [BK, BM]), Desc.from_tensor(dy_PH, [BK, BN])]
 
     def __call__(self) -> None:
-        args = (*self.descs, self.dw_GIH, self.s.tiles)
+        args = (*self.descs, self.dw_GIH, num_tiles(self.s))
         if self.name.startswith("coop"):
             coop_wgrad_kernel[self.grid](*args, **_constexprs(self.name, self.s), num_warps=4)
         else:
