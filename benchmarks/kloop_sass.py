@@ -24,9 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -58,17 +56,13 @@ def probe_loop(stages: int):
     """(label, SassLoop, ptxas summary) of the probe's plain_noepi K loop."""
     import gluon_da_probe as gp
 
-    from mok_kernels._details.lowering import mma_loop
+    from mok_kernels._details.lowering import cuobjdump, mma_loop
 
     v = next(v for v in gp.select_variants("plain_noepi", stages))
     c = gp.build_variant(v, gp.KIMI)
-    tool = Path(gp._ptxas_path()).parent / "cuobjdump"
-    with tempfile.TemporaryDirectory() as tmp:
-        f = Path(tmp) / "k.cubin"
-        f.write_bytes(c.asm["cubin"])
-        sass, usage = (subprocess.run([str(tool), flag, str(f)], capture_output=True, text=True,
-                                      check=True).stdout for flag in ("-sass", "-res-usage"))
-    regs = re.search(r"REG:(\d+)", usage)
+    tools = Path(gp._ptxas_path()).parent
+    sass = cuobjdump(c.asm["cubin"], tools)
+    regs = re.search(r"REG:(\d+)", cuobjdump(c.asm["cubin"], tools, "-res-usage"))
     return (f"probe plain_noepi, {stages} stages", mma_loop(sass),
             f"{regs[1] if regs else '?'} registers, {c.metadata.shared} B shared")
 

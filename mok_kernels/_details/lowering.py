@@ -23,6 +23,20 @@ import torch
 from mok_kernels._details.config import MoKConfig
 
 
+def cuobjdump(cubin: bytes, tools: str | Path, flag: str = "-sass") -> str:
+    """``cuobjdump FLAG`` of a cubin (``-sass``: its SASS; ``-res-usage``: registers, stack
+    and shared memory per kernel), by the cuobjdump in ``tools``, the folder of the ptxas
+    that built it, so the disassembler matches the assembler."""
+    tool = Path(tools) / "cuobjdump"
+    if not cubin or not tool.exists():
+        raise RuntimeError(f"no cubin, or no cuobjdump at {tool}: cannot run cuobjdump {flag}")
+    with tempfile.TemporaryDirectory() as tmp:
+        f = Path(tmp) / "k.cubin"
+        f.write_bytes(cubin)
+        return subprocess.run([str(tool), flag, str(f)], capture_output=True, text=True,
+                              check=True).stdout
+
+
 @dataclass(frozen=True)
 class Lowered:
     """One compiled megakernel: its intermediate forms and what ptxas reported."""
@@ -35,16 +49,8 @@ class Lowered:
     tools: str = ""  # the folder of the ptxas that built it (cuobjdump beside it)
 
     def sass(self) -> str:
-        """The cubin's SASS as text, by the ``cuobjdump -sass`` that ships beside Triton's
-        ptxas (so the disassembler matches the assembler that built it)."""
-        tool = Path(self.tools) / "cuobjdump"
-        if not self.cubin or not tool.exists():
-            raise RuntimeError(f"no cubin, or no cuobjdump at {tool}: cannot list SASS")
-        with tempfile.TemporaryDirectory() as tmp:
-            f = Path(tmp) / "k.cubin"
-            f.write_bytes(self.cubin)
-            return subprocess.run([str(tool), "-sass", str(f)], capture_output=True,
-                                  text=True, check=True).stdout
+        """The cubin's SASS as text (``cuobjdump``)."""
+        return cuobjdump(self.cubin, self.tools)
 
     def sass_opcodes(self) -> Counter[str]:
         """How many SASS instructions of each opcode (``FMUL``, ``MUFU``, ``LDS``, ...; the
