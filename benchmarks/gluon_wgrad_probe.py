@@ -15,6 +15,13 @@ tensor cores: MN-major):
   coop    Gluon: a producer warp fills a 4-stage ring of both boxes; each of two consumer
           warpgroups computes [64, 256] of the tile from its 64 columns of the h box
           (transposed view) and the whole dY box, the two meeting only at mbarriers.
+  coop_tma  coop with the tile stored as CUTLASS's Hopper GEMMs store it: each warpgroup
+          writes its [64, 256] bf16 half into its own shared buffer in the swizzled MMA-operand
+          layout and one TMA store copies it out, waited for only before the next tile's
+          write, so it runs beside that tile's K loop (coop stores straight from the
+          accumulator's registers, 4 bytes a thread per instruction). The two 32 KB buffers
+          leave room for a ring of 3 stages (STAGES_TMA), not 4.
+  *_nostore  the same K loop storing only each tile's row sums: the loop's time alone.
 
 Run (from the repository root; Triton 3.6's Gluon API):
     python benchmarks/gluon_wgrad_probe.py --check           # small shapes against torch
@@ -49,6 +56,7 @@ from gluon_da_probe import KIMI, Shape, _ptxas_path  # noqa: E402  (the dA probe
 
 BM, BN, BK = 128, 256, 64  # tile [BM (I), BN (H)], K step of BK rows
 STAGES = 4
+STAGES_TMA = 3  # 3 x 48 KB of ring + 2 x 32 KB of store buffers, under sm_90's 227 KB
 PLAIN_WARPS = 8
 PRODUCER_REGS, CONSUMER_REGS = 40, 232
 
@@ -118,12 +126,14 @@ def _producer(h_desc, dy_desc, a_ring, b_ring, ready, empty, n_tiles, NI: gl.con
 
 
 @gluon.jit
-def _consumer(WG: gl.constexpr, a_ring, b_ring, ready, empty, dw_ptr, n_tiles,
+def _consumer(WG: gl.constexpr, a_ring, b_ring, ready, empty, dw_ptr, dw_desc, epi, n_tiles,
               NI: gl.constexpr, NJ: gl.constexpr, I: gl.constexpr, H: gl.constexpr,
               R: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-              STAGES: gl.constexpr, STORE: gl.constexpr):
+              STAGES: gl.constexpr, STORE: gl.constexpr, TMA_STORE: gl.constexpr):
     """One warpgroup: I rows WG*BM/2 .. of each tile ([BM/2, BN] fp32, 128 registers a
-    thread); its A operand the transposed view of its BM/2 columns of the h box."""
+    thread); its A operand the transposed view of its BM/2 columns of the h box. TMA_STORE:
+    the tile leaves through ``epi`` (this warpgroup's [BM/2, BN] bf16 buffer) and ``dw_desc``
+    (dW as [G*I, H], [BM/2, BN] boxes)."""
     KSTEPS: gl.constexpr = R // BK
     HM: gl.constexpr = BM // 2
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -143,7 +153,12 @@ def _consumer(WG: gl.constexpr, a_ring, b_ring, ready, empty, dw_ptr, n_tiles,
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         mbarrier.arrive(empty.index((i * KSTEPS + KSTEPS - 1) % STAGES))
         rows = it * BM + WG * HM + gl.arange(0, HM, layout=gl.SliceLayout(1, acc_layout))
-        if STORE:
+        if TMA_STORE:
+            tma.store_wait(0)  # the previous tile's copy has left the buffer
+            epi.store(acc.to(gl.bfloat16))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(dw_desc, [g * I + it * BM + WG * HM, jn * BN], epi)
+        elif STORE:
             cols = jn * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
             out = (dw_ptr + g.to(gl.int64) * I * H + gl.expand_dims(rows, 1) * H
                    + gl.expand_dims(cols, 0))
@@ -152,12 +167,15 @@ def _consumer(WG: gl.constexpr, a_ring, b_ring, ready, empty, dw_ptr, n_tiles,
             gl.store(dw_ptr + g.to(gl.int64) * I * H + rows * H + jn * BN,
                      gl.sum(acc, axis=1).to(gl.bfloat16))
         i += 1
+    if TMA_STORE:
+        tma.store_wait(0)
 
 
 @gluon.jit
-def coop_wgrad_kernel(h_desc, dy_desc, dw_ptr, n_tiles, I: gl.constexpr, H: gl.constexpr,
-                      R: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-                      STAGES: gl.constexpr, STORE: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+def coop_wgrad_kernel(h_desc, dy_desc, dw_desc, dw_ptr, n_tiles, I: gl.constexpr,
+                      H: gl.constexpr, R: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                      BK: gl.constexpr, STAGES: gl.constexpr, STORE: gl.constexpr,
+                      TMA_STORE: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                       CONSUMER_REGS: gl.constexpr):
     """Persistent cooperative dW_down (see the module docstring); num_warps=4 (the default
     partition is consumer warpgroup 0)."""
@@ -165,6 +183,13 @@ def coop_wgrad_kernel(h_desc, dy_desc, dw_ptr, n_tiles, I: gl.constexpr, H: gl.c
     NJ: gl.constexpr = H // BN
     a_ring = gl.allocate_shared_memory(h_desc.dtype, [STAGES, BK, BM], h_desc.layout)
     b_ring = gl.allocate_shared_memory(dy_desc.dtype, [STAGES, BK, BN], dy_desc.layout)
+    if TMA_STORE:  # one [BM/2, BN] store buffer a warpgroup
+        epi = gl.allocate_shared_memory(dw_desc.dtype, [2, BM // 2, BN], dw_desc.layout)
+        epi0 = epi.index(0)
+        epi1 = epi.index(1)
+    else:  # unused: no shared memory beyond the ring
+        epi0 = a_ring.index(0)
+        epi1 = epi0
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
@@ -173,10 +198,12 @@ def coop_wgrad_kernel(h_desc, dy_desc, dw_ptr, n_tiles, I: gl.constexpr, H: gl.c
     fence_async_shared()
     gl.warp_specialize(
         [
-            (_consumer, (0, a_ring, b_ring, ready, empty, dw_ptr, n_tiles, NI, NJ, I, H, R,
-                         BM, BN, BK, STAGES, STORE)),
-            (_consumer, (1, a_ring, b_ring, ready, empty, dw_ptr, n_tiles, NI, NJ, I, H, R,
-                         BM, BN, BK, STAGES, STORE)),
+            (_consumer, (0, a_ring, b_ring, ready, empty, dw_ptr, dw_desc,
+                         epi0, n_tiles, NI, NJ, I, H, R, BM, BN, BK, STAGES, STORE,
+                         TMA_STORE)),
+            (_consumer, (1, a_ring, b_ring, ready, empty, dw_ptr, dw_desc,
+                         epi1, n_tiles, NI, NJ, I, H, R, BM, BN, BK, STAGES,
+                         STORE, TMA_STORE)),
             (_producer, (h_desc, dy_desc, a_ring, b_ring, ready, empty, n_tiles, NI, NJ, R,
                          BM, BN, BK, STAGES)),
         ],
@@ -185,7 +212,7 @@ def coop_wgrad_kernel(h_desc, dy_desc, dw_ptr, n_tiles, I: gl.constexpr, H: gl.c
     )
 
 
-VARIANTS = ("plain", "coop", "plain_nostore", "coop_nostore")
+VARIANTS = ("plain", "coop", "coop_tma", "plain_nostore", "coop_nostore")
 
 
 def _layout(block: list[int]) -> Any:
@@ -193,10 +220,13 @@ def _layout(block: list[int]) -> Any:
 
 
 def _constexprs(name: str, s: Shape) -> dict[str, Any]:
-    c: dict[str, Any] = dict(I=s.I, H=s.H, R=s.R, BM=BM, BN=BN, BK=BK, STAGES=STAGES,
+    tma_store = name == "coop_tma"
+    c: dict[str, Any] = dict(I=s.I, H=s.H, R=s.R, BM=BM, BN=BN, BK=BK,
+                             STAGES=STAGES_TMA if tma_store else STAGES,
                              STORE=not name.endswith("_nostore"))
     if name.startswith("coop"):
-        c.update(PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS)
+        c.update(TMA_STORE=tma_store, PRODUCER_REGS=PRODUCER_REGS,
+                 CONSUMER_REGS=CONSUMER_REGS)
     return c
 
 
@@ -212,6 +242,10 @@ def build(name: str, s: Shape) -> Any:
     sig = {"h_desc": f"tensordesc<bf16[{BK}, {BM}]{lay([BK, BM])}>",
            "dy_desc": f"tensordesc<bf16[{BK}, {BN}]{lay([BK, BN])}>",
            "dw_ptr": "*bf16", "n_tiles": "i32"}
+    if coop:
+        sig = {**dict(list(sig.items())[:2]),
+               "dw_desc": f"tensordesc<bf16[{BM // 2}, {BN}]{lay([BM // 2, BN])}>",
+               **dict(list(sig.items())[2:])}
     consts = _constexprs(name, s)
     sig.update({k: "constexpr" for k in consts})
     attrs = {(fn.arg_names.index("dw_ptr"),): [["tt.divisibility", 16]]}
@@ -231,7 +265,7 @@ def run_compile_only(names: list[str]) -> int:
         try:
             c = build(name, KIMI)
         except Exception as exc:
-            print(f"{name:6s} FAILED to compile: {type(exc).__name__}: "
+            print(f"{name:13s} FAILED to compile: {type(exc).__name__}: "
                   + " | ".join(str(exc).strip().splitlines()[-6:]))
             failed += 1
             continue
@@ -241,7 +275,7 @@ def run_compile_only(names: list[str]) -> int:
             usage = subprocess.run([str(tool), "-res-usage", str(f)], capture_output=True,
                                    text=True, check=True).stdout
         res = " ".join(w for w in usage.split() if w.startswith(("REG:", "STACK:", "SHARED:")))
-        print(f"{name:6s} shared={c.metadata.shared} B  {res}")
+        print(f"{name:13s} shared={c.metadata.shared} B  {res}")
     return 1 if failed else 0
 
 
@@ -261,8 +295,10 @@ class Launch:
         if name.startswith("coop"):
             from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as Desc
 
+            dw_2d = self.dw_GIH.view(s.G * s.I, s.H)
             self.descs = [Desc.from_tensor(t, b, _layout(b))
-                          for t, b in ((h_PI, [BK, BM]), (dy_PH, [BK, BN]))]
+                          for t, b in ((h_PI, [BK, BM]), (dy_PH, [BK, BN]),
+                                       (dw_2d, [BM // 2, BN]))]
         else:
             from triton.tools.tensor_descriptor import TensorDescriptor as Desc
 
@@ -337,9 +373,9 @@ def run_time(names: list[str], warmup: int, iters: int, back_to_back: int) -> in
             if it >= warmup:
                 samples.append(start.elapsed_time(end) / back_to_back)
         res[name] = statistics.median(samples)
-        print(f"{name:6s} {res[name]:8.3f} ms  {s.flops() / res[name] / 1e9:7.1f} TFLOP/s"
+        print(f"{name:13s} {res[name]:8.3f} ms  {s.flops() / res[name] / 1e9:7.1f} TFLOP/s"
               f"  (min {min(samples):.3f}, max {max(samples):.3f})")
-    for a, b in (("coop", "plain"), ("coop_nostore", "plain_nostore")):
+    for a, b in (("coop", "plain"), ("coop_tma", "plain"), ("coop_nostore", "plain_nostore")):
         if {a, b} <= res.keys():
             print(f"{a} / {b}: {res[a] / res[b]:.3f}")
     return 0

@@ -110,7 +110,8 @@ def test_probe_lists_the_cooperative_variant_last(probe) -> None:
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--time", "--only", "plain,fast"],
-     "--only: unknown variant 'fast'; allowed plain, coop, plain_nostore, coop_nostore"),
+     "--only: unknown variant 'fast'; allowed plain, coop, coop_tma, plain_nostore, "
+     "coop_nostore"),
     (["--time", "--back-to-back", "0"], "--back-to-back: got 0; allowed an integer >= 1"),
 ])
 def test_wgrad_probe_rejects_bad_arguments_in_one_line(args: list[str], message: str) -> None:
@@ -119,3 +120,22 @@ def test_wgrad_probe_rejects_bad_arguments_in_one_line(args: list[str], message:
                           *args], capture_output=True, text=True, cwd=REPO)
     assert out.returncode == 2
     assert out.stderr.strip().splitlines()[-1].endswith(message)
+
+
+def test_wgrad_probe_stores_through_tma_only_in_coop_tma_with_a_shallower_ring() -> None:
+    """coop_tma's two 32 KB store buffers cost it a ring stage (3 x 48 KB + 64 KB fits sm_90's
+    227 KB, 4 x 48 KB + 64 KB does not); every other variant keeps 4 stages and no buffer."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import gluon_wgrad_probe as w
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    tma = w._constexprs("coop_tma", w.KIMI)
+    assert (tma["TMA_STORE"], tma["STORE"], tma["STAGES"]) == (True, True, w.STAGES_TMA)
+    ring_kb, buffers_kb = 48 * tma["STAGES"], 2 * 32
+    assert ring_kb + buffers_kb <= 227 < 48 * (tma["STAGES"] + 1) + buffers_kb
+    for name in ("coop", "coop_nostore"):
+        c = w._constexprs(name, w.KIMI)
+        assert (c["TMA_STORE"], c["STAGES"]) == (False, w.STAGES)
+    assert "TMA_STORE" not in w._constexprs("plain", w.KIMI)
