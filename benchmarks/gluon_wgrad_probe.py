@@ -257,8 +257,19 @@ def build(name: str, s: Shape) -> Any:
     return triton.compile(src, target=GPUTarget("cuda", 90, 64), options=opts)
 
 
-def run_compile_only(names: list[str]) -> int:
+def resource_line(cubin: bytes) -> str:
+    """cuobjdump -res-usage's REG, STACK and SHARED words for one cubin (Triton's bundled
+    cuobjdump; no torch, which mok_kernels' lowering helpers import)."""
     tool = Path(_ptxas_path()).parent / "cuobjdump"
+    with tempfile.TemporaryDirectory() as tmp:
+        f = Path(tmp) / "k.cubin"
+        f.write_bytes(cubin)
+        usage = subprocess.run([str(tool), "-res-usage", str(f)], capture_output=True,
+                               text=True, check=True).stdout
+    return " ".join(w for w in usage.split() if w.startswith(("REG:", "STACK:", "SHARED:")))
+
+
+def run_compile_only(names: list[str]) -> int:
     print(f"triton {triton.__version__}; sm_90, shape {KIMI}")
     failed = 0
     for name in names:
@@ -269,13 +280,7 @@ def run_compile_only(names: list[str]) -> int:
                   + " | ".join(str(exc).strip().splitlines()[-6:]))
             failed += 1
             continue
-        with tempfile.TemporaryDirectory() as tmp:
-            f = Path(tmp) / "k.cubin"
-            f.write_bytes(c.asm["cubin"])
-            usage = subprocess.run([str(tool), "-res-usage", str(f)], capture_output=True,
-                                   text=True, check=True).stdout
-        res = " ".join(w for w in usage.split() if w.startswith(("REG:", "STACK:", "SHARED:")))
-        print(f"{name:13s} shared={c.metadata.shared} B  {res}")
+        print(f"{name:13s} shared={c.metadata.shared} B  {resource_line(c.asm['cubin'])}")
     return 1 if failed else 0
 
 

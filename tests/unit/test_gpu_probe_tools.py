@@ -139,3 +139,37 @@ def test_wgrad_probe_stores_through_tma_only_in_coop_tma_with_a_shallower_ring()
         c = w._constexprs(name, w.KIMI)
         assert (c["TMA_STORE"], c["STAGES"]) == (False, w.STAGES)
     assert "TMA_STORE" not in w._constexprs("plain", w.KIMI)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--check", "--only", "coop,coop_tma"],
+     "--only: unknown variant 'coop_tma'; allowed plain, coop, coop_smem, plain_nostore, "
+     "coop_nostore"),
+    (["--time", "--back-to-back", "-1"], "--back-to-back: got -1; allowed an integer >= 1"),
+])
+def test_dx_probe_rejects_bad_arguments_in_one_line(args: list[str], message: str) -> None:
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gluon_dx_probe.py"),
+                          *args], capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1].endswith(message)
+
+
+def test_dx_probe_stages_through_shared_memory_only_in_coop_smem() -> None:
+    """coop_smem's two [64, 128] bf16 buffers (32 KB) fit beside the 4 x 48 KB ring under
+    sm_90's 227 KB, so it keeps the other variants' ring depth; its tiles are the
+    megakernel's dX tiles and the FLOPs those of 2 P H 2I."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import gluon_dx_probe as dx
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    smem = dx._constexprs("coop_smem", dx.KIMI)
+    assert (smem["SMEM_STORE"], smem["STORE"], smem["STAGES"]) == (True, True, dx.STAGES)
+    assert 48 * 1024 * dx.STAGES + 2 * 64 * 128 * 2 <= 232448
+    assert dx._constexprs("coop", dx.KIMI)["SMEM_STORE"] is False
+    assert dx._constexprs("coop_nostore", dx.KIMI)["STORE"] is False
+    assert "SMEM_STORE" not in dx._constexprs("plain", dx.KIMI)
+    assert dx.num_tiles(dx.KIMI) == 48 * (2816 // 128) * (7168 // 256)
+    assert dx.dx_flops(dx.KIMI) == 2 * dx.KIMI.P * 7168 * 2 * 2048
