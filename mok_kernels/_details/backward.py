@@ -811,6 +811,17 @@ def launch_programs(ws: Workspace, progs: int, split: int) -> int:
     return max(1, progs - max(1, side // ws.L))
 
 
+def runs_gluon_dx(cfg: MoKConfig, phases: int = 15) -> bool:
+    """Whether a backward of this ``phases`` mask runs the B items' GEMM as the Gluon launch
+    of ``bwd_dx_gluon`` (after the megakernel's launches, which then skip the B items); a
+    clear error where Gluon cannot run (Triton's interpreter)."""
+    on = cfg.bwd_dx_gluon and bool(phases & 2)
+    if on and _interpreting():
+        raise ValueError("bwd_dx_gluon=True is invalid here: allowed only on an sm_90 GPU "
+                         "(Gluon kernels do not run in Triton's interpreter)")
+    return on
+
+
 DGRAD_PHASES = 1 | 2 | 16  # the A and B items (16: the A items without their epilogue)
 WGRAD_PHASES = 4 | 8 | 32  # the Q (either bit, or 32 alone), C and D items
 
@@ -870,7 +881,8 @@ def backward(config: MoKConfig, ws: Workspace, context: ForwardContext, dy_TH: t
     sc = backward_scratch(ws)
     bb.counters_LC.zero_()
     ws.barrier()
-    launches = split_launches(config, _phases)
+    gluon_dx = runs_gluon_dx(config, _phases)
+    launches = split_launches(config, _phases & ~2 if gluon_dx else _phases)
     beside = side_pull(ws)  # bwd_side_sms on a GPU: the pull beside the dgrad launch
     if all(n != 1 for n, _ in launches):  # (a profiling mask without the dgrad launch)
         beside = None
@@ -909,6 +921,13 @@ def backward(config: MoKConfig, ws: Workspace, context: ForwardContext, dy_TH: t
                 beside.wait_stream(main)
         if config.bwd_side_sum and split == 2:
             dx = _dx_sum(ws, bb, beside)  # the stream it runs on: beside this launch
+    if gluon_dx:  # dGU is whole once the A items' launch has ended
+        from mok_kernels._details.gl_dx import launch_dx
+
+        launch_dx(context.pre_LPF, w_gate_up, shared_gate_up, st.src_LP,
+                  backward_groups(config, st.group_LB), st.total_L, ws.comb_LTSH,
+                  ws.comb_tab_R, T=T, E=ws.E, H=H, I=ws.I, S=ws.S,
+                  band=config.bwd_dx_band, programs=L * progs)
     if dx is None:  # the sum after every launch (or no weight-gradient launch was made)
         ws.barrier()
         dx = _dx_sum(ws, bb, None)

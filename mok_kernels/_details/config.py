@@ -362,6 +362,18 @@ class MoKConfig:
         results/20261205-015933-h200-fp8-backward timed the FP8 backward 1.9 and 1.8 ms
         faster with it at Kimi K2 48 x 16384 and Kimi K2.7 Code (the profiling script: faster
         at Qwen3.5 and Kimi K2 384 too, within noise in bf16).
+    bwd_dx_gluon: the backward's dX GEMM (the B items' work) as a launch of its own, a
+        warp-specialised Gluon kernel (``gl_dx``): a producer warp issues the TMA loads into
+        a four-stage ring, two consumer warpgroups each compute half of a [128, 256] tile
+        and meet only at the ring's mbarriers, where Triton's software pipeline puts four
+        CTA-wide barriers in every K step. Under the power limit the K loop runs at the
+        clock the GPU holds, and the cooperative loop spends fewer instructions a step: on
+        one H100 its form of the dA GEMM's loop ran 7-11% faster than Triton's
+        (benchmarks/gluon_da_probe.py, notes/mok-kernel.md). The megakernel's launches then
+        skip their B items, and the Gluon launch follows them. bf16 only (not with
+        bwd_fp8_dx), row blocks of 128 (bwd_block_m), not with bwd_side_sum (the dX sum
+        would start before the launch); needs Triton's Gluon Hopper API and an sm_90 GPU
+        (Gluon kernels do not run in Triton's interpreter). Off by default.
     bwd_fp8_block_k: the reduction step of the backward's FP8 items (with bwd_fp8_da,
         bwd_fp8_dx or bwd_fp8_wgrad): 64 (the bf16 items' step, 128 bytes of bf16 per row)
         or 128 (128 bytes of e4m3 per row, the FP8 forward's block_k: half the K-loop
@@ -434,6 +446,7 @@ class MoKConfig:
     bwd_dw_stages: int = 2
     bwd_dw_tma_store: bool = False
     bwd_stages: int = 0
+    bwd_dx_gluon: bool = False
     fp8: str = "none"
     fp8_pow2_scales: bool = False
 
@@ -543,6 +556,12 @@ class MoKConfig:
         _check(not self.bwd_dw_tma_store or self.bwd_dw_tiles > 1, "bwd_dw_tma_store",
                self.bwd_dw_tma_store, "false unless bwd_dw_tiles > 1 (the stores overlap "
                "the next tile only inside an item's tile loop)")
+        _check(isinstance(self.bwd_dx_gluon, bool), "bwd_dx_gluon", self.bwd_dx_gluon,
+               "true | false")
+        _check(not self.bwd_dx_gluon or (self.bwd_bm == 128 and not self.bwd_fp8_dx
+                                         and not self.bwd_side_sum),
+               "bwd_dx_gluon", self.bwd_dx_gluon, "false unless the backward's row blocks "
+               "are 128 rows (bwd_block_m) and neither bwd_fp8_dx nor bwd_side_sum is set")
         _check(isinstance(self.bwd_pull_by_token, bool), "bwd_pull_by_token",
                self.bwd_pull_by_token, "true | false")
         _check(not self.bwd_pull_by_token or not (

@@ -309,6 +309,22 @@ def compile_megakernel(config: MoKConfig, hidden: int, intermediate: int, *, top
     target = GPUTarget("cuda", arch, 64 if arch == 90 else 32)
     c = triton.compile(src, target=target, options={"num_warps": config.num_warps,
                                                     "num_stages": stages})
+    return _assemble(c, arch)
+
+
+def compile_dx_gluon(hidden: int, intermediate: int, *, rows: int, slots: int, band: int = 16,
+                     shared: bool = False) -> Lowered:
+    """Compile the Gluon dX launch of ``bwd_dx_gluon`` (``gl_dx``) for sm_90 at this shape
+    (``rows`` per rank: the workspace's P; ``slots`` per token: S), then run ptxas -v on its
+    PTX. Needs Triton's Gluon Hopper API."""
+    from mok_kernels._details.gl_dx import compile_sm90
+
+    return _assemble(compile_sm90(rows, hidden, intermediate, slots, band, shared), 90)
+
+
+def _assemble(c, arch: int) -> Lowered:
+    """A Triton build ``c`` as ``Lowered``: ptxas -v (the ptxas Triton uses for ``arch``)
+    on its PTX, for the register, spill and serialisation report and the cubin."""
     ptx = c.asm["ptx"]
     suffix = "a" if arch in (90, 100) else ""
     with tempfile.TemporaryDirectory() as tmp:

@@ -130,7 +130,11 @@ def test_lean_da_epilogue_and_the_plain_one_both_match_reference():
                                   {"bwd_split_launch": True},
                                   {"bwd_split_launch": True, "bwd_fused_pull": True},
                                   {"bwd_dw_tiles": 4, "bwd_dw_stages": 4,
-                                   "bwd_dw_tma_store": True}],
+                                   "bwd_dw_tma_store": True},
+                                  {"bwd_dx_gluon": True},
+                                  {"bwd_dx_gluon": True, "bwd_dx_band": 3},
+                                  {"bwd_dx_gluon": True, "bwd_split_launch": True,
+                                   "bwd_pull_by_token": True}],
                          ids=lambda rows: "+".join(f"{k}={v}" for k, v in rows.items()))
 def test_backward_variants_match_the_default_bitwise(ranks, rows):
     """bwd_fused_pull: the pull items inside the backward megakernel (rows written with plain
@@ -143,8 +147,9 @@ def test_backward_variants_match_the_default_bitwise(ranks, rows):
     and bwd_dw_tiles (several weight-gradient tiles per item,
     two or four pipeline stages deep; bwd_dw_tma_store: their tiles stored through TMA)
     and bwd_split_launch (the dgrad and weight-gradient
-    items in two launches) give the default backward's gradients (and the reference's),
-    bitwise, on a rerun as well."""
+    items in two launches) and bwd_dx_gluon (the dX GEMM as a warp-specialised Gluon launch
+    after the megakernel's: the same wgmma steps in the same order) give the default
+    backward's gradients (and the reference's), bitwise, on a rerun as well."""
     base = dict(gate_up_interleaved=True, minibatch=256, macrobatch=768, tma=True,
                 num_stages=4)
     shape = (256, 7168, 1024, 8, 8)  # T, H, I, E per rank, K (K <= E even with one rank)

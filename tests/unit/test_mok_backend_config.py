@@ -359,3 +359,24 @@ def test_direct_communication_knobs_at_ep2_name_the_row_variant(monkeypatch):
     assert text.replace(",remote_only=1,combine_direct=1", "") == plain
     with pytest.raises(MoKConfigError, match="combine_direct"):
         scenario_config(_scenario("bf16"), {"combine_direct": True})
+
+
+def test_gluon_dx_launch_is_asked_for_by_name_and_named_in_the_variant(monkeypatch):
+    """``mok@bwd_dx_gluon=true`` (the dX GEMM as a Gluon launch) resolves in a bf16 cell on
+    one Hopper rank, off by default, and the row's variant names it; with the FP8 dX items
+    it is a one-line error naming the knob and what it excludes."""
+    from mokbench.mok_backend import scenario_config, variant_text
+    from mokbench.scenario import ModelShape, Scenario
+
+    monkeypatch.delenv(CONFIG_ENV, raising=False)
+    shape = ModelShape("kimi", 48, 7168, 2048, 8)
+    one = Scenario(shape, tokens_per_rank=16384, world_size=1)
+    assert not scenario_config(one).bwd_dx_gluon
+    cfg = scenario_config(one, {"bwd_dx_gluon": True})
+    assert cfg.bwd_dx_gluon
+    assert ",dx_gluon=1" in variant_text(cfg, 7168, 2048, fp8=False, graphed=False)
+    assert ",dx_gluon" not in variant_text(scenario_config(one), 7168, 2048, fp8=False,
+                                           graphed=False)
+    with pytest.raises(MoKConfigError, match=r"^bwd_dx_gluon=True is invalid: allowed false "
+                                             r"unless .* bwd_fp8_dx"):
+        scenario_config(one, {"bwd_dx_gluon": True, "bwd_fp8_dx": True, "bwd_fp8_da": True})

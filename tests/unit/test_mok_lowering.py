@@ -693,3 +693,42 @@ def test_weight_gradient_tiles_stored_through_tma_do_not_wait_for_their_writes(f
             assert lw.shared_bytes <= SMEM_LIMIT and not lw.spills, lw.ptxas_log
     lw = mk.compile_megakernel(cfg, H, I, kernel="backward", phases=whole, split=split)
     assert lw.shared_bytes <= SMEM_LIMIT
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_hopper_build_of_the_gluon_dx_launch(shared):
+    """``bwd_dx_gluon``'s launch at Kimi K2 48 x 16384 (P rows a rank): it fits in shared
+    memory (the four-stage ring and two store buffers), does not spill, gives the producer
+    warp and the consumer warpgroups their register budgets (setmaxnreg), runs the
+    full-width MMA unserialised, loads through TMA, and stores only 16-byte pieces of rows
+    (the accumulator staged through shared memory: no 2- or 4-byte stores)."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    from mok_kernels._details.lowering import compile_dx_gluon, sass_instructions
+
+    lw = compile_dx_gluon(H, I, rows=16384 * 8 + 48 * 128, slots=8 + shared, shared=shared)
+    assert lw.shared_bytes <= SMEM_LIMIT
+    assert not lw.spills and not lw.mma_serialized, lw.ptxas_log
+    assert lw.mma_instructions == ["wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16"]
+    assert "setmaxnreg.dec" in lw.ptx and "setmaxnreg.inc" in lw.ptx
+    ops = {m for _, m in sass_instructions(lw.sass())}
+    assert any(m.startswith("UTMALDG") for m in ops)
+    assert {m for m in ops if m.startswith("STG")} == {"STG.E.128"}
+
+
+def test_gluon_dx_launch_replaces_the_b_items_only_where_gluon_runs(monkeypatch):
+    """With ``bwd_dx_gluon`` a backward whose mask holds the B items (bit 2) runs them as the
+    Gluon launch, and its megakernel launches skip them (the dgrad launch of the split keeps
+    only the A items); in Triton's interpreter, a one-line error naming the knob."""
+    from mok_kernels._details.backward import runs_gluon_dx, split_launches
+
+    on = mk.MoKConfig.for_shape(H, I, bwd_dx_gluon=True)
+    split = mk.MoKConfig.for_shape(H, I, bwd_dx_gluon=True, bwd_split_launch=True)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert runs_gluon_dx(on) and not runs_gluon_dx(on, 1 | 4 | 8)
+    assert not runs_gluon_dx(mk.MoKConfig.for_shape(H, I))
+    assert split_launches(split, 15 & ~2) == [(1, 1), (2, 4 | 8)]
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(ValueError, match=r"^bwd_dx_gluon=True is invalid here: allowed only "
+                                         r"on an sm_90 GPU"):
+        runs_gluon_dx(on)
+    assert not runs_gluon_dx(on, 1 | 4 | 8)
