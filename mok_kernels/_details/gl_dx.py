@@ -21,7 +21,8 @@ through its own shared buffer, half by half ([64, 128] bf16), read back a row-co
 16 bytes a thread, so every store is a whole 256-byte piece of a slot row (Triton does the
 same for the B items' ``tl.store``; straight from the accumulator's registers it would be
 4-byte stores). Padding rows (``src`` < 0) store nothing. Every output row is written once,
-by one thread group: deterministic.
+by one thread group: deterministic. The only waits are the CTA's own ring mbarriers (as in
+Triton's software pipeline); nothing waits on another CTA or rank.
 """
 
 from __future__ import annotations
@@ -211,8 +212,8 @@ def dx_descriptors(pre_LPF: torch.Tensor, w_gate_up: torch.Tensor,
 
     F = pre_LPF.shape[-1]
 
-    def desc(t: torch.Tensor, box: list[int]) -> Any:
-        return TensorDescriptor.from_tensor(t.reshape(-1, F), box, _layout(box))
+    def desc(t: torch.Tensor, box: list[int]) -> Any:  # (a view: never a silent copy)
+        return TensorDescriptor.from_tensor(t.view(-1, F), box, _layout(box))
 
     w = desc(w_gate_up, [BN, BK])
     return (desc(pre_LPF, [BM, BK]), w,
