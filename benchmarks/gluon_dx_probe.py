@@ -19,7 +19,8 @@ row lands somewhere else, as the items push dX rows to their (token, k) combine 
   coop           Gluon: a producer warp fills a 4-stage ring; each of two consumer warpgroups
                  computes [64, 256] of the tile, the two meeting only at mbarriers; stores
                  straight from the accumulator's registers (4 bytes a thread an instruction).
-  coop_smem      coop storing as Triton does: each warpgroup writes its tile half by half
+  coop_smem      coop storing as Triton does (and as bwd_dx_gluon's launch, whose store
+                 it imports): each warpgroup writes its tile half by half
                  ([64, 128] bf16) into its own shared buffer and reads it back in a
                  row-contiguous layout (16 bytes a thread, two 256-byte half rows a warp) for
                  the row stores. 2 x 16 KB of buffers beside the 4 x 48 KB ring.
@@ -52,8 +53,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 from gluon_da_probe import KIMI, Shape  # noqa: E402  (the dA probe's shapes)
 from gluon_wgrad_probe import resource_line  # noqa: E402
+
+from mok_kernels._details.gl_dx import _store_half  # noqa: E402  (the layer's launch's store)
 
 BM, BN, BK = 128, 256, 64  # tile [BM rows, BN of H], K step of BK over 2I
 STAGES = 4
@@ -131,23 +135,6 @@ def _producer(a_desc, w_desc, a_ring, b_ring, ready, empty, n_tiles, MB: gl.cons
 
 
 @gluon.jit
-def _store_half(half, epi, rows_dst, col0, dx_PH, H: gl.constexpr):
-    """One [HM, BN/2] bf16 half of a warpgroup's tile to its slot rows through ``epi``: written
-    in the accumulator's layout, read back a whole row per warp (8 bf16 a thread)."""
-    HN: gl.constexpr = half.shape[1]
-    row_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8],
-                                                threads_per_warp=[2, 16],
-                                                warps_per_cta=[4, 1], order=[1, 0])
-    gl.thread_barrier()  # the previous half's reads of epi are done
-    epi.store(half)
-    gl.thread_barrier()
-    vals = epi.load(row_layout)
-    dst = gl.convert_layout(rows_dst, gl.SliceLayout(1, row_layout))
-    cols = col0 + gl.arange(0, HN, layout=gl.SliceLayout(0, row_layout))
-    gl.store(dx_PH + gl.expand_dims(dst, 1) + gl.expand_dims(cols, 0), vals)
-
-
-@gluon.jit
 def _consumer(WG: gl.constexpr, a_ring, b_ring, ready, empty, epi, slot_P, dx_PH, n_tiles,
               MB: gl.constexpr, NJ: gl.constexpr, R: gl.constexpr, H: gl.constexpr,
               I: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
@@ -175,10 +162,10 @@ def _consumer(WG: gl.constexpr, a_ring, b_ring, ready, empty, epi, slot_P, dx_PH
         mbarrier.arrive(empty.index((i * KSTEPS + KSTEPS - 1) % STAGES))
         rows = off_m + WG * HM + gl.arange(0, HM, layout=gl.SliceLayout(1, acc_layout))
         dst = gl.load(slot_P + rows).to(gl.int64) * H
-        if SMEM_STORE:
+        if SMEM_STORE:  # as bwd_dx_gluon's launch stores (every row valid here)
             lo, hi = acc.to(gl.bfloat16).reshape([HM, 2, BN // 2]).permute((0, 2, 1)).split()
-            _store_half(lo, epi, dst, jn * BN, dx_PH, H)
-            _store_half(hi, epi, dst, jn * BN + BN // 2, dx_PH, H)
+            _store_half(lo, epi, dx_PH + dst, rows >= 0, jn * BN, H)
+            _store_half(hi, epi, dx_PH + dst, rows >= 0, jn * BN + BN // 2, H)
         elif STORE:
             cols = jn * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
             gl.store(dx_PH + gl.expand_dims(dst, 1) + gl.expand_dims(cols, 0),
