@@ -116,6 +116,7 @@ def fp8_backward_fields(arch: int = 90, world_size: int = 1) -> dict:
     one_rank = ({"bwd_split_launch": True, "bwd_pull_interleave": True,
                  "bwd_dw_tma_store": True} if world_size == 1 else {})
     return {"bwd_fp8_da": True, "bwd_fp8_dx": True, "bwd_fp8_wgrad": True,
+            "bwd_dx_gluon": False,
             "bwd_fp8_block_k": 128, "bwd_pull_by_token": False, "bwd_q_count_rows": True,
             **one_rank}
 
@@ -182,7 +183,12 @@ def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int
     against 1.472), at Kimi K2 48 x 16384 40.528 and 40.366 against 40.463 and 40.593
     (notes/mok-kernel.md); not yet a sweep, off in FP8 cells (the FP8 weight gradients read
     the FP8 pull's copies), unmeasured at EP > 1 (where ``bwd_pull_dedup`` reads a token once
-    per rank) and on Blackwell.
+    per rank) and on Blackwell. And on one Hopper rank (sm_90, with Triton's Gluon API) the
+    bf16 backward's dX GEMM runs as a warp-specialised Gluon launch after the megakernel's
+    (``bwd_dx_gluon``): at Kimi K2 48 x 16384 on one H100 the profiling script timed the
+    backward at 37.750 and 37.794 ms against 40.212 and 39.814 (alternating; its gradients
+    bitwise the B items' in the GPU tests; notes/mok-kernel.md); not yet a sweep, off in FP8
+    cells (the FP8 dX items), at EP > 1 (unmeasured) and on Blackwell (sm_90 code).
 
     Why: each measured faster on H200 than its alternatives, and the tile rule keeps to where
     it was measured (notes/mok-kernel.md, "Why the mok backend's defaults are what they
@@ -205,7 +211,18 @@ def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int
             "bwd_dw_tiles": _dw_tiles(hidden, intermediate) if one_hopper else 1,
             "bwd_dw_stages": 4 if one_hopper else 2,
             "bwd_dx_tiles": _dx_tiles(hidden, intermediate) if one_hopper else 1,
-            "bwd_pull_by_token": one_hopper}
+            "bwd_pull_by_token": one_hopper,
+            "bwd_dx_gluon": one_hopper and arch == 90 and gluon_dx_available()}
+
+
+def gluon_dx_available() -> bool:
+    """Whether this Triton has the Gluon Hopper API that ``bwd_dx_gluon``'s launch is
+    written against (Triton 3.6 and later)."""
+    try:
+        from triton.experimental.gluon.language.nvidia.hopper import tma
+    except ImportError:
+        return False
+    return hasattr(tma, "async_load") or hasattr(tma, "async_copy_global_to_shared")
 
 
 def _dw_tiles(hidden: int, intermediate: int) -> int:
@@ -276,8 +293,9 @@ def config_from_env(hidden: int, intermediate: int, defaults: dict,
     pull by token yields the same way to ``bwd_pull_dedup`` and ``bwd_fp8_wgrad``),
     one ring slot (macrobatch = minibatch) turns off the default ``skew_down`` the same
     way, a backward without FP8 weight gradients the defaults ``bwd_q_count_rows`` and
-    ``bwd_pull_interleave`` (which ``bwd_fused_pull`` turns off too), and one
-    weight-gradient tile per item the default ``bwd_dw_tma_store``."""
+    ``bwd_pull_interleave`` (which ``bwd_fused_pull`` turns off too), one
+    weight-gradient tile per item the default ``bwd_dw_tma_store``, and FP8 dX items, the
+    side sum or row blocks other than 128 the default ``bwd_dx_gluon``."""
     from mok_kernels import MoKConfig
 
     fields = dict(defaults)
@@ -304,6 +322,9 @@ def config_from_env(hidden: int, intermediate: int, defaults: dict,
     fields.update(over)
     if fields["macrobatch"] < 2 * fields["minibatch"]:
         yield_defaults(("skew_down",), False)  # one ring slot: the default order needs two
+    if (fields.get("bwd_fp8_dx") or fields.get("bwd_side_sum")
+            or (fields.get("bwd_block_m") or fields.get("block_m", 128)) != 128):
+        yield_defaults(("bwd_dx_gluon",), False)  # the launch's row blocks and bf16 rows
     if fields.get("bwd_dw_tiles", 1) <= 1:
         yield_defaults(("bwd_dw_tma_store",), False)  # its stores overlap within the items'
         # tile loops only

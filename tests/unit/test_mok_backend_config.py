@@ -245,7 +245,7 @@ def test_the_row_variant_is_what_the_gpu_runs_recorded(monkeypatch):
     import json
     from pathlib import Path
 
-    from mokbench.mok_backend import scenario_config, variant_text
+    from mokbench.mok_backend import gluon_dx_available, scenario_config, variant_text
 
     monkeypatch.delenv(CONFIG_ENV, raising=False)
     run = Path(__file__).resolve().parents[2] / "results" / "20261202-051552-h200-bf16-train"
@@ -253,10 +253,14 @@ def test_the_row_variant_is_what_the_gpu_runs_recorded(monkeypatch):
                 if '"backend": "mok"' in ln and "kimi-k2-e48-" in ln}
     assert len(recorded) == 1
     cell = _scenario("bf16")
-    text = variant_text(scenario_config(cell), 7168, 2048, fp8=False, graphed=False)
-    assert {text} == recorded
-    text = variant_text(scenario_config(cell, {"bwd_da_tiles": 2}), 7168, 2048, fp8=False,
+    gluon = ",dx_gluon=1"  # the default since that run, where Triton has the Gluon API
+    assert (gluon in variant_text(scenario_config(cell), 7168, 2048, fp8=False,
+                                  graphed=False)) == gluon_dx_available()
+    text = variant_text(scenario_config(cell, {"bwd_dx_gluon": False}), 7168, 2048, fp8=False,
                         graphed=False)
+    assert {text} == recorded
+    text = variant_text(scenario_config(cell, {"bwd_da_tiles": 2, "bwd_dx_gluon": False}), 7168,
+                        2048, fp8=False, graphed=False)
     assert ",da_tiles=2," in text and {text.replace(",da_tiles=2", "")} == recorded, text
 
 
@@ -361,22 +365,29 @@ def test_direct_communication_knobs_at_ep2_name_the_row_variant(monkeypatch):
         scenario_config(_scenario("bf16"), {"combine_direct": True})
 
 
-def test_gluon_dx_launch_is_asked_for_by_name_and_named_in_the_variant(monkeypatch):
-    """``mok@bwd_dx_gluon=true`` (the dX GEMM as a Gluon launch) resolves in a bf16 cell on
-    one Hopper rank, off by default, and the row's variant names it; with the FP8 dX items
-    it is a one-line error naming the knob and what it excludes."""
-    from mokbench.mok_backend import scenario_config, variant_text
+def test_gluon_dx_launch_is_the_one_hopper_rank_bf16_default_and_named_in_the_variant(
+        monkeypatch):
+    """``bwd_dx_gluon`` (the dX GEMM as a Gluon launch): the bf16 default on one Hopper rank
+    where Triton has the Gluon API, off at EP 2, in FP8 cells and on Blackwell; a variant
+    asking for the FP8 dX items turns the default off, and asking for both is a one-line
+    error naming the knob and what it excludes; the row's variant names it."""
+    from mokbench.mok_backend import gluon_dx_available, scenario_config, variant_text
     from mokbench.scenario import ModelShape, Scenario
 
     monkeypatch.delenv(CONFIG_ENV, raising=False)
     shape = ModelShape("kimi", 48, 7168, 2048, 8)
     one = Scenario(shape, tokens_per_rank=16384, world_size=1)
-    assert not scenario_config(one).bwd_dx_gluon
+    assert scenario_config(one).bwd_dx_gluon == gluon_dx_available()
+    assert not scenario_config(Scenario(shape, tokens_per_rank=16384, world_size=2)).bwd_dx_gluon
+    assert not scenario_config(Scenario(shape, tokens_per_rank=16384, world_size=1,
+                                        precision="fp8")).bwd_dx_gluon
+    assert not scenario_config(one, arch=100).bwd_dx_gluon
+    assert not scenario_config(one, {"bwd_fp8_dx": True, "bwd_fp8_da": True}).bwd_dx_gluon
     cfg = scenario_config(one, {"bwd_dx_gluon": True})
     assert cfg.bwd_dx_gluon
     assert ",dx_gluon=1" in variant_text(cfg, 7168, 2048, fp8=False, graphed=False)
-    assert ",dx_gluon" not in variant_text(scenario_config(one), 7168, 2048, fp8=False,
-                                           graphed=False)
+    assert ",dx_gluon" not in variant_text(scenario_config(one, {"bwd_dx_gluon": False}), 7168,
+                                           2048, fp8=False, graphed=False)
     with pytest.raises(MoKConfigError, match=r"^bwd_dx_gluon=True is invalid: allowed false "
                                              r"unless .* bwd_fp8_dx"):
         scenario_config(one, {"bwd_dx_gluon": True, "bwd_fp8_dx": True, "bwd_fp8_da": True})

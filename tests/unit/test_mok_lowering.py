@@ -28,8 +28,10 @@ def _defaults(world_size: int = 1, experts: int = 48, tokens: int = 16384,
 
 
 def _row_pull(*shape) -> dict:
-    """``default_config_fields(*shape)`` with the row pull (see ``_defaults``)."""
-    return {**default_config_fields(*shape), "bwd_pull_by_token": False}
+    """``default_config_fields(*shape)`` with the row pull (see ``_defaults``), and the dX
+    items inside the megakernel (``bwd_dx_gluon`` off: its launch is built by
+    ``compile_dx_gluon``; the FP8 dX items these tests also build exclude it)."""
+    return {**default_config_fields(*shape), "bwd_pull_by_token": False, "bwd_dx_gluon": False}
 
 
 @pytest.mark.parametrize("world_size, shared, experts, tokens, tiles", [
