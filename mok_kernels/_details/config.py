@@ -373,7 +373,9 @@ class MoKConfig:
         skip their B items, and the Gluon launch follows them. bf16 only (not with
         bwd_fp8_dx), row blocks of 128 (bwd_block_m), not with bwd_side_sum (the dX sum
         would start before the launch); needs Triton's Gluon Hopper API and an sm_90 GPU
-        (Gluon kernels do not run in Triton's interpreter). Off by default.
+        (Gluon kernels do not run in Triton's interpreter). Off here; the mok backend's bf16
+        default on one Hopper rank (the backward 5-6% faster at Kimi K2 48 on one H100,
+        notes/mok-kernel.md, the lease of 2026-12-06 01:40).
     bwd_fp8_block_k: the reduction step of the backward's FP8 items (with bwd_fp8_da,
         bwd_fp8_dx or bwd_fp8_wgrad): 64 (the bf16 items' step, 128 bytes of bf16 per row)
         or 128 (128 bytes of e4m3 per row, the FP8 forward's block_k: half the K-loop
