@@ -195,8 +195,9 @@ def backward_scratch(ws: Workspace) -> BackwardScratch:
     L, H, I, P, dev = ws.L, ws.H, ws.I, ws.P, ws.device
     bf = torch.bfloat16
     w8, dedup = cfg.bwd_fp8_wgrad, cfg.bwd_pull_dedup
-    dw1, dws1, dw1_all = _dw_buffers(L, ws.E, ws.shared, (H, 2 * I), cfg.bwd_dw_tma_store, dev)
-    dw2, dws2, dw2_all = _dw_buffers(L, ws.E, ws.shared, (I, H), cfg.bwd_dw_tma_store, dev)
+    combined = cfg.bwd_dw_tma_store or cfg.bwd_dw_gluon  # one buffer per weight: TMA stores
+    dw1, dws1, dw1_all = _dw_buffers(L, ws.E, ws.shared, (H, 2 * I), combined, dev)
+    dw2, dws2, dw2_all = _dw_buffers(L, ws.E, ws.shared, (I, H), combined, dev)
     return BackwardScratch(
         dw1_EHF=dw1, dw2_EIH=dw2, dws1_LHF=dws1, dws2_LIH=dws2, dw1_all=dw1_all,
         dw2_all=dw2_all,
@@ -822,6 +823,17 @@ def runs_gluon_dx(cfg: MoKConfig, phases: int = 15) -> bool:
     return on
 
 
+def gluon_dw_kinds(cfg: MoKConfig, phases: int = 15) -> int:
+    """The C and D items' bits (4, 8) of this ``phases`` mask that ``bwd_dw_gluon``'s launch
+    runs (after the megakernel's launches, which then skip them): 0 without the knob; a
+    clear error where Gluon cannot run (Triton's interpreter)."""
+    kinds = phases & (4 | 8) if cfg.bwd_dw_gluon else 0
+    if kinds and _interpreting():
+        raise ValueError("bwd_dw_gluon=True is invalid here: allowed only on an sm_90 GPU "
+                         "(Gluon kernels do not run in Triton's interpreter)")
+    return kinds
+
+
 DGRAD_PHASES = 1 | 2 | 16  # the A and B items (16: the A items without their epilogue)
 WGRAD_PHASES = 4 | 8 | 32  # the Q (either bit, or 32 alone), C and D items
 
@@ -882,7 +894,8 @@ def backward(config: MoKConfig, ws: Workspace, context: ForwardContext, dy_TH: t
     bb.counters_LC.zero_()
     ws.barrier()
     gluon_dx = runs_gluon_dx(config, _phases)
-    launches = split_launches(config, _phases & ~2 if gluon_dx else _phases)
+    gluon_dw = gluon_dw_kinds(config, _phases)
+    launches = split_launches(config, _phases & ~(2 if gluon_dx else 0) & ~gluon_dw)
     beside = side_pull(ws)  # bwd_side_sms on a GPU: the pull beside the dgrad launch
     if all(n != 1 for n, _ in launches):  # (a profiling mask without the dgrad launch)
         beside = None
@@ -928,6 +941,14 @@ def backward(config: MoKConfig, ws: Workspace, context: ForwardContext, dy_TH: t
                   backward_groups(config, st.group_LB), st.total_L, ws.comb_LTSH,
                   ws.comb_tab_R, T=T, E=ws.E, H=H, I=ws.I, S=ws.S,
                   band=config.bwd_dx_band, programs=L * progs)
+    if gluon_dw:  # r h, dG/dU and the pulled rows are whole once the A items have ended
+        from mok_kernels._details.gl_dw import launch_dw
+
+        launch_dw(sc.hs_LPI, sc.dyg_LPH, sc.xg_LPH, context.pre_LPF, sc.dw2_all, sc.dw1_all,
+                  args["gstart_ptr"], st.total_L, E=ws.E,
+                  shared=ws.shared, interleaved=config.gate_up_interleaved,
+                  row_align=config.row_align, programs=L * progs, c=bool(gluon_dw & 4),
+                  d=bool(gluon_dw & 8))
     if dx is None:  # the sum after every launch (or no weight-gradient launch was made)
         ws.barrier()
         dx = _dx_sum(ws, bb, None)

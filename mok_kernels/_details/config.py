@@ -376,6 +376,18 @@ class MoKConfig:
         (Gluon kernels do not run in Triton's interpreter). Off here; the mok backend's bf16
         default on one Hopper rank (the backward 5-6% faster at Kimi K2 48 on one H100,
         notes/mok-kernel.md, the lease of 2026-12-06 01:40).
+    bwd_dw_gluon: the backward's weight gradients (the C and D items' work) as a launch of
+        its own, a warp-specialised Gluon kernel (``gl_dw``): a producer warp feeding a
+        three-stage TMA ring, two consumer warpgroups each computing half of a [128, 256]
+        tile, each storing its rows through its own shared buffers and TMA stores that run
+        beside its next tile's K loop. On the C items' GEMM alone this form ran 19% faster
+        than Triton's loop on one H100 and 4.4% on one H200
+        (benchmarks/gluon_wgrad_probe.py ``coop_tma``, notes/mok-kernel.md). The
+        megakernel's launches then skip their C and D items, and the Gluon launch follows
+        them; the same sums in the same order, so the same gradients. bf16 only (not with
+        bwd_fp8_wgrad), row blocks a multiple of 64 rows (its K step), not with
+        bwd_side_sum; needs Triton's Gluon Hopper API and an sm_90 GPU. Off by default
+        (not yet timed inside the layer).
     bwd_fp8_block_k: the reduction step of the backward's FP8 items (with bwd_fp8_da,
         bwd_fp8_dx or bwd_fp8_wgrad): 64 (the bf16 items' step, 128 bytes of bf16 per row)
         or 128 (128 bytes of e4m3 per row, the FP8 forward's block_k: half the K-loop
@@ -449,6 +461,7 @@ class MoKConfig:
     bwd_dw_tma_store: bool = False
     bwd_stages: int = 0
     bwd_dx_gluon: bool = False
+    bwd_dw_gluon: bool = False
     fp8: str = "none"
     fp8_pow2_scales: bool = False
 
@@ -564,6 +577,13 @@ class MoKConfig:
                                          and not self.bwd_side_sum),
                "bwd_dx_gluon", self.bwd_dx_gluon, "false unless the backward's row blocks "
                "are 128 rows (bwd_block_m) and neither bwd_fp8_dx nor bwd_side_sum is set")
+        _check(isinstance(self.bwd_dw_gluon, bool), "bwd_dw_gluon", self.bwd_dw_gluon,
+               "true | false")
+        _check(not self.bwd_dw_gluon or (self.bwd_bm % 64 == 0 and not self.bwd_fp8_wgrad
+                                         and not self.bwd_side_sum),
+               "bwd_dw_gluon", self.bwd_dw_gluon, "false unless the backward's row blocks "
+               "are a multiple of 64 rows (bwd_block_m) and neither bwd_fp8_wgrad nor "
+               "bwd_side_sum is set")
         _check(isinstance(self.bwd_pull_by_token, bool), "bwd_pull_by_token",
                self.bwd_pull_by_token, "true | false")
         _check(not self.bwd_pull_by_token or not (

@@ -322,6 +322,16 @@ def compile_dx_gluon(hidden: int, intermediate: int, *, rows: int, slots: int, b
     return _assemble(compile_sm90(rows, hidden, intermediate, slots, band, shared), 90)
 
 
+def compile_dw_gluon(hidden: int, intermediate: int, *, rows: int, groups: int,
+                     shared: bool = False, interleaved: bool = True) -> Lowered:
+    """Compile the Gluon weight-gradient launch of ``bwd_dw_gluon`` (``gl_dw``) for sm_90 at
+    this shape (``rows`` per rank: the workspace's P; ``groups``: E, +1 with the shared
+    expert), then run ptxas -v on its PTX. Needs Triton's Gluon Hopper API."""
+    from mok_kernels._details.gl_dw import compile_sm90
+
+    return _assemble(compile_sm90(rows, hidden, intermediate, groups, shared, interleaved), 90)
+
+
 def _assemble(c, arch: int) -> Lowered:
     """A Triton build ``c`` as ``Lowered``: ptxas -v (the ptxas Triton uses for ``arch``)
     on its PTX, for the register, spill and serialisation report and the cubin."""

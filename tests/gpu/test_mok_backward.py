@@ -134,6 +134,10 @@ def test_lean_da_epilogue_and_the_plain_one_both_match_reference():
                                   {"bwd_dx_gluon": True},
                                   {"bwd_dx_gluon": True, "bwd_dx_band": 3},
                                   {"bwd_dx_gluon": True, "bwd_split_launch": True,
+                                   "bwd_pull_by_token": True},
+                                  {"bwd_dw_gluon": True},
+                                  {"bwd_dw_gluon": True, "bwd_split_launch": True},
+                                  {"bwd_dw_gluon": True, "bwd_dx_gluon": True,
                                    "bwd_pull_by_token": True}],
                          ids=lambda rows: "+".join(f"{k}={v}" for k, v in rows.items()))
 def test_backward_variants_match_the_default_bitwise(ranks, rows):
@@ -148,7 +152,8 @@ def test_backward_variants_match_the_default_bitwise(ranks, rows):
     two or four pipeline stages deep; bwd_dw_tma_store: their tiles stored through TMA)
     and bwd_split_launch (the dgrad and weight-gradient
     items in two launches) and bwd_dx_gluon (the dX GEMM as a warp-specialised Gluon launch
-    after the megakernel's: the same wgmma steps in the same order) give the default
+    after the megakernel's: the same wgmma steps in the same order) and bwd_dw_gluon (the
+    weight gradients as one, likewise) give the default
     backward's gradients (and the reference's), bitwise, on a rerun as well."""
     base = dict(gate_up_interleaved=True, minibatch=256, macrobatch=768, tma=True,
                 num_stages=4)

@@ -391,3 +391,25 @@ def test_gluon_dx_launch_is_the_one_hopper_rank_bf16_default_and_named_in_the_va
     with pytest.raises(MoKConfigError, match=r"^bwd_dx_gluon=True is invalid: allowed false "
                                              r"unless .* bwd_fp8_dx"):
         scenario_config(one, {"bwd_dx_gluon": True, "bwd_fp8_dx": True, "bwd_fp8_da": True})
+
+
+def test_gluon_dw_launch_is_asked_for_only_and_named_in_the_variant(monkeypatch):
+    """``bwd_dw_gluon`` (the weight gradients as a Gluon launch) is off by default, on where
+    a variant asks for it, named in the row's variant, and a one-line error in an FP8 cell
+    (whose defaults set the FP8 weight gradients it excludes)."""
+    from mokbench.mok_backend import scenario_config, variant_text
+    from mokbench.scenario import ModelShape, Scenario
+
+    monkeypatch.delenv(CONFIG_ENV, raising=False)
+    shape = ModelShape("kimi", 48, 7168, 2048, 8)
+    one = Scenario(shape, tokens_per_rank=16384, world_size=1)
+    assert not scenario_config(one).bwd_dw_gluon
+    cfg = scenario_config(one, {"bwd_dw_gluon": True})
+    assert cfg.bwd_dw_gluon
+    assert ",dw_gluon=1" in variant_text(cfg, 7168, 2048, fp8=False, graphed=False)
+    assert ",dw_gluon" not in variant_text(scenario_config(one), 7168, 2048, fp8=False,
+                                           graphed=False)
+    fp8 = Scenario(shape, tokens_per_rank=16384, world_size=1, precision="fp8")
+    with pytest.raises(MoKConfigError, match=r"^bwd_dw_gluon=True is invalid: allowed false "
+                                             r"unless .* bwd_fp8_wgrad"):
+        scenario_config(fp8, {"bwd_dw_gluon": True})

@@ -717,6 +717,48 @@ def test_hopper_build_of_the_gluon_dx_launch(shared):
     assert {m for m in ops if m.startswith("STG")} == {"STG.E.128"}
 
 
+@pytest.mark.parametrize("shared, interleaved", [(False, True), (True, True), (True, False)])
+def test_hopper_build_of_the_gluon_dw_launch(shared, interleaved):
+    """``bwd_dw_gluon``'s launch at Kimi K2 48 x 16384 (P rows a rank): it fits in shared
+    memory (the three-stage ring and four store buffers), does not spill, gives the producer
+    warp and the consumer warpgroups their register budgets (setmaxnreg), runs the
+    full-width MMA unserialised, loads through TMA and stores only through TMA (no global
+    store from registers)."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    from mok_kernels._details.lowering import compile_dw_gluon, sass_instructions
+
+    lw = compile_dw_gluon(H, I, rows=16384 * 8 + 48 * 128, groups=48 + shared, shared=shared,
+                          interleaved=interleaved)
+    assert lw.shared_bytes <= SMEM_LIMIT
+    assert not lw.spills and not lw.mma_serialized, lw.ptxas_log
+    assert lw.mma_instructions == ["wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16"]
+    assert "setmaxnreg.dec" in lw.ptx and "setmaxnreg.inc" in lw.ptx
+    ops = {m for _, m in sass_instructions(lw.sass())}
+    assert any(m.startswith("UTMALDG") for m in ops) and any(m.startswith("UTMASTG") for m in ops)
+    assert not {m for m in ops if m.startswith("STG")}
+
+
+def test_gluon_dw_launch_replaces_the_c_and_d_items_only_where_gluon_runs(monkeypatch):
+    """With ``bwd_dw_gluon`` the C and D items (bits 4 and 8) of a backward's mask run as the
+    Gluon launch (only those the mask holds), and the megakernel's launches skip them (the
+    split leaves only the dgrad launch); in Triton's interpreter, a one-line error naming the
+    knob."""
+    from mok_kernels._details.backward import gluon_dw_kinds, split_launches
+
+    on = mk.MoKConfig.for_shape(H, I, bwd_dw_gluon=True)
+    split = mk.MoKConfig.for_shape(H, I, bwd_dw_gluon=True, bwd_split_launch=True)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert gluon_dw_kinds(on) == 12 and gluon_dw_kinds(on, 1 | 4) == 4
+    assert gluon_dw_kinds(on, 1 | 2) == 0
+    assert gluon_dw_kinds(mk.MoKConfig.for_shape(H, I)) == 0
+    assert split_launches(split, 15 & ~12) == [(1, 1 | 2)]
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(ValueError, match=r"^bwd_dw_gluon=True is invalid here: allowed only "
+                                         r"on an sm_90 GPU"):
+        gluon_dw_kinds(on)
+    assert gluon_dw_kinds(on, 1 | 2) == 0
+
+
 def test_gluon_dx_launch_replaces_the_b_items_only_where_gluon_runs(monkeypatch):
     """With ``bwd_dx_gluon`` a backward whose mask holds the B items (bit 2) runs them as the
     Gluon launch, and its megakernel launches skip them (the dgrad launch of the split keeps
