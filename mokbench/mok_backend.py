@@ -187,8 +187,11 @@ def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int
     bf16 backward's dX GEMM runs as a warp-specialised Gluon launch after the megakernel's
     (``bwd_dx_gluon``): at Kimi K2 48 x 16384 on one H100 the profiling script timed the
     backward at 37.750 and 37.794 ms against 40.212 and 39.814 (alternating; its gradients
-    bitwise the B items' in the GPU tests; notes/mok-kernel.md); not yet a sweep, off in FP8
-    cells (the FP8 dX items), at EP > 1 (unmeasured) and on Blackwell (sm_90 code).
+    bitwise the B items' in the GPU tests; notes/mok-kernel.md); on one H200, in
+    results/20261206-031710-h200-bf16-train, within the spread of the dX items at Kimi K2 48
+    and Kimi K2 384 (38.997 and 26.579 ms against 39.060 and 26.633) and faster at Qwen3.5
+    (15.982 against 16.340); off in FP8 cells (the FP8 dX items), at EP > 1 (unmeasured) and
+    on Blackwell (sm_90 code).
 
     Why: each measured faster on H200 than its alternatives, and the tile rule keeps to where
     it was measured (notes/mok-kernel.md, "Why the mok backend's defaults are what they
