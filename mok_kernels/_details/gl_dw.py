@@ -41,10 +41,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from mok_kernels._details.gl_dx import _tma_load
-
-# Triton 3.6 names the TMA store async_copy_shared_to_global, later releases async_store.
-_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+from mok_kernels._details.gl_common import nvmma_layout, stage_halves
+from mok_kernels._details.gl_common import tma_load as _tma_load
+from mok_kernels._details.gl_common import tma_store as _tma_store
 
 BM, BN, BK = 128, 256, 64  # tile rows (M), tile columns (N), K step over schedule rows
 STAGES = 3  # 3 x 48 KB of ring + 4 x 16 KB of store buffers: under sm_90's 227 KB
@@ -104,20 +103,6 @@ def _producer(hs_desc, dy_desc, x_desc, dgu_desc, a_ring, b_ring, ready, empty, 
 
 
 @gluon.jit
-def _stage(out, epi_lo, epi_hi, PAIRS: gl.constexpr):
-    """A [BM/2, BN] bf16 tile into two [BM/2, BN/2] shared buffers: PAIRS, its even and
-    odd columns (interleaved gate and up); else its left and right halves."""
-    HM: gl.constexpr = out.shape[0]
-    HN: gl.constexpr = out.shape[1] // 2
-    if PAIRS:
-        lo, hi = out.reshape([HM, HN, 2]).split()
-    else:
-        lo, hi = out.reshape([HM, 2, HN]).permute((0, 2, 1)).split()
-    epi_lo.store(lo)
-    epi_hi.store(hi)
-
-
-@gluon.jit
 def _consumer(WG: gl.constexpr, a_ring, b_ring, ready, empty, epi_lo, epi_hi, dw2_desc,
               dw1_desc, gst_ptr, total_ptr, n_tiles, per_rank, c_tiles, E, SH0, P: gl.constexpr,
               H: gl.constexpr, I: gl.constexpr, NG: gl.constexpr, NCT: gl.constexpr,
@@ -160,11 +145,11 @@ def _consumer(WG: gl.constexpr, a_ring, b_ring, ready, empty, epi_lo, epi_hi, dw
         col_lo = nt * BN
         col_hi = nt * BN + HN
         if is_d and INTERLEAVED:  # columns gate c, up c, ...: the gate and up columns
-            _stage(out, epi_lo, epi_hi, True)
+            stage_halves(out, epi_lo, epi_hi, True)
             col_lo = nt * HN
             col_hi = I + nt * HN
         else:  # the tile's left and right column halves
-            _stage(out, epi_lo, epi_hi, False)
+            stage_halves(out, epi_lo, epi_hi, False)
         fence_async_shared()
         if is_d:
             row = slot * H + mt * BM + WG * HM
@@ -219,10 +204,6 @@ def dw_gluon_kernel(hs_desc, dy_desc, x_desc, dgu_desc, dw2_desc, dw1_desc, gst_
     )
 
 
-def _layout(block: list[int]) -> Any:
-    return gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
-
-
 def tiles_per_rank(H: int, I: int, groups: int, c: bool = True, d: bool = True) -> tuple[int,
                                                                                         int]:
     """(C tiles, D tiles) of one logical rank over ``groups`` groups (only the kinds asked)."""
@@ -240,7 +221,7 @@ def dw_descriptors(hs_LPI: torch.Tensor, dyg_LPH: torch.Tensor, xg_LPH: torch.Te
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     def desc(t: torch.Tensor, box: list[int]) -> Any:
-        return TensorDescriptor.from_tensor(t.view(-1, t.shape[-1]), box, _layout(box))
+        return TensorDescriptor.from_tensor(t.view(-1, t.shape[-1]), box, nvmma_layout(box))
 
     a, b, o = [BK, BM], [BK, BN], [BM // 2, BN // 2]
     return (desc(hs_LPI, a), desc(dyg_LPH, b), desc(xg_LPH, a), desc(pre_LPF, b),
@@ -300,12 +281,12 @@ def compile_sm90(P: int, H: int, I: int, groups: int, shared: bool = False,
 
     check_shapes(H, I, BK)
     a, b, o = [BK, BM], [BK, BN], [BM // 2, BN // 2]
-    sig = {"hs_desc": f"tensordesc<bf16[{BK}, {BM}],{_layout(a)!r}>",
-           "dy_desc": f"tensordesc<bf16[{BK}, {BN}],{_layout(b)!r}>",
-           "x_desc": f"tensordesc<bf16[{BK}, {BM}],{_layout(a)!r}>",
-           "dgu_desc": f"tensordesc<bf16[{BK}, {BN}],{_layout(b)!r}>",
-           "dw2_desc": f"tensordesc<bf16[{BM // 2}, {BN // 2}],{_layout(o)!r}>",
-           "dw1_desc": f"tensordesc<bf16[{BM // 2}, {BN // 2}],{_layout(o)!r}>",
+    sig = {"hs_desc": f"tensordesc<bf16[{BK}, {BM}],{nvmma_layout(a)!r}>",
+           "dy_desc": f"tensordesc<bf16[{BK}, {BN}],{nvmma_layout(b)!r}>",
+           "x_desc": f"tensordesc<bf16[{BK}, {BM}],{nvmma_layout(a)!r}>",
+           "dgu_desc": f"tensordesc<bf16[{BK}, {BN}],{nvmma_layout(b)!r}>",
+           "dw2_desc": f"tensordesc<bf16[{BM // 2}, {BN // 2}],{nvmma_layout(o)!r}>",
+           "dw1_desc": f"tensordesc<bf16[{BM // 2}, {BN // 2}],{nvmma_layout(o)!r}>",
            "gst_ptr": "*i32", "total_ptr": "*i32", "n_tiles": "i32", "per_rank": "i32",
            "c_tiles": "i32", "E": "i32", "SH0": "i32"}
     consts = dw_constexprs(P, H, I, groups, shared, interleaved)
