@@ -786,6 +786,33 @@ def _dx_sum(ws: Workspace, bb: BackwardBuffers, stream) -> torch.Tensor:
     return dx
 
 
+def slot_rows(src_LP: torch.Tensor, slots: int) -> torch.Tensor:
+    """The schedule row (over every logical rank's P rows) of each of the ``slots`` (token,
+    slot) pairs, int32 [slots]: ``src_LP`` inverted on the device (no host sync); padding
+    rows scatter to places past ``slots`` of their own, and a pair no row fills (none: no
+    token is dropped) reads row 0."""
+    rows = src_LP.numel()
+    src = src_LP.reshape(-1).to(torch.int64)
+    spare = slots + torch.arange(rows, device=src.device)
+    inv = torch.zeros(slots + rows, dtype=torch.int32, device=src.device)
+    inv.scatter_(0, torch.where(src >= 0, src, spare),
+                 torch.arange(rows, dtype=torch.int32, device=src.device))
+    return inv[:slots]
+
+
+def _dx_rows_sum(ws: Workspace, rows_LPH: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+    """dx [L*T, H] bf16 from the dX rows in the schedule's order (``bwd_dx_rows``): each
+    token's slot rows (``inv``: ``slot_rows``) summed in fixed slot order, bitwise what
+    ``_dx_sum`` gives from the combine slots."""
+    from mok_kernels._details.tl_mega import gather_sum_kernel
+
+    dx = torch.empty(ws.L * ws.T, ws.H, dtype=torch.bfloat16, device=ws.device)
+    bh = _row_chunk(ws.H)
+    gather_sum_kernel[(ws.L * ws.T, -(-ws.H // bh))](rows_LPH, inv, dx, H=ws.H, S=ws.S, BH=bh,
+                                                      num_warps=4)
+    return dx
+
+
 _SIDE_STREAMS: dict = {}  # device -> the stream of ``bwd_side_sms``' pull
 
 
@@ -821,6 +848,19 @@ def runs_gluon_dx(cfg: MoKConfig, phases: int = 15) -> bool:
         raise ValueError("bwd_dx_gluon=True is invalid here: allowed only on an sm_90 GPU "
                          "(Gluon kernels do not run in Triton's interpreter)")
     return on
+
+
+def dx_rows_buffer(ws: Workspace, sc: BackwardScratch) -> torch.Tensor | None:
+    """Where ``bwd_dx_rows`` puts the dX rows ([L, P, H]: the pulled dY rows' buffer, read by
+    then), or None without the knob; a clear error in real EP, where a token's dX rows
+    belong in its home rank's combine slots."""
+    if not ws.config.bwd_dx_rows:
+        return None
+    if ws.group is not None:
+        raise ValueError("bwd_dx_rows=True is invalid here: allowed only within one process "
+                         "(one rank or loopback ranks): in real EP a token's dX rows go to "
+                         "its home rank's combine slots")
+    return sc.dyg_LPH
 
 
 def gluon_dw_kinds(cfg: MoKConfig, phases: int = 15) -> int:
@@ -934,13 +974,6 @@ def backward(config: MoKConfig, ws: Workspace, context: ForwardContext, dy_TH: t
                 beside.wait_stream(main)
         if config.bwd_side_sum and split == 2:
             dx = _dx_sum(ws, bb, beside)  # the stream it runs on: beside this launch
-    if gluon_dx:  # dGU is whole once the A items' launch has ended
-        from mok_kernels._details.gl_dx import launch_dx
-
-        launch_dx(context.pre_LPF, w_gate_up, shared_gate_up, st.src_LP,
-                  backward_groups(config, st.group_LB), st.total_L, ws.comb_LTSH,
-                  ws.comb_tab_R, T=T, E=ws.E, H=H, I=ws.I, S=ws.S,
-                  band=config.bwd_dx_band, programs=L * progs)
     if gluon_dw:  # r h, dG/dU and the pulled rows are whole once the A items have ended
         from mok_kernels._details.gl_dw import launch_dw
 
@@ -949,6 +982,18 @@ def backward(config: MoKConfig, ws: Workspace, context: ForwardContext, dy_TH: t
                   shared=ws.shared, interleaved=config.gate_up_interleaved,
                   row_align=config.row_align, programs=L * progs, c=bool(gluon_dw & 4),
                   d=bool(gluon_dw & 8))
+    if gluon_dx:  # dGU is whole once the A items' launch has ended
+        from mok_kernels._details.gl_dx import launch_dx
+
+        # bwd_dx_rows: the rows into the pulled dY rows' buffer, whose readers (the dA and
+        # weight-gradient items, the launch above) are done
+        rows = dx_rows_buffer(ws, sc)
+        launch_dx(context.pre_LPF, w_gate_up, shared_gate_up, st.src_LP,
+                  backward_groups(config, st.group_LB), st.total_L, ws.comb_LTSH,
+                  ws.comb_tab_R, T=T, E=ws.E, H=H, I=ws.I, S=ws.S,
+                  band=config.bwd_dx_band, programs=L * progs, rows_LPH=rows)
+        if rows is not None:
+            dx = _dx_rows_sum(ws, rows, slot_rows(st.src_LP, L * T * ws.S))
     if dx is None:  # the sum after every launch (or no weight-gradient launch was made)
         ws.barrier()
         dx = _dx_sum(ws, bb, None)

@@ -376,6 +376,15 @@ class MoKConfig:
         (Gluon kernels do not run in Triton's interpreter). Off here; the mok backend's bf16
         default on one Hopper rank (the backward 5-6% faster at Kimi K2 48 on one H100,
         notes/mok-kernel.md, the lease of 2026-12-06 01:40).
+    bwd_dx_rows: with bwd_dx_gluon: its tiles stored whole through TMA stores into a rows
+        buffer in the schedule's row order (the pulled dY rows' buffer, read by then), which
+        run beside the next tile's K loop, instead of row by row to each row's (token, k)
+        combine slot from registers staged in shared memory; the dX sum then gathers each
+        token's rows through the inverted schedule (``slot_rows``), in the same slot order:
+        the same dx, bitwise. On the dX GEMM alone the store costs 3.4% of its time on one
+        H200 (benchmarks/gluon_dx_probe.py, plain against plain_nostore). Within one process
+        only (one rank or loopback ranks; real EP is a one-line error: a token's rows belong
+        in its home rank's slots). Off by default (not yet run on a GPU).
     bwd_dw_gluon: the backward's weight gradients (the C and D items' work) as a launch of
         its own, a warp-specialised Gluon kernel (``gl_dw``): a producer warp feeding a
         three-stage TMA ring, two consumer warpgroups each computing half of a [128, 256]
@@ -462,6 +471,7 @@ class MoKConfig:
     bwd_stages: int = 0
     bwd_dx_gluon: bool = False
     bwd_dw_gluon: bool = False
+    bwd_dx_rows: bool = False
     fp8: str = "none"
     fp8_pow2_scales: bool = False
 
@@ -577,6 +587,9 @@ class MoKConfig:
                                          and not self.bwd_side_sum),
                "bwd_dx_gluon", self.bwd_dx_gluon, "false unless the backward's row blocks "
                "are 128 rows (bwd_block_m) and neither bwd_fp8_dx nor bwd_side_sum is set")
+        _check(isinstance(self.bwd_dx_rows, bool) and (self.bwd_dx_gluon
+                                                        or not self.bwd_dx_rows),
+               "bwd_dx_rows", self.bwd_dx_rows, "true | false; true needs bwd_dx_gluon")
         _check(isinstance(self.bwd_dw_gluon, bool), "bwd_dw_gluon", self.bwd_dw_gluon,
                "true | false")
         _check(not self.bwd_dw_gluon or (self.bwd_bm % 64 == 0 and not self.bwd_fp8_wgrad

@@ -313,13 +313,14 @@ def compile_megakernel(config: MoKConfig, hidden: int, intermediate: int, *, top
 
 
 def compile_dx_gluon(hidden: int, intermediate: int, *, rows: int, slots: int, band: int = 16,
-                     shared: bool = False) -> Lowered:
+                     shared: bool = False, store_rows: bool = False) -> Lowered:
     """Compile the Gluon dX launch of ``bwd_dx_gluon`` (``gl_dx``) for sm_90 at this shape
-    (``rows`` per rank: the workspace's P; ``slots`` per token: S), then run ptxas -v on its
-    PTX. Needs Triton's Gluon Hopper API."""
+    (``rows`` per rank: the workspace's P; ``slots`` per token: S; ``store_rows``: as
+    ``bwd_dx_rows`` stores), then run ptxas -v on its PTX. Needs Triton's Gluon Hopper API."""
     from mok_kernels._details.gl_dx import compile_sm90
 
-    return _assemble(compile_sm90(rows, hidden, intermediate, slots, band, shared), 90)
+    return _assemble(compile_sm90(rows, hidden, intermediate, slots, band, shared, store_rows),
+                     90)
 
 
 def compile_dw_gluon(hidden: int, intermediate: int, *, rows: int, groups: int,

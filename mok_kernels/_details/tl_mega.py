@@ -606,3 +606,20 @@ def weighted_sum_kernel(comb_ptr, p_ptr, y_ptr, H: tl.constexpr, K: tl.constexpr
     if S > K:
         acc += tl.load(base + K * H + cols, mask=cm, other=0.0).to(tl.float32)
     tl.store(y_ptr + n * H + cols, acc.to(tl.bfloat16), mask=cm)
+
+
+@triton.jit
+def gather_sum_kernel(rows_ptr, inv_ptr, y_ptr, H: tl.constexpr, S: tl.constexpr,
+                      BH: tl.constexpr):
+    """y[n, :] = sum_s rows[inv[n * S + s], :] over the S slots of token n (``bwd_dx_rows``:
+    the dX rows in the schedule's order, ``inv`` the schedule row of every (token, slot)),
+    fp32 accumulation in fixed slot order: bitwise ``weighted_sum_kernel`` with unit
+    weights over the combine slots (1 * v + acc rounds as v + acc)."""
+    n = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BH + tl.arange(0, BH)
+    cm = cols < H
+    acc = tl.zeros((BH,), dtype=tl.float32)
+    for s in tl.static_range(S):
+        r = tl.load(inv_ptr + n * S + s).to(tl.int64)
+        acc += tl.load(rows_ptr + r * H + cols, mask=cm, other=0.0).to(tl.float32)
+    tl.store(y_ptr + n * H + cols, acc.to(tl.bfloat16), mask=cm)

@@ -138,7 +138,10 @@ def test_lean_da_epilogue_and_the_plain_one_both_match_reference():
                                   {"bwd_dw_gluon": True},
                                   {"bwd_dw_gluon": True, "bwd_split_launch": True},
                                   {"bwd_dw_gluon": True, "bwd_dx_gluon": True,
-                                   "bwd_pull_by_token": True}],
+                                   "bwd_pull_by_token": True},
+                                  {"bwd_dx_gluon": True, "bwd_dx_rows": True},
+                                  {"bwd_dx_gluon": True, "bwd_dx_rows": True,
+                                   "bwd_dw_gluon": True, "bwd_pull_by_token": True}],
                          ids=lambda rows: "+".join(f"{k}={v}" for k, v in rows.items()))
 def test_backward_variants_match_the_default_bitwise(ranks, rows):
     """bwd_fused_pull: the pull items inside the backward megakernel (rows written with plain
@@ -152,7 +155,8 @@ def test_backward_variants_match_the_default_bitwise(ranks, rows):
     two or four pipeline stages deep; bwd_dw_tma_store: their tiles stored through TMA)
     and bwd_split_launch (the dgrad and weight-gradient
     items in two launches) and bwd_dx_gluon (the dX GEMM as a warp-specialised Gluon launch
-    after the megakernel's: the same wgmma steps in the same order) and bwd_dw_gluon (the
+    after the megakernel's: the same wgmma steps in the same order; bwd_dx_rows: its rows
+    stored in the schedule's order and gathered by the dX sum) and bwd_dw_gluon (the
     weight gradients as one, likewise) give the default
     backward's gradients (and the reference's), bitwise, on a rerun as well."""
     base = dict(gate_up_interleaved=True, minibatch=256, macrobatch=768, tma=True,

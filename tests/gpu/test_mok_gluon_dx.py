@@ -74,3 +74,34 @@ def test_gluon_dx_rows_land_in_their_slots_and_nowhere_else(shared, band):
     gl_dx.launch_dx(*args, **kw)
     torch.cuda.synchronize()
     assert torch.equal(args[6].view(-1).view(torch.int16), first.view(-1).view(torch.int16))
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_gluon_dx_rows_mode_stores_every_live_row_in_place(shared):
+    """``bwd_dx_rows``: the same rows, stored whole in the schedule's order (TMA stores);
+    live rows equal the slot launch's rows bitwise, row blocks past a rank's rows in use
+    stay untouched; bitwise on a rerun."""
+    from mok_kernels._details.backward import slot_rows
+
+    args, kw, want = _case(0, shared, 16)
+    pre, w, ws, src, grp, total, comb, comb_tab = args
+    gl_dx.launch_dx(*args, **kw)  # the slot path: comb holds every live row
+    L, P = src.shape
+    H = comb.shape[-1]
+    rows = torch.full((L, P, H), float("nan"), device=DEV).bfloat16()
+    poisoned = rows.clone()
+    gl_dx.launch_dx(*args, **kw, rows_LPH=rows)
+    torch.cuda.synchronize()
+    flat = rows.view(L * P, H)
+    inv = slot_rows(src, comb.numel() // H).long()
+    written = ~torch.isnan(want[:, 0])
+    slots_flat = comb.view(-1, H)
+    assert torch.equal(flat[inv[written]].view(torch.int16),
+                       slots_flat[written].view(torch.int16))
+    for lr in range(L):  # whole blocks past the rows in use: never stored
+        assert torch.isnan(rows[lr, int(total[lr]):].float()).all()
+    first = rows.clone()
+    rows.copy_(poisoned)
+    gl_dx.launch_dx(*args, **kw, rows_LPH=rows)
+    torch.cuda.synchronize()
+    assert torch.equal(rows.view(torch.int16), first.view(torch.int16))

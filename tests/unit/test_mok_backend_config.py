@@ -394,9 +394,10 @@ def test_gluon_dx_launch_is_the_one_hopper_rank_bf16_default_and_named_in_the_va
 
 
 def test_gluon_dw_launch_is_asked_for_only_and_named_in_the_variant(monkeypatch):
-    """``bwd_dw_gluon`` (the weight gradients as a Gluon launch) is off by default, on where
-    a variant asks for it, named in the row's variant, and a one-line error in an FP8 cell
-    (whose defaults set the FP8 weight gradients it excludes)."""
+    """``bwd_dw_gluon`` (the weight gradients as a Gluon launch) and ``bwd_dx_rows`` (the
+    Gluon dX launch's rows through TMA stores) are off by default, on where a variant asks
+    for them, named in the row's variant; ``bwd_dw_gluon`` is a one-line error in an FP8
+    cell (whose defaults set the FP8 weight gradients it excludes)."""
     from mokbench.mok_backend import scenario_config, variant_text
     from mokbench.scenario import ModelShape, Scenario
 
@@ -409,6 +410,9 @@ def test_gluon_dw_launch_is_asked_for_only_and_named_in_the_variant(monkeypatch)
     assert ",dw_gluon=1" in variant_text(cfg, 7168, 2048, fp8=False, graphed=False)
     assert ",dw_gluon" not in variant_text(scenario_config(one), 7168, 2048, fp8=False,
                                            graphed=False)
+    rows = scenario_config(one, {"bwd_dx_gluon": True, "bwd_dx_rows": True})
+    assert ",dx_rows=1" in variant_text(rows, 7168, 2048, fp8=False, graphed=False)
+    assert not scenario_config(one).bwd_dx_rows
     fp8 = Scenario(shape, tokens_per_rank=16384, world_size=1, precision="fp8")
     with pytest.raises(MoKConfigError, match=r"^bwd_dw_gluon=True is invalid: allowed false "
                                              r"unless .* bwd_fp8_wgrad"):

@@ -92,6 +92,8 @@ from mok_kernels import MoKConfig, MoKConfigError, plan
     ({"bwd_dx_gluon": True, "bwd_side_sum": True, "bwd_side_sms": 8, "bwd_split_launch": True,
       "bwd_fp8_wgrad": True}, "bwd_dx_gluon"),
     ({"bwd_dw_gluon": 1}, "bwd_dw_gluon"),
+    ({"bwd_dx_rows": 1, "bwd_dx_gluon": True}, "bwd_dx_rows"),
+    ({"bwd_dx_rows": True}, "bwd_dx_rows"),
     ({"bwd_dw_gluon": True, "bwd_fp8_wgrad": True}, "bwd_dw_gluon"),
     ({"bwd_dw_gluon": True, "block_m": 32, "minibatch": 192, "macrobatch": 384},
      "bwd_dw_gluon"),

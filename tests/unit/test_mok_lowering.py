@@ -759,6 +759,21 @@ def test_gluon_dw_launch_replaces_the_c_and_d_items_only_where_gluon_runs(monkey
     assert gluon_dw_kinds(on, 1 | 2) == 0
 
 
+def test_hopper_build_of_the_gluon_dx_launch_storing_rows():
+    """``bwd_dx_rows``: the Gluon dX launch with its tiles stored through TMA (a three-stage
+    ring and four store buffers): it fits, does not spill, and stores only through TMA."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    from mok_kernels._details.lowering import compile_dx_gluon, sass_instructions
+
+    lw = compile_dx_gluon(H, I, rows=16384 * 8 + 48 * 128, slots=9, shared=True,
+                          store_rows=True)
+    assert lw.shared_bytes <= SMEM_LIMIT
+    assert not lw.spills and not lw.mma_serialized, lw.ptxas_log
+    ops = {m for _, m in sass_instructions(lw.sass())}
+    assert any(m.startswith("UTMASTG") for m in ops)
+    assert not {m for m in ops if m.startswith("STG")}
+
+
 def test_gluon_dx_launch_replaces_the_b_items_only_where_gluon_runs(monkeypatch):
     """With ``bwd_dx_gluon`` a backward whose mask holds the B items (bit 2) runs them as the
     Gluon launch, and its megakernel launches skip them (the dgrad launch of the split keeps
