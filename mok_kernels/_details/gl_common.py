@@ -1,6 +1,7 @@
 """What the backward's Gluon launches (``gl_dx``, ``gl_dw``) share: the names of Triton's
-Gluon Hopper calls across releases, the shared layout of their TMA boxes, and the staging of
-a [64, 256] bf16 tile into two [64, 128] shared buffers for TMA stores."""
+Gluon Hopper calls across releases, the shared layout of their TMA boxes, their ring's
+mbarriers, and the staging of a [64, 256] bf16 tile into two [64, 128] shared buffers for
+TMA stores."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import tma
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 # Triton 3.6 names the TMA copies async_copy_*; later releases async_load / async_store.
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -34,3 +35,16 @@ def stage_halves(out, epi_lo, epi_hi, PAIRS: gl.constexpr):
         lo, hi = out.reshape([HM, 2, HN]).permute((0, 2, 1)).split()
     epi_lo.store(lo)
     epi_hi.store(hi)
+
+
+@gluon.jit
+def ring_barriers(STAGES: gl.constexpr):
+    """The (ready, empty) mbarriers of a STAGES-slot ring filled by one producer (one arrive
+    with the expected bytes) and emptied by two consumer warpgroups (two arrives)."""
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)
+    fence_async_shared()
+    return ready, empty

@@ -41,7 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from mok_kernels._details.gl_common import nvmma_layout, stage_halves
+from mok_kernels._details.gl_common import nvmma_layout, ring_barriers, stage_halves
 from mok_kernels._details.gl_common import tma_load as _tma_load
 from mok_kernels._details.gl_common import tma_store as _tma_store
 
@@ -179,12 +179,7 @@ def dw_gluon_kernel(hs_desc, dy_desc, x_desc, dgu_desc, dw2_desc, dw1_desc, gst_
     a_ring = gl.allocate_shared_memory(hs_desc.dtype, [STAGES, BK, BM], hs_desc.layout)
     b_ring = gl.allocate_shared_memory(dy_desc.dtype, [STAGES, BK, BN], dy_desc.layout)
     epi = gl.allocate_shared_memory(gl.bfloat16, [4, BM // 2, BN // 2], dw2_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=2)
-    fence_async_shared()
+    ready, empty = ring_barriers(STAGES)
     gl.warp_specialize(
         [
             (_consumer, (0, a_ring, b_ring, ready, empty, epi.index(0), epi.index(1), dw2_desc,

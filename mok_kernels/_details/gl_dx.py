@@ -42,7 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from mok_kernels._details.gl_common import barrier as _barrier
-from mok_kernels._details.gl_common import nvmma_layout, stage_halves
+from mok_kernels._details.gl_common import nvmma_layout, ring_barriers, stage_halves
 from mok_kernels._details.gl_common import tma_load as _tma_load
 from mok_kernels._details.gl_common import tma_store as _tma_store
 
@@ -206,12 +206,7 @@ def dx_gluon_kernel(a_desc, w_desc, ws_desc, out_desc, src_ptr, grp_ptr, total_p
                                                                      gl.bfloat16)
     NEPI: gl.constexpr = 4 if ROWS else 2  # store buffers: two a warpgroup with ROWS
     epi = gl.allocate_shared_memory(gl.bfloat16, [NEPI, BM // 2, BN // 2], epi_layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=2)
-    fence_async_shared()
+    ready, empty = ring_barriers(STAGES)
     gl.warp_specialize(
         [
             (_consumer, (0, a_ring, b_ring, ready, empty, epi.index(0),
