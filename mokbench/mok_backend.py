@@ -116,7 +116,7 @@ def fp8_backward_fields(arch: int = 90, world_size: int = 1) -> dict:
     one_rank = ({"bwd_split_launch": True, "bwd_pull_interleave": True,
                  "bwd_dw_tma_store": True} if world_size == 1 else {})
     return {"bwd_fp8_da": True, "bwd_fp8_dx": True, "bwd_fp8_wgrad": True,
-            "bwd_dx_gluon": False,
+            "bwd_dx_gluon": False, "bwd_dx_rows": False,
             "bwd_fp8_block_k": 128, "bwd_pull_by_token": False, "bwd_q_count_rows": True,
             **one_rank}
 
@@ -191,7 +191,12 @@ def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int
     results/20261206-031710-h200-bf16-train, within the spread of the dX items at Kimi K2 48
     and Kimi K2 384 (38.997 and 26.579 ms against 39.060 and 26.633) and faster at Qwen3.5
     (15.982 against 16.340); off in FP8 cells (the FP8 dX items), at EP > 1 (unmeasured) and
-    on Blackwell (sm_90 code).
+    on Blackwell (sm_90 code). With it, the launch stores its tiles whole through TMA in the
+    schedule's row order and the dX sum gathers each token's rows (``bwd_dx_rows``; one
+    process only): on one H100 the profiling script timed the bf16 backward at Kimi K2 48 x
+    16384 at 38.250 and 38.087 ms against 38.872 and 38.590, at Qwen3.5 at 15.819 and 15.795
+    against 15.947 and 15.954 (alternating; dx bitwise the slot path's in the GPU tests;
+    notes/mok-kernel.md, the lease of 2026-12-06 05:30).
 
     Why: each measured faster on H200 than its alternatives, and the tile rule keeps to where
     it was measured (notes/mok-kernel.md, "Why the mok backend's defaults are what they
@@ -215,7 +220,8 @@ def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int
             "bwd_dw_stages": 4 if one_hopper else 2,
             "bwd_dx_tiles": _dx_tiles(hidden, intermediate) if one_hopper else 1,
             "bwd_pull_by_token": one_hopper,
-            "bwd_dx_gluon": one_hopper and arch == 90 and gluon_dx_available()}
+            "bwd_dx_gluon": one_hopper and arch == 90 and gluon_dx_available(),
+            "bwd_dx_rows": one_hopper and arch == 90 and gluon_dx_available()}
 
 
 def gluon_dx_available() -> bool:
@@ -298,7 +304,8 @@ def config_from_env(hidden: int, intermediate: int, defaults: dict,
     way, a backward without FP8 weight gradients the defaults ``bwd_q_count_rows`` and
     ``bwd_pull_interleave`` (which ``bwd_fused_pull`` turns off too), one
     weight-gradient tile per item the default ``bwd_dw_tma_store``, and FP8 dX items, the
-    side sum or row blocks other than 128 the default ``bwd_dx_gluon``."""
+    side sum or row blocks other than 128 the default ``bwd_dx_gluon``, and a dX without the
+    Gluon launch the default ``bwd_dx_rows``."""
     from mok_kernels import MoKConfig
 
     fields = dict(defaults)
@@ -328,6 +335,8 @@ def config_from_env(hidden: int, intermediate: int, defaults: dict,
     if (fields.get("bwd_fp8_dx") or fields.get("bwd_side_sum")
             or (fields.get("bwd_block_m") or fields.get("block_m", 128)) != 128):
         yield_defaults(("bwd_dx_gluon",), False)  # the launch's row blocks and bf16 rows
+    if not fields.get("bwd_dx_gluon"):
+        yield_defaults(("bwd_dx_rows",), False)  # a mode of the Gluon dX launch
     if fields.get("bwd_dw_tiles", 1) <= 1:
         yield_defaults(("bwd_dw_tma_store",), False)  # its stores overlap within the items'
         # tile loops only

@@ -394,10 +394,9 @@ def test_gluon_dx_launch_is_the_one_hopper_rank_bf16_default_and_named_in_the_va
 
 
 def test_gluon_dw_launch_is_asked_for_only_and_named_in_the_variant(monkeypatch):
-    """``bwd_dw_gluon`` (the weight gradients as a Gluon launch) and ``bwd_dx_rows`` (the
-    Gluon dX launch's rows through TMA stores) are off by default, on where a variant asks
-    for them, named in the row's variant; ``bwd_dw_gluon`` is a one-line error in an FP8
-    cell (whose defaults set the FP8 weight gradients it excludes)."""
+    """``bwd_dw_gluon`` (the weight gradients as a Gluon launch) is off by default, on where
+    a variant asks for it, named in the row's variant; a one-line error in an FP8 cell (whose
+    defaults set the FP8 weight gradients it excludes)."""
     from mokbench.mok_backend import scenario_config, variant_text
     from mokbench.scenario import ModelShape, Scenario
 
@@ -410,10 +409,37 @@ def test_gluon_dw_launch_is_asked_for_only_and_named_in_the_variant(monkeypatch)
     assert ",dw_gluon=1" in variant_text(cfg, 7168, 2048, fp8=False, graphed=False)
     assert ",dw_gluon" not in variant_text(scenario_config(one), 7168, 2048, fp8=False,
                                            graphed=False)
-    rows = scenario_config(one, {"bwd_dx_gluon": True, "bwd_dx_rows": True})
-    assert ",dx_rows=1" in variant_text(rows, 7168, 2048, fp8=False, graphed=False)
-    assert not scenario_config(one).bwd_dx_rows
     fp8 = Scenario(shape, tokens_per_rank=16384, world_size=1, precision="fp8")
     with pytest.raises(MoKConfigError, match=r"^bwd_dw_gluon=True is invalid: allowed false "
                                              r"unless .* bwd_fp8_wgrad"):
         scenario_config(fp8, {"bwd_dw_gluon": True})
+
+
+def test_dx_rows_follow_the_gluon_dx_launch_by_default_and_are_named_in_the_variant(
+        monkeypatch):
+    """``bwd_dx_rows`` (the Gluon dX launch's tiles through TMA stores in row order): on by
+    default wherever ``bwd_dx_gluon`` is (one Hopper rank, bf16, Gluon API), off where that
+    launch is off (EP 2, FP8 cells, Blackwell, a variant turning it off, the FP8 dX items);
+    asked for without the launch it is a one-line error; the row's variant names it."""
+    from mokbench.mok_backend import gluon_dx_available, scenario_config, variant_text
+    from mokbench.scenario import ModelShape, Scenario
+
+    monkeypatch.delenv(CONFIG_ENV, raising=False)
+    shape = ModelShape("kimi", 48, 7168, 2048, 8)
+    one = Scenario(shape, tokens_per_rank=16384, world_size=1)
+    assert scenario_config(one).bwd_dx_rows == gluon_dx_available()
+    for off in (scenario_config(Scenario(shape, tokens_per_rank=16384, world_size=2)),
+                scenario_config(Scenario(shape, tokens_per_rank=16384, world_size=1,
+                                         precision="fp8")),
+                scenario_config(one, arch=100),
+                scenario_config(one, {"bwd_dx_gluon": False}),
+                scenario_config(one, {"bwd_fp8_dx": True, "bwd_fp8_da": True})):
+        assert not off.bwd_dx_rows and not off.bwd_dx_gluon
+    rows = scenario_config(one, {"bwd_dx_gluon": True, "bwd_dx_rows": True})
+    assert ",dx_rows=1" in variant_text(rows, 7168, 2048, fp8=False, graphed=False)
+    plain = scenario_config(one, {"bwd_dx_gluon": True, "bwd_dx_rows": False})
+    assert plain.bwd_dx_gluon and not plain.bwd_dx_rows
+    assert ",dx_rows" not in variant_text(plain, 7168, 2048, fp8=False, graphed=False)
+    with pytest.raises(MoKConfigError, match=r"^bwd_dx_rows=True is invalid: allowed true "
+                                             r"\| false; true needs bwd_dx_gluon"):
+        scenario_config(one, {"bwd_dx_gluon": False, "bwd_dx_rows": True})

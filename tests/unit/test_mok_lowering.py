@@ -31,7 +31,8 @@ def _row_pull(*shape) -> dict:
     """``default_config_fields(*shape)`` with the row pull (see ``_defaults``), and the dX
     items inside the megakernel (``bwd_dx_gluon`` off: its launch is built by
     ``compile_dx_gluon``; the FP8 dX items these tests also build exclude it)."""
-    return {**default_config_fields(*shape), "bwd_pull_by_token": False, "bwd_dx_gluon": False}
+    return {**default_config_fields(*shape), "bwd_pull_by_token": False, "bwd_dx_gluon": False,
+            "bwd_dx_rows": False}
 
 
 @pytest.mark.parametrize("world_size, shared, experts, tokens, tiles", [
