@@ -196,7 +196,9 @@ def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int
     process only): on one H100 the profiling script timed the bf16 backward at Kimi K2 48 x
     16384 at 38.250 and 38.087 ms against 38.872 and 38.590, at Qwen3.5 at 15.819 and 15.795
     against 15.947 and 15.954 (alternating; dx bitwise the slot path's in the GPU tests;
-    notes/mok-kernel.md, the lease of 2026-12-06 05:30).
+    notes/mok-kernel.md, the lease of 2026-12-06 05:30), and in the sweep
+    results/20261206-061629-h100-mok-dx-rows at 39.103 and 16.118 ms against 39.584 and
+    16.319 (inside each other's spread; unmeasured on an H200).
 
     Why: each measured faster on H200 than its alternatives, and the tile rule keeps to where
     it was measured (notes/mok-kernel.md, "Why the mok backend's defaults are what they
