@@ -384,7 +384,10 @@ class MoKConfig:
         the same dx, bitwise. On the dX GEMM alone the store costs 3.4% of its time on one
         H200 (benchmarks/gluon_dx_probe.py, plain against plain_nostore). Within one process
         only (one rank or loopback ranks; real EP is a one-line error: a token's rows belong
-        in its home rank's slots). Off by default (not yet run on a GPU).
+        in its home rank's slots). Off here; the mok backend's bf16 default wherever
+        bwd_dx_gluon is (one H100: the backward 0.56 ms faster at Kimi K2 48 x 16384 by the
+        profiling script, results/20261206-061629-h100-mok-dx-rows; notes/mok-kernel.md,
+        the lease of 2026-12-06 05:30).
     bwd_dw_gluon: the backward's weight gradients (the C and D items' work) as a launch of
         its own, a warp-specialised Gluon kernel (``gl_dw``): a producer warp feeding a
         three-stage TMA ring, two consumer warpgroups each computing half of a [128, 256]
@@ -395,8 +398,10 @@ class MoKConfig:
         megakernel's launches then skip their C and D items, and the Gluon launch follows
         them; the same sums in the same order, so the same gradients. bf16 only (not with
         bwd_fp8_wgrad), row blocks a multiple of 64 rows (its K step), not with
-        bwd_side_sum; needs Triton's Gluon Hopper API and an sm_90 GPU. Off by default
-        (not yet timed inside the layer).
+        bwd_side_sum; needs Triton's Gluon Hopper API and an sm_90 GPU. Off by default:
+        inside the layer, on one H100, the backward at Kimi K2 48 x 16384 took 2.1 ms longer
+        with it than with the megakernel's own C and D items (notes/mok-kernel.md, the lease
+        of 2026-12-06 05:30).
     bwd_fp8_block_k: the reduction step of the backward's FP8 items (with bwd_fp8_da,
         bwd_fp8_dx or bwd_fp8_wgrad): 64 (the bf16 items' step, 128 bytes of bf16 per row)
         or 128 (128 bytes of e4m3 per row, the FP8 forward's block_k: half the K-loop
