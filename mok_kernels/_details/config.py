@@ -386,7 +386,7 @@ class MoKConfig:
         only (one rank or loopback ranks; real EP is a one-line error: a token's rows belong
         in its home rank's slots). Off here; the mok backend's bf16 default wherever
         bwd_dx_gluon is (one H100: the backward 0.56 ms faster at Kimi K2 48 x 16384 by the
-        profiling script, results/20261206-061629-h100-mok-dx-rows; notes/mok-kernel.md,
+        profiling script, 0.48 ms in results/20261206-061629-h100-mok-dx-rows; notes/mok-kernel.md,
         the lease of 2026-12-06 05:30).
     bwd_dw_gluon: the backward's weight gradients (the C and D items' work) as a launch of
         its own, a warp-specialised Gluon kernel (``gl_dw``): a producer warp feeding a
