@@ -116,7 +116,7 @@ def fp8_backward_fields(arch: int = 90, world_size: int = 1) -> dict:
     one_rank = ({"bwd_split_launch": True, "bwd_pull_interleave": True,
                  "bwd_dw_tma_store": True} if world_size == 1 else {})
     return {"bwd_fp8_da": True, "bwd_fp8_dx": True, "bwd_fp8_wgrad": True,
-            "bwd_dx_gluon": False, "bwd_dx_rows": False,
+            "bwd_dx_gluon": False, "bwd_dx_rows": False, "bwd_stages": 0,
             "bwd_fp8_block_k": 128, "bwd_pull_by_token": False, "bwd_q_count_rows": True,
             **one_rank}
 
@@ -198,7 +198,17 @@ def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int
     against 15.947 and 15.954 (alternating; dx bitwise the slot path's in the GPU tests;
     notes/mok-kernel.md, the lease of 2026-12-06 05:30), and in the sweep
     results/20261206-061629-h100-mok-dx-rows at 39.103 and 16.118 ms against 39.584 and
-    16.319 (inside each other's spread; unmeasured on an H200).
+    16.319 (inside each other's spread; unmeasured on an H200). And on one Hopper rank the
+    bf16 backward's K loops run three stages deep (``bwd_stages``; the forward keeps four):
+    the backward kernel of ``num_stages=3`` had the lower median in six of the seven
+    backward cells that timed it beside four, each inside the other's spread: on one H200 at
+    Kimi K2 48 x 16384, Kimi K2 384 x 4096 and Qwen3.5 38.713 / 26.463 / 15.963 ms against
+    38.997 / 26.579 / 15.982 (results/20261206-031710-h200-bf16-train), on one H100 at Kimi
+    K2 48 and Qwen3.5 38.836 / 16.164 against 39.103 / 16.118
+    (results/20261206-061629-h100-mok-dx-rows) and 38.741 / 16.104 against 38.956 / 16.195
+    (results/20261206-081356-h100-bf16-train); the forward stays at four, where three was
+    slower at Kimi K2 384 on the H200 (8.729 against 8.499 ms). Off (the forward's depth) in
+    FP8 cells, whose dgrad launch at three stages is untimed, at EP > 1 and on Blackwell.
 
     Why: each measured faster on H200 than its alternatives, and the tile rule keeps to where
     it was measured (notes/mok-kernel.md, "Why the mok backend's defaults are what they
@@ -223,7 +233,8 @@ def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int
             "bwd_dx_tiles": _dx_tiles(hidden, intermediate) if one_hopper else 1,
             "bwd_pull_by_token": one_hopper,
             "bwd_dx_gluon": one_hopper and arch == 90 and gluon_dx_available(),
-            "bwd_dx_rows": one_hopper and arch == 90 and gluon_dx_available()}
+            "bwd_dx_rows": one_hopper and arch == 90 and gluon_dx_available(),
+            "bwd_stages": 3 if one_hopper else 0}
 
 
 def gluon_dx_available() -> bool:

@@ -331,10 +331,10 @@ class MoKConfig:
         of the backward kernel without a depth of its own; the weight-gradient loops keep
         ``bwd_dw_stages``): 0 = ``num_stages``, the forward's, or 2, 3 or 4. With split
         gate/up columns at most 2 (see ``backward.backward_stages``). Under a 700 W limit
-        the K loops run at the clock the power allows, and on one H100 the profiling script
-        timed the bf16 backward at Kimi K2 48 x 16384 at 38.494 ms with three against 39.922
-        with four, one run each (notes/mok-kernel.md): a knob to time, 0 (the forward's)
-        until a sweep says otherwise.
+        the K loops run at the clock the power allows; three had the lower backward median in
+        six of seven sweep cells against four, on one H200 and one H100 (each inside the
+        other's spread; mokbench.mok_backend.default_config_fields cites the runs). 0 here;
+        the mok backend sets 3 in bf16 cells on one Hopper rank.
     bwd_dw_stages: pipeline stages of the flattened weight-gradient loops (with
         bwd_dw_tiles > 1): 2, or 4 (the dW_gate_up loop at four, the dW_down loop at three).
         Two is what the tiles were first timed with; it loads only one step ahead, too little

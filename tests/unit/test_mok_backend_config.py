@@ -241,7 +241,8 @@ def test_other_pulls_turn_off_the_default_pull_by_token_unless_asked_for(asked):
 def test_the_row_variant_is_what_the_gpu_runs_recorded(monkeypatch):
     """``variant_text`` at Kimi K2 48 x 16384 on one H200 (132 SMs, sm_90) gives the variant
     that the GPU run of results/20261202-051552-h200-bf16-train recorded for plain ``mok``, and
-    names the dA tiles when a variant asks for them."""
+    names the dA tiles when a variant asks for them; the defaults since that run (the Gluon
+    dX launch, the backward's K loops three stages deep) set back."""
     import json
     from pathlib import Path
 
@@ -256,11 +257,11 @@ def test_the_row_variant_is_what_the_gpu_runs_recorded(monkeypatch):
     gluon = ",dx_gluon=1"  # the default since that run, where Triton has the Gluon API
     assert (gluon in variant_text(scenario_config(cell), 7168, 2048, fp8=False,
                                   graphed=False)) == gluon_dx_available()
-    text = variant_text(scenario_config(cell, {"bwd_dx_gluon": False}), 7168, 2048, fp8=False,
-                        graphed=False)
+    then = {"bwd_dx_gluon": False, "bwd_stages": 0}
+    text = variant_text(scenario_config(cell, then), 7168, 2048, fp8=False, graphed=False)
     assert {text} == recorded
-    text = variant_text(scenario_config(cell, {"bwd_da_tiles": 2, "bwd_dx_gluon": False}), 7168,
-                        2048, fp8=False, graphed=False)
+    text = variant_text(scenario_config(cell, {**then, "bwd_da_tiles": 2}), 7168, 2048,
+                        fp8=False, graphed=False)
     assert ",da_tiles=2," in text and {text.replace(",da_tiles=2", "")} == recorded, text
 
 
@@ -443,3 +444,29 @@ def test_dx_rows_follow_the_gluon_dx_launch_by_default_and_are_named_in_the_vari
     with pytest.raises(MoKConfigError, match=r"^bwd_dx_rows=True is invalid: allowed true "
                                              r"\| false; true needs bwd_dx_gluon"):
         scenario_config(one, {"bwd_dx_gluon": False, "bwd_dx_rows": True})
+
+
+def test_backward_k_loops_run_three_stages_deep_on_one_hopper_rank_in_bf16(monkeypatch):
+    """``bwd_stages`` (the backward's dA/dX K-loop depth apart from the forward's): 3 by
+    default in bf16 cells on one Hopper rank, where the forward keeps ``num_stages`` 4; 0
+    (the forward's depth) in FP8 cells, at EP 2 and on Blackwell; a variant sets it back, and
+    the row's variant names it."""
+    from mokbench.mok_backend import scenario_config, variant_text
+    from mokbench.scenario import ModelShape, Scenario
+
+    monkeypatch.delenv(CONFIG_ENV, raising=False)
+    shape = ModelShape("kimi", 48, 7168, 2048, 8)
+    one = Scenario(shape, tokens_per_rank=16384, world_size=1)
+    cfg = scenario_config(one)
+    assert (cfg.bwd_stages, cfg.num_stages) == (3, 4)
+    assert ",stages=3" in variant_text(cfg, 7168, 2048, fp8=False, graphed=False)
+    for off in (scenario_config(Scenario(shape, tokens_per_rank=16384, world_size=2)),
+                scenario_config(Scenario(shape, tokens_per_rank=16384, world_size=1,
+                                         precision="fp8")),
+                scenario_config(one, arch=100)):
+        assert off.bwd_stages == 0
+    four = scenario_config(one, {"bwd_stages": 4})
+    assert four.bwd_stages == 4
+    assert ",stages=4" in variant_text(four, 7168, 2048, fp8=False, graphed=False)
+    with pytest.raises(MoKConfigError, match=r"^bwd_stages=1 is invalid: allowed 0 "):
+        scenario_config(one, {"bwd_stages": 1})

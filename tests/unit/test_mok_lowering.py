@@ -200,11 +200,13 @@ def test_fused_pull_backward_builds_with_async_proxy_fences(pullers):
 
 @pytest.mark.parametrize("knobs", [{"bwd_dx_tiles": 4},
                                    {"bwd_da_tiles": 4, "bwd_wide_da": False,
-                                    "bwd_dx_tiles": 1}])
+                                    "bwd_dx_tiles": 1, "bwd_stages": 4}])
 def test_tiles_per_item_backward_fits(knobs):
     """``bwd_dx_tiles`` / ``bwd_da_tiles``: four dX or dA tiles per item in one flattened
     loop (dA with one dX tile: four of each spill); it fits in shared memory and
-    spills nothing (no shared expert; with it the sm_90 build spills 96-180 bytes)."""
+    spills nothing (no shared expert; with it the sm_90 build spills 96-180 bytes). Four dA
+    tiles at the four-stage depth they were timed at (at three, the default's, Triton 3.9
+    spills 4 bytes)."""
     cfg = mk.MoKConfig.for_shape(H, I, **{**_defaults().__dict__, **knobs})
     lw = mk.compile_megakernel(cfg, H, I, kernel="backward")
     assert lw.shared_bytes <= SMEM_LIMIT, lw.shared_bytes
@@ -232,9 +234,11 @@ def test_weight_gradient_items_fit_at_their_depth(tiles, stages):
 
 def test_backward_stages_set_the_dgrad_loops_depth_alone():
     """``bwd_stages`` 3: the dA items' K loop (phase mask 17) builds with the ring of a
-    three-stage build (the shared memory of ``num_stages`` 3, less than the default's four),
-    while the forward, built from ``num_stages``, is the default's; 0 keeps the forward's."""
-    base = _defaults()
+    three-stage build (the shared memory of ``num_stages`` 3, less than four's), while the
+    forward, built from ``num_stages``, is the default's; 0 keeps the forward's. Three is the
+    backend's one-Hopper-rank bf16 default."""
+    assert _defaults().bwd_stages == 3 and _defaults().num_stages == 4
+    base = mk.MoKConfig.for_shape(H, I, **{**_defaults().__dict__, "bwd_stages": 0})
     three = mk.MoKConfig.for_shape(H, I, **{**base.__dict__, "bwd_stages": 3})
     ns3 = mk.MoKConfig.for_shape(H, I, **{**base.__dict__, "num_stages": 3})
     da = {name: mk.compile_megakernel(cfg, H, I, kernel="backward", phases=17).shared_bytes
