@@ -222,6 +222,7 @@ def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int
     loaded = bool(local_experts) and tokens * topk >= 2048 * local_experts
     tiles = 4 if loaded and arch < 100 else 1
     one_hopper = arch < 100 and world_size == 1
+    gluon_dx = one_hopper and arch == 90 and gluon_dx_available()
     return {"minibatch": mb, "macrobatch": 3 * mb, "fwd_comm_sms": 0 if world_size == 1 else 16,
             "tma": True, "gate_up_interleaved": True, "num_stages": 4,
             "compile_schedule": True, "gate_up_tiles": tiles, "down_tiles": tiles,
@@ -232,8 +233,7 @@ def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int
             "bwd_dw_stages": 4 if one_hopper else 2,
             "bwd_dx_tiles": _dx_tiles(hidden, intermediate) if one_hopper else 1,
             "bwd_pull_by_token": one_hopper,
-            "bwd_dx_gluon": one_hopper and arch == 90 and gluon_dx_available(),
-            "bwd_dx_rows": one_hopper and arch == 90 and gluon_dx_available(),
+            "bwd_dx_gluon": gluon_dx, "bwd_dx_rows": gluon_dx,
             "bwd_stages": 3 if one_hopper else 0}
 
 
