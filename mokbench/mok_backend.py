@@ -200,13 +200,16 @@ def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int
     results/20261206-061629-h100-mok-dx-rows at 39.103 and 16.118 ms against 39.584 and
     16.319 (inside each other's spread; unmeasured on an H200). And on one Hopper rank the
     bf16 backward's K loops run three stages deep (``bwd_stages``; the forward keeps four):
-    the backward kernel of ``num_stages=3`` had the lower median in six of the seven
-    backward cells that timed it beside four, each inside the other's spread: on one H200 at
+    the backward kernel at three stages had the lower median in six of the ten backward
+    cells that timed it beside four (0.07 ms lower on average), each inside the other's
+    spread: on one H200 at
     Kimi K2 48 x 16384, Kimi K2 384 x 4096 and Qwen3.5 38.713 / 26.463 / 15.963 ms against
     38.997 / 26.579 / 15.982 (results/20261206-031710-h200-bf16-train), on one H100 at Kimi
     K2 48 and Qwen3.5 38.836 / 16.164 against 39.103 / 16.118
     (results/20261206-061629-h100-mok-dx-rows) and 38.741 / 16.104 against 38.956 / 16.195
-    (results/20261206-081356-h100-bf16-train); the forward stays at four, where three was
+    (results/20261206-081356-h100-bf16-train); on one H200 at 28e36df four won all three
+    cells, 39.112 / 27.442 / 16.103 against 39.137 / 27.524 / 16.254
+    (results/20261206-100314-h200-bf16-train); the forward stays at four, where three was
     slower at Kimi K2 384 on the H200 (8.729 against 8.499 ms). Off (the forward's depth) in
     FP8 cells, whose dgrad launch at three stages is untimed, at EP > 1 and on Blackwell.
 
