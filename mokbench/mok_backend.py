@@ -60,14 +60,15 @@ def fp8_config_fields(arch: int = 90, recipe: str | None = None) -> dict:
     does not spill there, rowwise's 1x128 h tiles do; its timings: ``default_fp8_recipe``, and
     the profiling script ``benchmarks/fp8_ffn_recipes.py`` in notes/mok-kernel.md) and for
     MXFP8 on Blackwell (the M of a block-scaled tcgen05 MMA); 64 for blockwise and rowwise on
-    Hopper (their 128-row tiles spill). The backward (the BF16 one) at 128-row blocks whatever
-    the forward's (``bwd_block_m``): at Kimi 48 x 16384 on one H200 it took 48.781 ms after the
-    FP8 forward at 64-row blocks (results/20261130-215158-h200-fp8) and 41.129 at 128
-    (results/20261130-234427-h200-fp8-gpu0)."""
+    Hopper (their 128-row tiles spill). The backward (the BF16 one) at 128-row blocks
+    whatever the forward's (``bwd_block_m``): at Kimi 48 x 16384 on one H200 it took 48.781
+    ms after the FP8 forward at 64-row blocks (results/20261130-215158-h200-fp8) and 41.129
+    at 128 (results/20261130-234427-h200-fp8-gpu0). K loops four stages deep, as in every
+    FP8 run so far (the bf16 cells' three-stage forward is untimed in FP8)."""
     recipe = recipe or default_fp8_recipe(arch)
     bm = 128 if recipe == "rowwise_all" or (recipe == "mx" and arch >= 100) else 64
     return {"fp8": recipe, "gate_up_interleaved": True, "block_n": 256, "block_k": 128,
-            "tma": True, "block_m": bm, "gate_up_tiles": 1, "down_tiles": 1,
+            "tma": True, "block_m": bm, "gate_up_tiles": 1, "down_tiles": 1, "num_stages": 4,
             "bwd_block_m": 128 if bm < 128 else 0}
 
 
@@ -209,9 +210,24 @@ def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int
     (results/20261206-061629-h100-mok-dx-rows) and 38.741 / 16.104 against 38.956 / 16.195
     (results/20261206-081356-h100-bf16-train); on one H200 at 28e36df four won all three
     cells, 39.112 / 27.442 / 16.103 against 39.137 / 27.524 / 16.254
-    (results/20261206-100314-h200-bf16-train); the forward stays at four, where three was
-    slower at Kimi K2 384 on the H200 (8.729 against 8.499 ms). Off (the forward's depth) in
-    FP8 cells, whose dgrad launch at three stages is untimed, at EP > 1 and on Blackwell.
+    (results/20261206-100314-h200-bf16-train). Off (the forward's depth) in FP8 cells,
+    whose dgrad launch at three stages is untimed, at EP > 1 and on Blackwell. The bf16
+    forward's K loops run three stages deep too on one Hopper rank where the experts are
+    well loaded (four tiles per item; ``num_stages``), four elsewhere: at Kimi K2 48 x 16384
+    the training forward at three had the lower median in five of six comparisons (the
+    sweeps' ``mok@num_stages=3`` rows: 20.384 against 20.510 ms and 20.145 against 20.102
+    on one H200, results/20261206-100314-h200-bf16-train and
+    results/20261206-031710-h200-bf16-train; 19.770 against 20.172 and 19.655 against
+    20.026 on one H100, results/20261206-081356-h100-bf16-train and
+    results/20261206-061629-h100-mok-dx-rows; the profiling script on one H100, 19.664
+    against 19.833 and 19.222 against 19.881, notes/mok-kernel.md), the inference forward
+    in both H200 runs (20.033 against 20.349, 19.708 against 20.119); at Qwen3.5 (64 x
+    16384, four tiles too) the four sweeps put them within 0.03 ms of each other; at Kimi
+    K2 384 x 4096 (about 85 rows per expert, one tile per item) three was slower in both
+    H200 runs (9.120 against 8.947, 8.729 against 8.499), so four stay there. The build at
+    three stages holds 180248 bytes of shared memory against 229408 (Kimi K2 48, sm_90),
+    leaving the SM more L1; why that or the shallower ring helps is not measured. FP8 cells
+    keep four (``fp8_config_fields``; their K loops untimed at three).
 
     Why: each measured faster on H200 than its alternatives, and the tile rule keeps to where
     it was measured (notes/mok-kernel.md, "Why the mok backend's defaults are what they
@@ -227,7 +243,8 @@ def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int
     one_hopper = arch < 100 and world_size == 1
     gluon_dx = one_hopper and arch == 90 and gluon_dx_available()
     return {"minibatch": mb, "macrobatch": 3 * mb, "fwd_comm_sms": 0 if world_size == 1 else 16,
-            "tma": True, "gate_up_interleaved": True, "num_stages": 4,
+            "tma": True, "gate_up_interleaved": True,
+            "num_stages": 3 if one_hopper and tiles == 4 else 4,
             "compile_schedule": True, "gate_up_tiles": tiles, "down_tiles": tiles,
             "bwd_dx_tma": arch < 100, "bwd_wide_da": arch < 100,
             "bwd_pull_dedup": world_size > 1, "skew_down": one_hopper,

@@ -242,7 +242,7 @@ def test_the_row_variant_is_what_the_gpu_runs_recorded(monkeypatch):
     """``variant_text`` at Kimi K2 48 x 16384 on one H200 (132 SMs, sm_90) gives the variant
     that the GPU run of results/20261202-051552-h200-bf16-train recorded for plain ``mok``, and
     names the dA tiles when a variant asks for them; the defaults since that run (the Gluon
-    dX launch, the backward's K loops three stages deep) set back."""
+    dX launch, the K loops three stages deep) set back."""
     import json
     from pathlib import Path
 
@@ -257,7 +257,7 @@ def test_the_row_variant_is_what_the_gpu_runs_recorded(monkeypatch):
     gluon = ",dx_gluon=1"  # the default since that run, where Triton has the Gluon API
     assert (gluon in variant_text(scenario_config(cell), 7168, 2048, fp8=False,
                                   graphed=False)) == gluon_dx_available()
-    then = {"bwd_dx_gluon": False, "bwd_stages": 0}
+    then = {"bwd_dx_gluon": False, "bwd_stages": 0, "num_stages": 4}
     text = variant_text(scenario_config(cell, then), 7168, 2048, fp8=False, graphed=False)
     assert {text} == recorded
     text = variant_text(scenario_config(cell, {**then, "bwd_da_tiles": 2}), 7168, 2048,
@@ -448,9 +448,9 @@ def test_dx_rows_follow_the_gluon_dx_launch_by_default_and_are_named_in_the_vari
 
 def test_backward_k_loops_run_three_stages_deep_on_one_hopper_rank_in_bf16(monkeypatch):
     """``bwd_stages`` (the backward's dA/dX K-loop depth apart from the forward's): 3 by
-    default in bf16 cells on one Hopper rank, where the forward keeps ``num_stages`` 4; 0
-    (the forward's depth) in FP8 cells, at EP 2 and on Blackwell; a variant sets it back, and
-    the row's variant names it."""
+    default in bf16 cells on one Hopper rank, whatever the forward's ``num_stages``; 0 (the
+    forward's depth) in FP8 cells, at EP 2 and on Blackwell; a variant sets it back, and the
+    row's variant names it."""
     from mokbench.mok_backend import scenario_config, variant_text
     from mokbench.scenario import ModelShape, Scenario
 
@@ -458,8 +458,9 @@ def test_backward_k_loops_run_three_stages_deep_on_one_hopper_rank_in_bf16(monke
     shape = ModelShape("kimi", 48, 7168, 2048, 8)
     one = Scenario(shape, tokens_per_rank=16384, world_size=1)
     cfg = scenario_config(one)
-    assert (cfg.bwd_stages, cfg.num_stages) == (3, 4)
+    assert cfg.bwd_stages == 3
     assert ",stages=3" in variant_text(cfg, 7168, 2048, fp8=False, graphed=False)
+    assert scenario_config(one, {"num_stages": 4}).bwd_stages == 3
     for off in (scenario_config(Scenario(shape, tokens_per_rank=16384, world_size=2)),
                 scenario_config(Scenario(shape, tokens_per_rank=16384, world_size=1,
                                          precision="fp8")),
@@ -470,3 +471,34 @@ def test_backward_k_loops_run_three_stages_deep_on_one_hopper_rank_in_bf16(monke
     assert ",stages=4" in variant_text(four, 7168, 2048, fp8=False, graphed=False)
     with pytest.raises(MoKConfigError, match=r"^bwd_stages=1 is invalid: allowed 0 "):
         scenario_config(one, {"bwd_stages": 1})
+
+
+def test_forward_k_loops_run_three_stages_deep_where_one_hopper_rank_is_well_loaded(
+        monkeypatch):
+    """``num_stages`` (the forward's K-loop depth): 3 in bf16 cells on one Hopper rank where
+    the experts average at least 2048 rows (four tiles per item: Kimi K2 48 x 16384, Qwen3.5
+    64 x 16384), 4 where they do not (Kimi K2 384 x 4096, 85 rows per expert), in FP8 cells,
+    at EP 2 and on Blackwell; a variant sets it back without moving the backward's depth,
+    and the row's variant names it."""
+    from mokbench.mok_backend import scenario_config, variant_text
+    from mokbench.scenario import ModelShape, Scenario
+
+    monkeypatch.delenv(CONFIG_ENV, raising=False)
+    kimi48, kimi384 = ModelShape("kimi", 48, 7168, 2048, 8), ModelShape("kimi", 384, 7168,
+                                                                         2048, 8)
+    qwen = ModelShape("qwen", 64, 4096, 1024, 10)
+    one = Scenario(kimi48, tokens_per_rank=16384, world_size=1)
+    for loaded in (one, Scenario(qwen, tokens_per_rank=16384, world_size=1)):
+        cfg = scenario_config(loaded)
+        assert (cfg.num_stages, cfg.gate_up_tiles, cfg.bwd_stages) == (3, 4, 3)
+    assert ",num_stages=3," in variant_text(scenario_config(one), 7168, 2048, fp8=False,
+                                            graphed=False)
+    for four in (scenario_config(Scenario(kimi384, tokens_per_rank=4096, world_size=1)),
+                 scenario_config(Scenario(kimi48, tokens_per_rank=16384, world_size=2)),
+                 scenario_config(Scenario(kimi48, tokens_per_rank=16384, world_size=1,
+                                          precision="fp8")),
+                 scenario_config(one, arch=100)):
+        assert four.num_stages == 4
+    back = scenario_config(one, {"num_stages": 4})
+    assert (back.num_stages, back.bwd_stages) == (4, 3)
+    assert ",num_stages=4," in variant_text(back, 7168, 2048, fp8=False, graphed=False)
