@@ -214,14 +214,16 @@ def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int
     whose dgrad launch at three stages is untimed, at EP > 1 and on Blackwell. The bf16
     forward's K loops run three stages deep too on one Hopper rank where the experts are
     well loaded (four tiles per item; ``num_stages``), four elsewhere: at Kimi K2 48 x 16384
-    the training forward at three had the lower median in five of six comparisons (the
+    the training forward at three had the lower median in seven of eight comparisons (the
     sweeps' ``mok@num_stages=3`` rows: 20.384 against 20.510 ms and 20.145 against 20.102
     on one H200, results/20261206-100314-h200-bf16-train and
     results/20261206-031710-h200-bf16-train; 19.770 against 20.172 and 19.655 against
     20.026 on one H100, results/20261206-081356-h100-bf16-train and
     results/20261206-061629-h100-mok-dx-rows; the profiling script on one H100, 19.664
-    against 19.833 and 19.222 against 19.881, notes/mok-kernel.md), the inference forward
-    in both H200 runs (20.033 against 20.349, 19.708 against 20.119); at Qwen3.5 (64 x
+    against 19.833 and 19.222 against 19.881, and with this rule in place 19.748 against
+    20.088 and 19.522 against 19.791, alternating, notes/mok-kernel.md), the inference
+    forward in both H200 runs (20.033 against 20.349, 19.708 against 20.119) and in both
+    of those last pairs (19.178 against 19.847, 19.188 against 20.452); at Qwen3.5 (64 x
     16384, four tiles too) the four sweeps put them within 0.03 ms of each other; at Kimi
     K2 384 x 4096 (about 85 rows per expert, one tile per item) three was slower in both
     H200 runs (9.120 against 8.947, 8.729 against 8.499), so four stay there. The build at
