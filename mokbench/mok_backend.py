@@ -200,7 +200,7 @@ def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int
     notes/mok-kernel.md, the lease of 2026-12-06 05:30), and in the sweep
     results/20261206-061629-h100-mok-dx-rows at 39.103 and 16.118 ms against 39.584 and
     16.319 (inside each other's spread; unmeasured on an H200). And on one Hopper rank the
-    bf16 backward's K loops run three stages deep (``bwd_stages``; the forward keeps four):
+    bf16 backward's K loops run three stages deep (``bwd_stages``, whatever the forward's):
     the backward kernel at three stages had the lower median in six of the ten backward
     cells that timed it beside four (0.07 ms lower on average), each inside the other's
     spread: on one H200 at
