@@ -235,10 +235,11 @@ def test_weight_gradient_items_fit_at_their_depth(tiles, stages):
 def test_backward_stages_set_the_dgrad_loops_depth_alone():
     """``bwd_stages`` 3: the dA items' K loop (phase mask 17) builds with the ring of a
     three-stage build (the shared memory of ``num_stages`` 3, less than four's), while the
-    forward, built from ``num_stages``, is the default's; 0 keeps the forward's. Three is the
-    backend's one-Hopper-rank bf16 default."""
-    assert _defaults().bwd_stages == 3 and _defaults().num_stages == 4
-    base = mk.MoKConfig.for_shape(H, I, **{**_defaults().__dict__, "bwd_stages": 0})
+    forward, built from ``num_stages`` (4 here), is unchanged; 0 keeps the forward's. Three is
+    the backend's one-Hopper-rank bf16 default for both at this well-loaded shape."""
+    assert _defaults().bwd_stages == 3 and _defaults().num_stages == 3
+    base = mk.MoKConfig.for_shape(H, I, **{**_defaults().__dict__, "bwd_stages": 0,
+                                           "num_stages": 4})
     three = mk.MoKConfig.for_shape(H, I, **{**base.__dict__, "bwd_stages": 3})
     ns3 = mk.MoKConfig.for_shape(H, I, **{**base.__dict__, "num_stages": 3})
     da = {name: mk.compile_megakernel(cfg, H, I, kernel="backward", phases=17).shared_bytes
