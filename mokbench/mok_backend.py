@@ -246,7 +246,7 @@ def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int
     gluon_dx = one_hopper and arch == 90 and gluon_dx_available()
     return {"minibatch": mb, "macrobatch": 3 * mb, "fwd_comm_sms": 0 if world_size == 1 else 16,
             "tma": True, "gate_up_interleaved": True,
-            "num_stages": 3 if one_hopper and tiles == 4 else 4,
+            "num_stages": 3 if one_hopper and loaded else 4,
             "compile_schedule": True, "gate_up_tiles": tiles, "down_tiles": tiles,
             "bwd_dx_tma": arch < 100, "bwd_wide_da": arch < 100,
             "bwd_pull_dedup": world_size > 1, "skew_down": one_hopper,
