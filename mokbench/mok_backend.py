@@ -212,9 +212,9 @@ def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int
     cells, 39.112 / 27.442 / 16.103 against 39.137 / 27.524 / 16.254
     (results/20261206-100314-h200-bf16-train); on one H100 at 85f053d three won both,
     38.885 / 16.191 against 39.167 / 16.223 (results/20261206-132810-h100-bf16-train).
-    Off (the forward's depth) in FP8 cells, whose dgrad launch at three stages is untimed, at EP
-    > 1 and on Blackwell. The bf16 forward's K loops run three stages deep too on one Hopper
-    rank where the experts are well loaded (four tiles per item; ``num_stages``), four
+    Off (the forward's depth) in FP8 cells, whose dgrad launch at three stages is untimed,
+    at EP above 1 and on Blackwell. The bf16 forward's K loops run three stages deep too on
+    one Hopper rank where the experts are well loaded (four tiles per item; ``num_stages``), four
     elsewhere: at Kimi K2 48 x 16384 the training forward at three had the lower median in eight
     of nine comparisons (the sweeps' ``mok@num_stages=3`` rows: 20.384 against 20.510 ms and
     20.145 against 20.102 on one H200, results/20261206-100314-h200-bf16-train and
