@@ -332,9 +332,9 @@ class MoKConfig:
         ``bwd_dw_stages``): 0 = ``num_stages``, the forward's, or 2, 3 or 4. With split
         gate/up columns at most 2 (see ``backward.backward_stages``). Under a 700 W limit
         the K loops run at the clock the power allows; three had the lower backward median in
-        eight of twelve sweep cells against four, on H200s and H100s (each inside the
-        other's spread, 0.08 ms lower on average; mokbench.mok_backend.default_config_fields cites
-        the runs). 0 here; the mok backend sets 3 in bf16 cells on one Hopper rank.
+        most sweep cells against four, on H200s and H100s, each inside the other's spread
+        (mokbench.mok_backend.default_config_fields cites the runs and the count). 0 here;
+        the mok backend sets 3 in bf16 cells on one Hopper rank.
     bwd_dw_stages: pipeline stages of the flattened weight-gradient loops (with
         bwd_dw_tiles > 1): 2, or 4 (the dW_gate_up loop at four, the dW_down loop at three).
         Two is what the tiles were first timed with; it loads only one step ahead, too little
