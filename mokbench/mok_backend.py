@@ -201,9 +201,9 @@ def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int
     results/20261206-061629-h100-mok-dx-rows at 39.103 and 16.118 ms against 39.584 and
     16.319 (inside each other's spread; unmeasured on an H200). And on one Hopper rank the
     bf16 backward's K loops run three stages deep (``bwd_stages``, whatever the forward's):
-    the backward kernel at three stages had the lower median in eight of the twelve
-    backward cells that timed it beside four (0.08 ms lower on average), each inside the
-    other's spread: on one H200 at Kimi K2 48 x 16384, Kimi K2 384 x 4096 and Qwen3.5
+    the backward kernel at three stages had the lower median in ten of the fifteen
+    backward cells that timed it beside four, each inside the other's spread: on one H200 at
+    Kimi K2 48 x 16384, Kimi K2 384 x 4096 and Qwen3.5
     38.713 / 26.463 / 15.963 ms against 38.997 / 26.579 / 15.982
     (results/20261206-031710-h200-bf16-train), on one H100 at Kimi K2 48 and Qwen3.5 38.836
     / 16.164 against 39.103 / 16.118
@@ -211,31 +211,39 @@ def default_config_fields(hidden: int, intermediate: int, tokens: int, topk: int
     (results/20261206-081356-h100-bf16-train); on one H200 at 28e36df four won all three
     cells, 39.112 / 27.442 / 16.103 against 39.137 / 27.524 / 16.254
     (results/20261206-100314-h200-bf16-train); on one H100 at 85f053d three won both,
-    38.885 / 16.191 against 39.167 / 16.223 (results/20261206-132810-h100-bf16-train).
+    38.885 / 16.191 against 39.167 / 16.223 (results/20261206-132810-h100-bf16-train); on
+    one H200 at 96cdbb4 three won two of three, 38.893 / 26.726 / 16.153 against 38.918 /
+    26.569 / 16.166 (results/20261206-201917-h200-bf16-train).
     Off (the forward's depth) in FP8 cells, whose dgrad launch at three stages is untimed,
     at EP above 1 and on Blackwell. The bf16 forward's K loops run three stages deep too on
     one Hopper rank where the experts are well loaded (four tiles per item; ``num_stages``), four
     elsewhere: at Kimi K2 48 x 16384 the training forward at three had the lower median in eight
-    of nine comparisons (the sweeps' ``mok@num_stages=3`` rows: 20.384 against 20.510 ms and
+    of twelve comparisons (the sweeps' ``mok@num_stages=3`` rows: 20.384 against 20.510 ms and
     20.145 against 20.102 on one H200, results/20261206-100314-h200-bf16-train and
     results/20261206-031710-h200-bf16-train; the default against ``mok@num_stages=4``, 19.855
     against 19.933 on one H100, results/20261206-132810-h100-bf16-train; 19.770 against 20.172
     and 19.655 against 20.026 on one H100, results/20261206-081356-h100-bf16-train and
     results/20261206-061629-h100-mok-dx-rows; the profiling script on one H100, 19.664 against
     19.833 and 19.222 against 19.881, and with this rule in place 19.748 against 20.088 and
-    19.522 against 19.791, alternating, notes/mok-kernel.md), the inference forward in both H200
-    runs (20.033 against 20.349, 19.708 against 20.119), in the H100 sweep at 85f053d (19.514
-    against 20.073) and in both of those last pairs (19.178 against 19.847, 19.188 against
-    20.452); at Qwen3.5 (64 x 16384, four tiles too) the five sweeps put them within 0.03 ms of
-    each other; at Kimi K2 384 x 4096 (about 85 rows per expert, one tile per item) three was
+    19.522 against 19.791, alternating, notes/mok-kernel.md; but on one H200 at 96cdbb4 the
+    default's 20.667 and the same forward's 20.395 and 20.278 in the ``mok@bwd_dx_rows=false``
+    and ``mok@bwd_stages=4`` rows against ``mok@num_stages=4``'s 20.252,
+    results/20261206-201917-h200-bf16-train), the inference forward in the three H200 runs
+    (20.033 against 20.349, 19.708 against 20.119, and at 96cdbb4 19.825, 19.965 and 20.210
+    against 20.248), in the H100 sweep at 85f053d (19.514 against 20.073) and in both of those
+    last pairs (19.178 against 19.847, 19.188 against 20.452); at Qwen3.5 (64 x 16384, four
+    tiles too) the five sweeps before 96cdbb4 put them within 0.03 ms of each other, and that
+    one's three-stage rows were 0.015 to 0.086 ms ahead of four; at Kimi K2 384 x 4096 (about
+    85 rows per expert, one tile per item) three was
     slower in both H200 runs (9.120 against 8.947, 8.729 against 8.499), so four stay there. The
     build at three stages holds 180248 bytes of shared memory against 229408 (Kimi K2 48,
     sm_90), leaving the SM more L1; why that or the shallower ring helps is not measured. FP8
     cells keep four (``fp8_config_fields``; their K loops untimed at three).
 
-    Why: each measured faster on H200 than its alternatives, and the tile rule keeps to where
-    it was measured (notes/mok-kernel.md, "Why the mok backend's defaults are what they
-    are")."""
+    Why: each measured faster on Hopper than its alternatives (the forward's three stages on
+    H100; on H200 the two depths are within noise of each other at Kimi K2 48, the three runs
+    above splitting them), and the tile rule keeps to where it was measured
+    (notes/mok-kernel.md, "Why the mok backend's defaults are what they are")."""
     from mok_kernels import plan
 
     bound = plan(hidden, intermediate, num_sms, 0).minibatch
