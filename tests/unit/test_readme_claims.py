@@ -62,7 +62,7 @@ def _speedups(run: str, scenarios: list[str], pass_: str, column: str,
 # The "Where mok stands" table: (row label start, run, scenario id prefixes in the row's order
 # [, the row's mok backend when not plain mok, or (forward's, backward's) backends]).
 STANDS = [
-    ("| one GPU, bf16:", ["20261206-100314-h200-bf16-train",
+    ("| one GPU, bf16:", ["20261206-201917-h200-bf16-train",
                          "20261206-033130-h200-bf16-train-presets",
                          "20261203-062448-h200-bf16-train-presets"],
      ["kimi-k2-e48-", "kimi-k2.7-code-E48", "kimi-k2-e384-", "qwen3.5-397b-E64", "glm-5.2-E32",
