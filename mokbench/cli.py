@@ -98,13 +98,16 @@ def sweep(
     calibrate_first: bool = typer.Option(False, "--calibrate", help="measure ceilings first"),
     parallel: int = typer.Option(1, help="cells at once on this node, each on GPUs of its own "
                                          "(a cell of world size W takes W GPUs)"),
+    rounds: int = typer.Option(None, help="run each scenario's cells R times, the order rotated "
+                                          "each round, rows pooled (default: the sweep's "
+                                          "[timing] rounds, else 1)"),
 ) -> None:
     """Expand a sweep into cells and run each through torchrun; print the summary."""
     run_dir = _run_sweep_stoppable(
         sweep_file, backends=_split(backends), nproc_per_node=nproc_per_node, nnodes=nnodes,
         node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, out=out, resume=resume,
         dry_run=dry_run, timeout_s=timeout_s, device=device, calibrate_first=calibrate_first,
-        console=console, parallel=parallel)
+        console=console, parallel=parallel, rounds=rounds)
     if run_dir is not None and node_rank == 0:
         _print_report(run_dir, finish=True)
 

@@ -380,23 +380,28 @@ class CellRunner:
                 for r in rows:
                     self.writer.append(r)
 
-    def run(self, cell: Cell, index: int = 0, gpus: tuple[str, ...] | None = None
-            ) -> list[dict]:
+    def run(self, cell: Cell, index: int = 0, gpus: tuple[str, ...] | None = None,
+            round_: int = 0, rounds: int = 1) -> list[dict]:
         """Launch the cell, wait (bounded), and write one row per pass (none where this node
         takes no part in the cell, or when :meth:`stop_all` stopped it). ``gpus``: the GPUs
-        the cell gets (``--parallel``), else every GPU of the node."""
+        the cell gets (``--parallel``), else every GPU of the node. ``round_`` of ``rounds``
+        (:mod:`mokbench.rounds`): each round's results are kept in the cells folder and the
+        rows, pooled over every round, are written after the last; earlier rounds write none."""
         if not takes_part(cell, self.opts):
             return []
+        last = round_ == rounds - 1
         try:
             reason = placement_reason(cell, self.opts) or self.host_reason(cell)
         except Exception as exc:  # noqa: BLE001 - a broken adapter fails its cells only
+            if not last:
+                return []
             rows = [self._row(cell, p, status="failed",
                               reason=f"adapter failed to load: {type(exc).__name__}: {exc}")
                     for p in cell.scenario.passes]
             self._emit(rows)
             return rows
         if reason:
-            return self.skip(cell, reason)
+            return self.skip(cell, reason) if last else []
         cell_file = self.cells_dir / f"{cell.stem}.json"
         cell_file.write_text(json.dumps({"scenario": cell.scenario.to_dict(),
                                          "backend": cell.backend, "run_id": self.run_id}))
@@ -421,18 +426,50 @@ class CellRunner:
         if self.stopping:
             return []
         log_text = log_path.read_text(errors="replace") if log_path.exists() else ""
-        rows = []
+        results = {}
         for p in cell.scenario.passes:
             res_file = self.cells_dir / f"{cell.stem}.{p}.json"
             if res_file.exists():
-                result = json.loads(res_file.read_text())
-                rows.append(self._row(cell, p, cell_wall_s=wall, **extra, **result))
+                results[p] = {"cell_wall_s": wall, **extra, **json.loads(res_file.read_text())}
             elif timed_out:
-                rows.append(self._row(cell, p, status="timeout", cell_wall_s=wall, **extra,
-                                      reason=f"timeout after {self.opts.timeout_s:g} s: "
-                                             + _tail(log_text)))
+                results[p] = {"status": "timeout", "cell_wall_s": wall, **extra,
+                              "reason": f"timeout after {self.opts.timeout_s:g} s: "
+                                        + _tail(log_text)}
             else:
-                rows.append(self._row(cell, p, status="failed", cell_wall_s=wall, **extra,
-                                      reason=f"{exit_text(rc)}: " + _tail(log_text)))
+                results[p] = {"status": "failed", "cell_wall_s": wall, **extra,
+                              "reason": f"{exit_text(rc)}: " + _tail(log_text)}
+        if rounds > 1:
+            if not self.opts.writes_rows:  # another node's files are node 0's to pool
+                return []
+            results = self._pool_rounds(cell, results, round_, rounds)
+            if results is None:
+                return []
+        rows = [self._row(cell, p, **results[p]) for p in cell.scenario.passes]
         self._emit(rows)
         return rows
+
+    def _pool_rounds(self, cell: Cell, results: dict[str, dict], round_: int, rounds: int
+                     ) -> dict[str, dict] | None:
+        """Keep this round's results per pass (``STEM.rN.PASS.json``, the log as
+        ``STEM.rN.log``); after the last round, the results pooled over every round
+        (:func:`mokbench.rounds.pool`), else None. A round whose file is missing (a round
+        of an earlier, stopped sweep) counts as failed."""
+        from mokbench.rounds import pool
+
+        log = self.cells_dir / f"{cell.stem}.log"
+        if log.exists():
+            log.replace(self.cells_dir / f"{cell.stem}.r{round_}.log")
+        for p, result in results.items():
+            self.cells_dir.joinpath(f"{cell.stem}.r{round_}.{p}.json").write_text(
+                json.dumps(result, default=str))
+        if round_ < rounds - 1:
+            return None
+        pooled = {}
+        for p in cell.scenario.passes:
+            per_round = []
+            for k in range(rounds):
+                f = self.cells_dir / f"{cell.stem}.r{k}.{p}.json"
+                per_round.append(json.loads(f.read_text()) if f.exists() else
+                                 {"status": "failed", "reason": "no result of this round"})
+            pooled[p] = pool(per_round)
+        return pooled

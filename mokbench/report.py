@@ -66,6 +66,20 @@ FORMULA_NOTE = (
 )
 
 
+def rounds_note(summary: pd.DataFrame) -> str | None:
+    """What a pooled row means, for runs with ``rounds`` > 1 (:mod:`mokbench.rounds`)."""
+    if "rounds" not in summary:
+        return None
+    rounds = pd.to_numeric(summary["rounds"], errors="coerce")
+    if not (rounds.fillna(1) > 1).any():
+        return None
+    n = int(rounds.max())
+    return (f"Rounds: each scenario's cells ran {n} times, round r in the sweep's order rotated "
+            "by r cells; a row's median, p10 and p90 are over every round's timed iterations, "
+            "its error the worst round's (round_medians_ms in rows.jsonl holds each round's "
+            "median).")
+
+
 class ReportError(RuntimeError):
     """A report cannot be written (unknown format, missing optional dependency, no rows)."""
 
@@ -204,7 +218,8 @@ def summarize(df: pd.DataFrame, env: dict[str, Any] | None) -> pd.DataFrame:
 def render_rich(summary: pd.DataFrame, console: Console) -> None:
     """Print one table per pass to ``console``, then the legend and what the numbers mean
     (see :mod:`mokbench.tables`)."""
-    tables.render(summary, console, notes=(TIMING_NOTE,))
+    tables.render(summary, console,
+                  notes=(TIMING_NOTE, *filter(None, [rounds_note(summary)])))
 
 
 # ---------------------------------------------------------------- markdown
@@ -359,6 +374,8 @@ def to_markdown(summary: pd.DataFrame, env: dict[str, Any], run_id: str,
     cells of the sweep that have no rows (``not_run``) and the ``charts`` (paths relative to
     the report) as images."""
     parts = [f"# mokbench report: {run_id}", "", TIMING_NOTE, "", FORMULA_NOTE, ""]
+    if not summary.empty and rounds_note(summary):
+        parts += [rounds_note(summary), ""]
     if not summary.empty and not modes_recorded(summary):
         parts += [OLD_RUN_NOTE, ""]
     env_lines = _md_env(env)

@@ -23,7 +23,8 @@ from mokbench.launch import (
     torchrun_command,
 )
 from mokbench.results import make_run_id, read_env, read_rows, write_env
-from mokbench.sweep import Sweep, expand, load_sweep, read_sweep_text
+from mokbench.rounds import rotated
+from mokbench.sweep import Sweep, check_rounds, expand, load_sweep, read_sweep_text
 
 CPU_DEFAULT_RANKS = 2
 DESCRIPTION_CHARS = 40  # the progress bar's label, so bar and counts fit 80 columns
@@ -82,7 +83,7 @@ def _load(sweep_file, data, opts: LaunchOptions, backends) -> Sweep:
 
 
 def _prepare_run_dir(sw: Sweep, out: Path, resume: Path | None, opts: LaunchOptions,
-                     backends: list[str] | None = None) -> Path:
+                     backends: list[str] | None = None, rounds: int = 1) -> Path:
     if resume is not None:
         return Path(resume)
     run_dir = Path(out) / make_run_id(sw.name)
@@ -102,6 +103,8 @@ def _prepare_run_dir(sw: Sweep, out: Path, resume: Path | None, opts: LaunchOpti
             env["backends"] = list(backends)
         if sw.env:  # the sweep's [env], set in every cell's processes
             env["sweep_env"] = dict(sw.env)
+        if rounds > 1:  # mokbench.rounds; --resume runs the rest with as many
+            env["rounds"] = rounds
         write_env(run_dir, env)
     return run_dir
 
@@ -155,20 +158,29 @@ def run_sweep(sweep_file: Path | None, *, data: dict | None = None, backends=Non
               rdzv_endpoint: str = "localhost:29500", out: Path = Path("results"),
               resume: Path | None = None, dry_run: bool = False, timeout_s: float = 900.0,
               device: str = "auto", calibrate_first: bool = False,
-              console: Console | None = None, parallel: int = 1) -> Path | None:
+              console: Console | None = None, parallel: int = 1,
+              rounds: int | None = None) -> Path | None:
     """Run (or, with ``dry_run``, print) every cell of a sweep. Returns the run folder.
-    ``parallel``: cells at once on this node, each on GPUs of its own (launch module)."""
+    ``parallel``: cells at once on this node, each on GPUs of its own (launch module).
+    ``rounds``: each scenario's cells run that many times, the order rotated, the rows pooled
+    (:mod:`mokbench.rounds`); default the sweep's ``[timing] rounds`` (a resumed run's own)."""
     console = console or Console()
+    if rounds is not None:
+        check_rounds(rounds)
     if resume is not None:
         nproc_per_node, nnodes = _resume_options(resume, nproc_per_node, nnodes)
     opts = _options(nproc_per_node, 1 if nnodes is None else nnodes, node_rank, rdzv_endpoint,
                     timeout_s, device, parallel)
     sw = (_resume_sweep(resume, opts, backends, sweep_file) if resume is not None
           else _load(sweep_file, data, opts, backends))
+    rounds = _rounds(rounds, sw, resume)
+    if rounds > 1 and opts.parallel > 1:
+        raise InputError(f"parallel={opts.parallel} is invalid with rounds {rounds}: allowed 1 "
+                         "(rounds run each scenario's cells one after the other)")
     if dry_run:
-        print_dry_run(sw, opts, console)
+        print_dry_run(sw, opts, console, rounds)
         return None
-    run_dir = _prepare_run_dir(sw, out, resume, opts, backends)
+    run_dir = _prepare_run_dir(sw, out, resume, opts, backends, rounds)
     run_id = run_dir.name
     if calibrate_first and opts.writes_rows:
         try:
@@ -180,18 +192,30 @@ def run_sweep(sweep_file: Path | None, *, data: dict | None = None, backends=Non
     todo = [(i, c) for i, c in enumerate(sw.cells) if c.key not in done]
     runner = CellRunner(run_dir, run_id, opts, sw.env)
     console.print(f"run [bold]{run_id}[/bold]: {len(todo)} cells to run"
+                  + (f", {rounds} rounds each" if rounds > 1 else "")
                   + (f" ({len(done)} already finished)" if done else ""))
     try:
-        _run_cells(runner, todo, opts, console)
+        _run_cells(runner, rotated(todo, rounds), opts, console, rounds)
     except KeyboardInterrupt as stop:  # the caller reports the finished rows of this folder
         stop.run_dir = run_dir
         raise
     return run_dir
 
 
-def _run_cells(runner: CellRunner, todo: list, opts: LaunchOptions, console: Console) -> None:
-    """Run the cells ``todo`` ((index, cell) pairs) one by one or ``opts.parallel`` at once,
-    printing each row as it lands, under a progress bar."""
+def _rounds(given: int | None, sw: Sweep, resume: Path | None) -> int:
+    """The rounds a run takes: ``--rounds``, else a resumed run's own (env.json), else the
+    sweep's ``[timing] rounds``."""
+    if given is not None:
+        return given
+    if resume is not None and read_env(resume).get("rounds"):
+        return check_rounds(read_env(resume)["rounds"])
+    return sw.rounds
+
+
+def _run_cells(runner: CellRunner, todo: list, opts: LaunchOptions, console: Console,
+               rounds: int = 1) -> None:
+    """Run the cells ``todo`` ((index, cell, round) triples) one by one or ``opts.parallel``
+    at once, printing each row as it lands, under a progress bar."""
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console, transient=False) as progress:
         task = progress.add_task("sweep", total=len(todo))
@@ -213,17 +237,21 @@ def _run_cells(runner: CellRunner, todo: list, opts: LaunchOptions, console: Con
             progress.advance(task)
 
         if opts.parallel == 1:
-            for index, cell in todo:
+            for index, cell, round_ in todo:
                 started(cell)
-                finished(cell, runner.run(cell, index))
+                finished(cell, runner.run(cell, index, round_=round_, rounds=rounds))
         else:
-            run_parallel(runner, todo, opts, started, finished)
+            run_parallel(runner, [(i, c) for i, c, _ in todo], opts, started, finished)
 
 
-def print_dry_run(sw: Sweep, opts: LaunchOptions, console: Console) -> None:
+def print_dry_run(sw: Sweep, opts: LaunchOptions, console: Console, rounds: int = 1) -> None:
     """Each cell and what this node does with it, decided as the run decides: the torchrun
     command it launches, a placement skip, or no part (multi-node, beyond the cell's nodes).
     Skips that depend on the backend's packages or GPU are decided on the node at run time."""
+    if rounds > 1:
+        console.print(f"{rounds} rounds: each scenario's cells run {rounds} times, round r in "
+                      "this order rotated by r cells, each row pooled over its rounds",
+                      soft_wrap=True, markup=False)
     for i, cell in enumerate(sw.cells):
         console.print(f"[bold]{cell.scenario.scenario_id}[/bold] {cell.backend}", soft_wrap=True,
                       highlight=False)

@@ -8,6 +8,7 @@ A sweep file::
     [timing]
     warmup = 3
     iters = 10
+    rounds = 1                                 # each scenario's cells R times, order rotated
     [[scenarios]]                              # list-valued fields expand as a grid
     preset = "qwen3-30b-a3b"                   # or name + num_experts/hidden/intermediate/topk
     num_experts = 64                           # overrides the preset's value
@@ -46,7 +47,7 @@ TOP_KEYS = {"name", "description", "backends", "world_sizes", "timing", "scenari
 SHAPE_KEYS = {"preset", "name", "num_experts", "hidden", "intermediate", "topk"}
 GRID_KEYS = {"tokens_per_rank", "precision", "routing", "zipf_s", "shared_expert", "seed"}
 SCENARIO_KEYS = SHAPE_KEYS | GRID_KEYS | {"passes", "backends", "world_sizes"}
-TIMING_KEYS = {"warmup", "iters"}
+TIMING_KEYS = {"warmup", "iters", "rounds"}
 # A sweep's name names its run folder: one path component, no spaces.
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,99}$")
 NAME_ALLOWED = "letters, digits and . _ + - (one folder name, at most 100 characters)"
@@ -83,6 +84,15 @@ class Sweep:
     source_text: str = ""
     source_suffix: str = ".toml"
     env: dict[str, str] = field(default_factory=dict)
+    rounds: int = 1  # [timing] rounds: each scenario's cells run this often (mokbench.rounds)
+
+
+def check_rounds(value: object) -> int:
+    """``rounds`` checked: a whole number >= 1."""
+    if not is_int(value) or value < 1:
+        raise ScenarioError(f"rounds={value!r} is invalid: allowed an integer >= 1 (each "
+                            "scenario's cells run that many times, the order rotated)")
+    return int(value)
 
 
 def sweep_env(value: object) -> dict[str, str]:
@@ -198,9 +208,10 @@ def expand(data: dict, auto_world: int, backends_override: list[str] | None = No
     timing_spec = data.get("timing", {})
     if not isinstance(timing_spec, dict):
         raise ScenarioError(f"timing={timing_spec!r} is invalid: allowed a table with "
-                            "warmup and iters")
+                            "warmup, iters and rounds")
     _unknown(set(timing_spec), TIMING_KEYS, "timing")
-    timing = TimingConfig(**timing_spec)
+    rounds = check_rounds(timing_spec.get("rounds", 1))
+    timing = TimingConfig(**{k: v for k, v in timing_spec.items() if k != "rounds"})
     default_backends = backends_override or _as_list(data.get("backends", ["nccl_torch"]))
     default_ws = _as_list(data.get("world_sizes", ["auto"]))
     specs = data.get("scenarios")
@@ -208,7 +219,7 @@ def expand(data: dict, auto_world: int, backends_override: list[str] | None = No
         raise ScenarioError(f"scenarios={specs!r} is invalid: allowed a non-empty list of "
                             "scenario tables ([[scenarios]])")
     sweep = Sweep(sweep_name(data["name"]) if "name" in data else _name_from_stem(name),
-                  env=sweep_env(data.get("env", {})))
+                  env=sweep_env(data.get("env", {})), rounds=rounds)
     seen: set[tuple[str, str]] = set()
     for i, spec in enumerate(specs):
         if not isinstance(spec, dict):

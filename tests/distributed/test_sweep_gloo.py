@@ -1,11 +1,13 @@
 """The real launcher and torchrun over gloo: nccl_torch at world sizes 2 and 4 against the
 reference, the CLI's default sweep, and the two-node path on localhost."""
 
+import json
 import socket
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from mokbench.results import ROW_COLUMNS, read_rows
 from tests.distributed.helpers import REPO, cli_env, mokbench, only_run_dir
@@ -78,6 +80,42 @@ def test_backend_variants_are_separate_rows(tmp_path):
     assert all(x["status"] == "ok" for x in rows) and len(rows) == 6
     assert all(x["registry"] == "baselines.nccl_torch:NcclTorchBackend" for x in rows)
     assert any("--backends nccl_torch@tag=b" in x["repro"] for x in rows)
+
+
+def test_rounds_rotate_the_cells_and_pool_their_samples(tmp_path):
+    """``[timing] rounds = 2``: each cell runs twice, the second round in the order rotated
+    by one cell, and each row is written once, over both rounds' samples; a backend that
+    fails names the round; the report and env.json say so."""
+    f = tmp_path / "s.toml"
+    f.write_text(SWEEP.format(ws=2).replace('["nccl_torch"]',
+                                            '["nccl_torch", "nccl_torch@tag=b", "fault_raise"]')
+                 .replace('["uniform", "imbalanced"]', '"uniform"')
+                 .replace("iters = 3", "iters = 3\nrounds = 2")
+                 + 'passes = ["forward"]\n')
+    r = mokbench("sweep", str(f), "--device", "cpu", "--out", str(tmp_path / "out"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    run_dir = only_run_dir(tmp_path / "out")
+    rows = {x["backend"]: x for x in read_rows(run_dir / "rows.jsonl")}
+    assert len(read_rows(run_dir / "rows.jsonl")) == 3
+    for name in ("nccl_torch", "nccl_torch@tag=b"):
+        row = rows[name]
+        assert row["status"] == "ok" and row["rounds"] == 2, row["reason"]
+        assert row["iters"] == 6 and len(row["samples_ms"]) == 6
+        assert len(row["round_medians_ms"]) == 2
+        pooled = torch.quantile(torch.tensor(row["samples_ms"], dtype=torch.float64), 0.5)
+        assert row["median_ms"] == pytest.approx(float(pooled), rel=1e-6)
+        assert 0 < row["max_rel_err"] < 1e-2
+    assert rows["fault_raise"]["status"] == "failed"
+    assert rows["fault_raise"]["reason"].startswith("round 1 of 2: ")
+    cells = run_dir / "cells"
+    stems = {name: next(cells.glob(f"*-{name}.r0.log")).name.split(".r0")[0]
+             for name in ("nccl_torch", "fault_raise")}
+    ends = {(n, k): cells.joinpath(f"{s}.r{k}.log").stat().st_mtime_ns
+            for n, s in stems.items() for k in (0, 1)}
+    assert ends[("nccl_torch", 0)] < ends[("fault_raise", 0)]  # round 0: sweep order
+    assert ends[("fault_raise", 1)] < ends[("nccl_torch", 1)]  # round 1: rotated by one
+    assert "Rounds: each scenario's cells ran 2 times" in (run_dir / "report.md").read_text()
+    assert json.loads((run_dir / "env.json").read_text())["rounds"] == 2
 
 
 def test_default_sweep_runs_on_cpu(tmp_path):

@@ -32,6 +32,8 @@ def sweep_file(tmp_path: Path) -> Path:
     (["--backends", " , "], ("backends=' , '",)),
     (["--node-rank", "5", "--nnodes", "2"], ("node_rank=5", "0..1")),
     (["--node-rank", "-1"], ("node_rank=-1",)),
+    (["--rounds", "0"], ("rounds=0", "integer >= 1")),
+    (["--rounds", "2", "--parallel", "2"], ("parallel=2", "rounds 2", "allowed 1")),
     (["--nnodes", "2", "--rdzv-endpoint", "host"], ("rdzv_endpoint='host'", "HOST:PORT")),
     (["--nnodes", "2", "--rdzv-endpoint", "host:port"], ("rdzv_endpoint='host:port'",)),
     (["--nnodes", "2", "--rdzv-endpoint", "host:70000"], ("rdzv_endpoint='host:70000'",)),

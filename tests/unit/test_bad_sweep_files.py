@@ -75,6 +75,8 @@ def test_a_sweep_env_table_is_shown_in_the_dry_run(tmp_path):
     (lambda t: t + "zipf_s = -1.0\n", ("zipf_s=-1.0",)),
     (lambda t: t + "seed = -1\n", ("seed=-1",)),
     (lambda t: t.replace("iters = 2", "iters = 0"), ("iters=0",)),
+    (lambda t: t.replace("iters = 2", "iters = 2\nrounds = 0"), ("rounds=0", "integer >= 1")),
+    (lambda t: t.replace("iters = 2", "iters = 2\nrounds = 1.5"), ("rounds=1.5",)),
     # a name that is not one folder
     (lambda t: t.replace('name = "t"', 'name = "a/b"'), ("name='a/b'",)),
     (lambda t: t.replace('name = "t"', "name = 5"), ("name=5",)),

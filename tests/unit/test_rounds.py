@@ -1,0 +1,77 @@
+"""Rounds (mokbench.rounds): the run order each round and how a row pools its rounds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mokbench.rounds import pool, rotated
+from mokbench.scenario import Scenario, preset
+from mokbench.sweep import Cell
+
+
+def _cells(tokens: int, backends: list[str]) -> list[Cell]:
+    scn = Scenario(shape=preset("tiny"), tokens_per_rank=tokens, world_size=1)
+    return [Cell(scn, b) for b in backends]
+
+
+def test_each_round_rotates_the_scenario_by_one_cell():
+    todo = list(enumerate(_cells(8, ["a", "b", "c"]) + _cells(16, ["a", "b", "c"])))
+    order = [(i, c.backend, r) for i, c, r in rotated(todo, 3)]
+    assert order == [
+        (0, "a", 0), (1, "b", 0), (2, "c", 0),
+        (1, "b", 1), (2, "c", 1), (0, "a", 1),
+        (2, "c", 2), (0, "a", 2), (1, "b", 2),
+        (3, "a", 0), (4, "b", 0), (5, "c", 0),
+        (4, "b", 1), (5, "c", 1), (3, "a", 1),
+        (5, "c", 2), (3, "a", 2), (4, "b", 2),
+    ]
+    # every backend takes every place once, and its last round closes its row
+    assert rotated(todo, 1) == [(i, c, 0) for i, c in todo]
+
+
+def test_more_rounds_than_cells_wraps():
+    todo = list(enumerate(_cells(8, ["a", "b"])))
+    assert [c.backend for _, c, _ in rotated(todo, 3)] == ["a", "b", "b", "a", "a", "b"]
+
+
+def _ok(samples: list[float], err: float, tflops_at_median: float, **extra) -> dict:
+    t = torch.tensor(samples, dtype=torch.float64)
+    med = float(torch.quantile(t, 0.5))
+    return {"status": "ok", "reason": "", "median_ms": med, "samples_ms": samples,
+            "iters": len(samples), "max_rel_err": err, "max_abs_err": err / 10,
+            "tflops": tflops_at_median, "peak_mem_bytes": 100, "cell_wall_s": 2.0, **extra}
+
+
+def test_pool_is_over_every_rounds_samples():
+    r0 = _ok([1.0, 2.0, 3.0], 1e-3, 30.0, worst_tensor="dx")
+    r1 = _ok([10.0, 11.0, 12.0], 2e-3, 2.0 * 30.0 / 11.0, worst_tensor="dw")
+    out = pool([r0, r1])
+    assert out["status"] == "ok" and out["rounds"] == 2
+    assert out["iters"] == 6 and out["samples_ms"] == [1.0, 2.0, 3.0, 10.0, 11.0, 12.0]
+    assert out["median_ms"] == pytest.approx(6.5)  # the pooled median, not a mean of medians
+    assert out["p10_ms"] == pytest.approx(1.5) and out["p90_ms"] == pytest.approx(11.5)
+    assert out["min_ms"] == 1.0 and out["max_ms"] == 12.0
+    assert out["round_medians_ms"] == [2.0, 11.0]
+    assert out["tflops"] == pytest.approx(30.0 * 2.0 / 6.5)  # same FLOPs, pooled median
+    assert out["max_rel_err"] == 2e-3 and out["worst_tensor"] == "dw"  # the worst round's
+    assert out["cell_wall_s"] == 4.0
+
+
+def test_a_failed_round_fails_the_row_and_is_named():
+    bad = {"status": "timeout", "reason": "timeout after 60 s: hang"}
+    out = pool([_ok([1.0], 1e-3, 1.0), bad, _ok([1.0], 1e-3, 1.0)])
+    assert out["status"] == "timeout" and out["reason"] == "round 2 of 3: timeout after 60 s: hang"
+    skipped = {"status": "skipped", "reason": "needs a CUDA GPU"}
+    assert pool([skipped, skipped])["reason"] == "needs a CUDA GPU"
+
+
+def test_the_report_says_what_a_pooled_row_means():
+    import pandas as pd
+
+    from mokbench.report import rounds_note
+
+    assert rounds_note(pd.DataFrame({"median_ms": [1.0]})) is None
+    assert rounds_note(pd.DataFrame({"rounds": [None, 1]})) is None
+    note = rounds_note(pd.DataFrame({"rounds": [None, 3]}))
+    assert "ran 3 times" in note and "round_medians_ms" in note
