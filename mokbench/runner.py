@@ -103,8 +103,7 @@ def _prepare_run_dir(sw: Sweep, out: Path, resume: Path | None, opts: LaunchOpti
             env["backends"] = list(backends)
         if sw.env:  # the sweep's [env], set in every cell's processes
             env["sweep_env"] = dict(sw.env)
-        if rounds > 1:  # mokbench.rounds; --resume runs the rest with as many
-            env["rounds"] = rounds
+        env["rounds"] = rounds  # mokbench.rounds; --resume runs the rest with as many
         write_env(run_dir, env)
     return run_dir
 
@@ -207,7 +206,7 @@ def _rounds(given: int | None, sw: Sweep, resume: Path | None) -> int:
     sweep's ``[timing] rounds``."""
     if given is not None:
         return given
-    if resume is not None and read_env(resume).get("rounds"):
+    if resume is not None and read_env(resume).get("rounds") is not None:
         return check_rounds(read_env(resume)["rounds"])
     return sw.rounds
 

@@ -75,3 +75,20 @@ def test_the_report_says_what_a_pooled_row_means():
     assert rounds_note(pd.DataFrame({"rounds": [None, 1]})) is None
     note = rounds_note(pd.DataFrame({"rounds": [None, 3]}))
     assert "ran 3 times" in note and "round_medians_ms" in note
+
+
+def test_a_resumed_run_keeps_its_rounds(tmp_path):
+    import json
+
+    from mokbench.runner import _rounds
+    from mokbench.sweep import Sweep
+
+    sw = Sweep("s", rounds=2)
+    assert _rounds(None, sw, None) == 2  # the sweep's [timing] rounds
+    assert _rounds(4, sw, None) == 4  # --rounds over it
+    (tmp_path / "env.json").write_text(json.dumps({"rounds": 3}))
+    assert _rounds(None, sw, tmp_path) == 3  # the run's own, on --resume
+    (tmp_path / "env.json").write_text(json.dumps({"rounds": 1}))
+    assert _rounds(None, sw, tmp_path) == 1  # --rounds 1 over the file's 2, kept
+    (tmp_path / "env.json").write_text(json.dumps({}))  # a run made before rounds existed
+    assert _rounds(None, Sweep("s"), tmp_path) == 1
