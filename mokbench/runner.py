@@ -238,7 +238,13 @@ def _run_cells(runner: CellRunner, todo: list, opts: LaunchOptions, console: Con
         if opts.parallel == 1:
             for index, cell, round_ in todo:
                 started(cell)
-                finished(cell, runner.run(cell, index, round_=round_, rounds=rounds))
+                rows = runner.run(cell, index, round_=round_, rounds=rounds)
+                if rounds > 1 and round_ < rounds - 1 and not runner.stopping:
+                    progress.console.print(
+                        f"[dim]  round {round_ + 1}/{rounds} {cell.backend:<20} "
+                        f"{cell.scenario.scenario_id}[/dim]",
+                        soft_wrap=True, markup=True, highlight=False)
+                finished(cell, rows)
         else:
             run_parallel(runner, [(i, c) for i, c, _ in todo], opts, started, finished)
 
