@@ -238,7 +238,9 @@ def _run_cells(runner: CellRunner, todo: list, opts: LaunchOptions, console: Con
         if opts.parallel == 1:
             for index, cell, round_ in todo:
                 started(cell)
-                rows = runner.run(cell, index, round_=round_, rounds=rounds)
+                # index * rounds + round_: consecutive launches meet on different ports
+                # across nodes, even a scenario's one cell run round after round
+                rows = runner.run(cell, index * rounds + round_, round_=round_, rounds=rounds)
                 if rounds > 1 and round_ < rounds - 1 and not runner.stopping:
                     progress.console.print(
                         f"[dim]  round {round_ + 1}/{rounds} {cell.backend:<20} "
