@@ -374,8 +374,9 @@ def to_markdown(summary: pd.DataFrame, env: dict[str, Any], run_id: str,
     cells of the sweep that have no rows (``not_run``) and the ``charts`` (paths relative to
     the report) as images."""
     parts = [f"# mokbench report: {run_id}", "", TIMING_NOTE, "", FORMULA_NOTE, ""]
-    if not summary.empty and rounds_note(summary):
-        parts += [rounds_note(summary), ""]
+    pooled = None if summary.empty else rounds_note(summary)
+    if pooled:
+        parts += [pooled, ""]
     if not summary.empty and not modes_recorded(summary):
         parts += [OLD_RUN_NOTE, ""]
     env_lines = _md_env(env)

@@ -206,9 +206,8 @@ def _rounds(given: int | None, sw: Sweep, resume: Path | None) -> int:
     sweep's ``[timing] rounds``."""
     if given is not None:
         return given
-    if resume is not None and read_env(resume).get("rounds") is not None:
-        return check_rounds(read_env(resume)["rounds"])
-    return sw.rounds
+    stored = read_env(resume).get("rounds") if resume is not None else None
+    return sw.rounds if stored is None else check_rounds(stored)
 
 
 def _run_cells(runner: CellRunner, todo: list, opts: LaunchOptions, console: Console,
