@@ -432,7 +432,8 @@ def variant_text(c, hidden: int, intermediate: int, *, fp8: bool, graphed: bool)
             f"num_stages={c.num_stages},"
             f"interleaved={int(c.gate_up_interleaved)},"
             f"prefetch={int(c.prefetch_ticket)},"
-            + ("skew_down=1," if c.skew_down else "") +
+            + ("skew_down=1," if c.skew_down else "")
+            + ("pre_tma_store=1," if c.pre_tma_store else "") +
             f"compiled_schedule={int(c.compile_schedule)},"
             f"fused_sum={int(c.fused_sum)},wide_da={int(c.bwd_wide_da)}"
             + (",fused_pull=1" if c.bwd_fused_pull else "")

@@ -100,6 +100,15 @@ class MoKConfig:
         (the item trace of ``benchmarks/mok_backward_time.py --trace``). Deadlock free with
         at least two ring slots: a gate+up item of minibatch m waits only on the down items
         of minibatch m - slots (its ring slot), which come before it.
+    pre_tma_store: in the training forward, the gate+up tiles store their bf16
+        pre-activations (what the backward keeps) through TMA, two [block_m, block_n / 2]
+        boxes a tile, instead of plain stores. The plain store of a [128, 256] tile
+        converts its layout and computes a 64-bit address per element; at Kimi K2 48 x
+        16384 (sm_90, three stages, Triton 3.9) that build spills (255 registers) where
+        the inference build does not, and the spill loads and stores sit in the same
+        flattened loop as the MMAs. Through TMA the tile goes out from shared memory while
+        the next tile's K loop runs. Needs ``tma`` and bf16 (the FP8 tiles keep their own
+        store). The same bytes, so the same gradients.
     compile_schedule: build the schedule through ``torch.compile`` (the same ops, fused into
         a few kernels instead of about fifty small launches; compiled once per shape).
     fused_sum: the router-weighted sum over k runs inside the megakernel: each down item
@@ -442,6 +451,7 @@ class MoKConfig:
     gate_up_interleaved: bool = False
     prefetch_ticket: bool = False
     skew_down: bool = False
+    pre_tma_store: bool = False
     compile_schedule: bool = False
     fused_sum: bool = False
     bwd_wide_da: bool = False
@@ -528,6 +538,11 @@ class MoKConfig:
                self.skew_down, "true | false; true needs macrobatch >= 2 x minibatch (two "
                "ring slots: the gate+up items of the next minibatch come before the down "
                "items that free a slot)")
+        _check(isinstance(self.pre_tma_store, bool)
+               and not (self.pre_tma_store and (not self.tma or self.fp8 != "none")),
+               "pre_tma_store", self.pre_tma_store,
+               "true | false; true needs tma = true and fp8 = none (the FP8 gate+up tiles "
+               "store their pre-activations themselves)")
         _check(isinstance(self.compile_schedule, bool), "compile_schedule",
                self.compile_schedule, "true | false")
         _check(isinstance(self.fused_sum, bool), "fused_sum", self.fused_sum, "true | false")

@@ -103,6 +103,16 @@ def _descriptors(ws: Workspace, w1: torch.Tensor, w2: torch.Tensor, ws1: torch.T
             desc(h, ws.I, boxes["h_desc"]))
 
 
+def _pre_descriptor(cfg: MoKConfig, pre_LPF: torch.Tensor):
+    """``pre_tma_store``'s store descriptor: the pre-activations [L, P, 2I] as [L*P, 2I]
+    with [BM, BN/2] boxes (a gate+up tile's two column halves; 32 KB of shared memory a
+    box at 128 x 128)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(pre_LPF.view(-1, pre_LPF.shape[-1]),
+                                        [cfg.block_m, cfg.block_n // 2])
+
+
 def descriptor_boxes(cfg: MoKConfig) -> dict[str, list[int]]:
     """TMA box (rows, columns) of each descriptor argument of the kernel: bf16 weight tiles
     [BK, BN] ([BK, BN/2] per half when gate/up are split), FP8 (K-major) weight tiles
@@ -178,8 +188,11 @@ def forward_kernel_args(ws: Workspace, st: ScheduleTensors, w1: torch.Tensor,
                      tflag_ptr=tflag_LN, rank0=ws.rank_base, NTOK=ws.R * ws.T)
     if cfg.dispatch_remote_only:  # which rows are this rank's own
         dedup["rank0"] = ws.rank_base
+    pre_tma = dict(pre_desc=None, PRE_TMA=False)
+    if pre_LPF is not None and cfg.pre_tma_store:
+        pre_tma = dict(pre_desc=_pre_descriptor(cfg, pre_LPF), PRE_TMA=True)
     args = dict(
-        **dedup,
+        **dedup, **pre_tma,
         x_base=x_LTH, x_tab=ws.x_tab_R, comb_base=ws.comb_LTSH, comb_tab=ws.comb_tab_R,
         src_ptr=st.src_LP, group_ptr=st.group_LB, total_ptr=st.total_L,
         ring_ptr=ws.ring_LQH, h_ptr=h, out_ptr=ws.out_LQH,

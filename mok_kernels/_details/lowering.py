@@ -161,12 +161,14 @@ def _ptxas(arch: int):
 def kernel_args(config: MoKConfig, hidden: int, intermediate: int, *, topk: int = 8,
                 shared: bool = False, comm_programs: int = 0, programs: int = 132,
                 kernel: str = "forward", phases: int = 15,
-                trace: bool = False, split: int = 0) -> dict[str, object]:
+                trace: bool = False, split: int = 0,
+                training: bool = False) -> dict[str, object]:
     """The argument dict the launch would pass (``forward_kernel_args`` /
     ``backward_kernel_args``), built over a workspace, schedule and weights on the ``meta``
     device (shapes and dtypes, no memory): one logical rank, one minibatch of tokens, one
     local expert. ``trace``: with the item trace (``backward(_trace=...)``,
-    ``forward(_trace=...)``)."""
+    ``forward(_trace=...)``); ``training``: the training forward's (``forward_train``:
+    the gate+up tiles also store their pre-activations)."""
     from mok_kernels._details.backward import (
         BackwardFp8Weights,
         backward_kernel_args,
@@ -208,7 +210,8 @@ def kernel_args(config: MoKConfig, hidden: int, intermediate: int, *, topk: int 
     if kernel == "forward":
         p_NK = torch.empty(ws.T, ws.K, dtype=torch.float32, device="meta")
         args = forward_kernel_args(ws, st, *w, y_NH=meta(ws.T, H), p_NK=p_NK, x_LTH=ws.x_LTH,
-                                   pre_LPF=None, withhold=0, programs=programs,
+                                   pre_LPF=meta(1, ws.P, 2 * I) if training else None,
+                                   withhold=0, programs=programs,
                                    comm=comm_programs, interpreting=False)
         if trace:
             args.update(_meta_trace(forward_trace_capacity(ws)))
@@ -284,10 +287,11 @@ def signature(kern, args: dict[str, object]) -> tuple[dict, dict, dict]:
 def compile_megakernel(config: MoKConfig, hidden: int, intermediate: int, *, topk: int = 8,
                        shared: bool = False, comm_programs: int = 0, programs: int = 132,
                        arch: int = 90, kernel: str = "forward", phases: int = 15,
-                       trace: bool = False, split: int = 0) -> Lowered:
+                       trace: bool = False, split: int = 0, training: bool = False) -> Lowered:
     """Compile ``mok_forward_kernel`` (``kernel="backward"``: ``mok_backward_kernel``; with
     ``trace`` their item trace; ``split``: one launch of ``bwd_split_launch``, with
-    ``phases`` its share of the mask, ``backward.split_launches``) as the launch would for
+    ``phases`` its share of the mask, ``backward.split_launches``; ``training``: the
+    training forward, which stores the pre-activations) as the launch would for
     this config and shape, for
     ``sm_<arch>`` (90 Hopper, 100 Blackwell), then run ptxas -v on its PTX."""
     import triton
@@ -301,7 +305,7 @@ def compile_megakernel(config: MoKConfig, hidden: int, intermediate: int, *, top
     config.check_shape(hidden, intermediate)
     args = kernel_args(config, hidden, intermediate, topk=topk, shared=shared,
                        comm_programs=comm_programs, programs=programs, kernel=kernel,
-                       phases=phases, trace=trace, split=split)
+                       phases=phases, trace=trace, split=split, training=training)
     kern = mok_forward_kernel if kernel == "forward" else mok_backward_kernel
     stages = config.num_stages if kernel == "forward" else backward_stages(config)
     sig, constexprs, attrs = signature(kern, args)

@@ -9,7 +9,7 @@ import triton.language as tl
 
 from mok_kernels._details import errors
 from mok_kernels._details.tl_backward_pull import _pulled_signal
-from mok_kernels._details.tl_gemm import mma
+from mok_kernels._details.tl_gemm import mma, tma_store_halves
 from mok_kernels._details.tl_gemm_fp8 import _dot8
 from mok_kernels._details.tl_quant import e4m3_scales, finite_abs, to_e4m3, to_f32
 from mok_kernels._details.tl_sync import async_proxy_fence, wait_geq
@@ -218,7 +218,7 @@ def _wgrad_down_item(g, it, jn, lr, gst, total, P, hs_c_desc, dyg_c_desc, ctr, e
                                        dyg_c_desc, H, I, BN, BKW, F32_DOT, FP8W, hqT_desc,
                                        dyqT_desc, srh, gdyam, POW2)
                 if DWTMA:
-                    _tma_store_halves(dw_desc, _dw_slot(lr, g, E, SH0, HAS_SHARED) * I
+                    tma_store_halves(dw_desc, _dw_slot(lr, g, E, SH0, HAS_SHARED) * I
                                       + it * HALF, acc, jt * BN, jt * BN + HALF, HALF, False)
                 else:
                     tl.store(out_rows + (jt * BN + tl.arange(0, BN))[None, :],
@@ -247,22 +247,6 @@ def _dw_slot(lr, g, E, SH0, HAS_SHARED: tl.constexpr):
         if g == E:
             slot = SH0 + lr
     return slot
-
-
-@triton.jit
-def _tma_store_halves(dw_desc, row0, acc, col_a, col_b, HALF: tl.constexpr,
-                      INTERLEAVED: tl.constexpr):
-    """Store a [HALF, 2 HALF] fp32 tile as bf16 through two [HALF, HALF] boxes of
-    ``dw_desc`` at (row0, col_a) and (row0, col_b): its gate and up columns (INTERLEAVED:
-    they alternate) or its left and right halves. In a pipelined loop Triton waits only
-    for a box's shared buffer to be read before it is written again, so the stores overlap
-    what follows (``bwd_dw_tma_store``)."""
-    if INTERLEAVED:
-        a, b = tl.split(tl.reshape(acc, (HALF, HALF, 2)))
-    else:
-        a, b = tl.split(tl.permute(tl.reshape(acc, (HALF, 2, HALF)), (0, 2, 1)))
-    dw_desc.store([row0, col_a], a.to(tl.bfloat16))
-    dw_desc.store([row0, col_b], b.to(tl.bfloat16))
 
 
 @triton.jit
@@ -331,10 +315,10 @@ def _wgrad_gate_up_item(g, it, jn, lr, gst, total, P, pre_d_desc, xg_d_desc, ctr
                 if DWTMA:
                     row0 = _dw_slot(lr, g, E, SH0, HAS_SHARED) * H + it * HALF
                     if INTERLEAVED:
-                        _tma_store_halves(dw_desc, row0, acc, jt * HALF, I + jt * HALF,
+                        tma_store_halves(dw_desc, row0, acc, jt * HALF, I + jt * HALF,
                                           HALF, True)
                     else:
-                        _tma_store_halves(dw_desc, row0, acc, jt * BN, jt * BN + HALF,
+                        tma_store_halves(dw_desc, row0, acc, jt * BN, jt * BN + HALF,
                                           HALF, False)
                 else:
                     _store_dw_gate_up(out_rows, acc, jt, I, BN, INTERLEAVED)

@@ -17,6 +17,23 @@ import triton.language as tl
 
 
 @triton.jit
+def tma_store_halves(desc, row0, acc, col_a, col_b, HALF: tl.constexpr,
+                     INTERLEAVED: tl.constexpr):
+    """Store an fp32 tile [rows, 2 HALF] as bf16 through two [rows, HALF] boxes of ``desc``
+    at (row0, col_a) and (row0, col_b): its gate and up columns (INTERLEAVED: they
+    alternate) or its left and right halves. In a pipelined loop Triton waits only for a
+    box's shared buffer to be read before it is written again, so the stores overlap what
+    follows (``bwd_dw_tma_store``, ``pre_tma_store``)."""
+    R: tl.constexpr = acc.shape[0]
+    if INTERLEAVED:
+        a, b = tl.split(tl.reshape(acc, (R, HALF, 2)))
+    else:
+        a, b = tl.split(tl.permute(tl.reshape(acc, (R, 2, HALF)), (0, 2, 1)))
+    desc.store([row0, col_a], a.to(tl.bfloat16))
+    desc.store([row0, col_b], b.to(tl.bfloat16))
+
+
+@triton.jit
 def mma(a, b, acc, F32_DOT: tl.constexpr):
     """acc += a @ b. F32_DOT only for TRITON_INTERPRET on CPU, whose bf16 dot multiplies the
     raw 16-bit integers (Triton 3.6 interpreter); on GPUs bf16 operands go to the tensor cores."""
@@ -78,7 +95,8 @@ def gate_up_swiglu_tiles(a_row_ptrs, a_mask, w1, j0, h_row_ptrs, w1_desc, w_row0
                          BN: tl.constexpr, BK: tl.constexpr, GJ: tl.constexpr,
                          QUANT: tl.constexpr, MASK_A: tl.constexpr, F32_DOT: tl.constexpr,
                          TMA: tl.constexpr, INTERLEAVED: tl.constexpr,
-                         SAVE_PRE: tl.constexpr):
+                         SAVE_PRE: tl.constexpr, pre_desc=None, pre_row0=0,
+                         PRE_TMA: tl.constexpr = False):
     """h[rows, j*BN/2 : (j+1)*BN/2] = silu(A @ Wg) * (A @ Wu) for one BM-row block and the GJ
     column tiles j = j0 .. j0+GJ-1.
 
@@ -95,7 +113,10 @@ def gate_up_swiglu_tiles(a_row_ptrs, a_mask, w1, j0, h_row_ptrs, w1_desc, w_row0
     loading (the next tile's first K steps) across a tile's SwiGLU epilogue.
     SAVE_PRE (training forward): also store the gate and up pre-activations in bf16 to
     ``pre_row_ptrs`` ([BM] pointers to 2I-wide rows, in w1's column layout), which the
-    SwiGLU backward reads.
+    SwiGLU backward reads. PRE_TMA (``pre_tma_store``): through ``pre_desc`` instead (the
+    pre-activations as [L*P, 2I], [BM, BN/2] boxes; the block's rows from ``pre_row0``),
+    two TMA stores a tile in place of the plain store's layout conversion and per-thread
+    stores.
     """
     HALF: tl.constexpr = BN // 2
     F: tl.constexpr = 2 * I
@@ -113,7 +134,11 @@ def gate_up_swiglu_tiles(a_row_ptrs, a_mask, w1, j0, h_row_ptrs, w1_desc, w_row0
                     b = tl.load(w1 + (k + offs_k)[:, None].to(tl.int64) * F + wcols[None, :])
                 acc = mma(a, b, acc, F32_DOT)
             if SAVE_PRE:
-                tl.store(pre_row_ptrs[:, None] + wcols[None, :], acc.to(tl.bfloat16))
+                if PRE_TMA:  # the tile's left and right column halves, layout as stored
+                    tma_store_halves(pre_desc, pre_row0, acc, (j0 + jj) * BN,
+                                     (j0 + jj) * BN + HALF, HALF, False)
+                else:
+                    tl.store(pre_row_ptrs[:, None] + wcols[None, :], acc.to(tl.bfloat16))
             acc_g, acc_u = tl.split(tl.reshape(acc, (BM, HALF, 2)))
         else:
             acc_g = tl.zeros((BM, HALF), dtype=tl.float32)
@@ -130,8 +155,13 @@ def gate_up_swiglu_tiles(a_row_ptrs, a_mask, w1, j0, h_row_ptrs, w1_desc, w_row0
                 acc_g = mma(a, bg, acc_g, F32_DOT)
                 acc_u = mma(a, bu, acc_u, F32_DOT)
             if SAVE_PRE:
-                tl.store(pre_row_ptrs[:, None] + cols[None, :], acc_g.to(tl.bfloat16))
-                tl.store(pre_row_ptrs[:, None] + (I + cols)[None, :], acc_u.to(tl.bfloat16))
+                if PRE_TMA:
+                    pre_desc.store([pre_row0, (j0 + jj) * HALF], acc_g.to(tl.bfloat16))
+                    pre_desc.store([pre_row0, I + (j0 + jj) * HALF], acc_u.to(tl.bfloat16))
+                else:
+                    tl.store(pre_row_ptrs[:, None] + cols[None, :], acc_g.to(tl.bfloat16))
+                    tl.store(pre_row_ptrs[:, None] + (I + cols)[None, :],
+                             acc_u.to(tl.bfloat16))
         h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
         h = quant_hook(h.to(tl.bfloat16), QUANT)
         tl.store(h_row_ptrs[:, None] + cols[None, :], h)

@@ -301,12 +301,15 @@ def _gate_up_item(m, b, j, lr, src, grp, total, ring, hbuf, pre, ctr, err, x_bas
                   QUANT: tl.constexpr, POW2: tl.constexpr, SW1: tl.constexpr,
                   F32_DOT: tl.constexpr, TMA: tl.constexpr,
                   INTERLEAVED: tl.constexpr, SAVE_PRE: tl.constexpr,
-                  RONLY: tl.constexpr = False, me=0):
+                  RONLY: tl.constexpr = False, me=0, pre_desc=None, pre_row0=0,
+                  PRE_TMA: tl.constexpr = False):
     """GJ consecutive gate+up tiles (column tiles j*GJ ..) of row block b: one wait, one
     signal (+GJ) for all of them. QUANT > 0: the FP8 tiles (token and h rows are FP8 rows in
     bf16-row storage; w1 / sw1 e4m3 weights and their scales, SW1 scales per expert).
     RONLY (``dispatch_remote_only``): the rows of rank ``me``'s own tokens straight from its
-    token buffer (filled before the launch), the others from the ring."""
+    token buffer (filled before the launch), the others from the ring. PRE_TMA
+    (``pre_tma_store``): the pre-activations stored through ``pre_desc`` ([L*P, 2I], this
+    logical rank's rows from ``pre_row0``)."""
     GATHER: tl.constexpr = COMM == 0
     ok = 1
     slots = Q // MB
@@ -342,7 +345,7 @@ def _gate_up_item(m, b, j, lr, src, grp, total, ring, hbuf, pre, ctr, err, x_bas
         else:
             gate_up_swiglu_tiles(a_rows, a_valid, w1, j * GJ, h_rows, d1, w_row0, pre_rows, H,
                                  I, BM, BN, BK, GJ, QUANT, GATHER, F32_DOT, TMA, INTERLEAVED,
-                                 SAVE_PRE)
+                                 SAVE_PRE, pre_desc, pre_row0 + b * BM, PRE_TMA)
         if (withhold != 2) | (b != 0):
             if QUANT == 4:  # ROWWISE_ALL: the item that completes the row block requantises
                 # its h rows (a row's scale needs all its columns), then adds the +1 the down
@@ -453,7 +456,8 @@ def _compute_loop(lr, src, grp, total, ring, hbuf, pre, outb, ctr, err, x_base, 
                   TMA: tl.constexpr, INTERLEAVED: tl.constexpr, PREFETCH: tl.constexpr,
                   FUSED_SUM: tl.constexpr, SAVE_PRE: tl.constexpr, trace=None, MAXT=0,
                   lp=0, TRACE: tl.constexpr = False, SKEW: tl.constexpr = False,
-                  RONLY: tl.constexpr = False, CDIRECT: tl.constexpr = False, me=0):
+                  RONLY: tl.constexpr = False, CDIRECT: tl.constexpr = False, me=0,
+                  pre_desc=None, pre_row0=0, PRE_TMA: tl.constexpr = False):
     """Claim tickets until the work of this logical rank is done (or an error is set).
     TRACE (profiling only): each item writes (start, end) in global-timer nanoseconds,
     program ``lp`` and its kind (0 gate+up, 1 down) at its ticket in ``trace`` [MAXT, 4].
@@ -495,7 +499,8 @@ def _compute_loop(lr, src, grp, total, ring, hbuf, pre, outb, ctr, err, x_base, 
                                    err, x_base, x_tab, w1_ptr, ws1_ptr, sw1_ptr, sws1_ptr,
                                    w1_desc, ws1_desc, T, E, Q, MMAX, budget, withhold, H, I, S,
                                    COMM, HAS_SHARED, MB, BM, BN, BK, GJ, QUANT, POW2, SW1,
-                                   F32_DOT, TMA, INTERLEAVED, SAVE_PRE, RONLY, me)
+                                   F32_DOT, TMA, INTERLEAVED, SAVE_PRE, RONLY, me,
+                                   pre_desc, pre_row0, PRE_TMA)
         else:
             i2 = i - NG1
             b = m * NBM + i2 // N2
@@ -535,7 +540,8 @@ def mok_forward_kernel(
         FUSED_SUM: tl.constexpr, SAVE_PRE: tl.constexpr, DEDUP: tl.constexpr = False,
         first_ptr=None, tcache_ptr=None, tflag_ptr=None, rank0=0, NTOK=0, trace_ptr=None,
         MAXT=0, TRACE: tl.constexpr = False, SKEW: tl.constexpr = False,
-        RONLY: tl.constexpr = False, CDIRECT: tl.constexpr = False):
+        RONLY: tl.constexpr = False, CDIRECT: tl.constexpr = False, pre_desc=None,
+        PRE_TMA: tl.constexpr = False):
     """One persistent program per SM. x_tab/comb_tab hold, for every EP rank r, the element
     offset of rank r's token / combine buffer from x_base / comb_base (peer memory). DEDUP
     (``dispatch_dedup``): ``first_ptr`` [L, P] each row's token's first row here,
@@ -544,8 +550,9 @@ def mok_forward_kernel(
     (``dispatch_remote_only``): the communication programs pull only other ranks' rows, the
     gate+up tiles read their own rank's from its token buffer. CDIRECT (``combine_direct``):
     the down tiles write the (peer) combine slots, the communication programs only
-    dispatch. TRACE (profiling only): the compute programs' items at ``trace_ptr``
-    [L, MAXT, 4] (``_compute_loop``)."""
+    dispatch. PRE_TMA (``pre_tma_store``, with SAVE_PRE): ``pre_desc`` is a TMA descriptor
+    over the pre-activations as [L*P, 2I] with [BM, BN/2] boxes. TRACE (profiling only):
+    the compute programs' items at ``trace_ptr`` [L, MAXT, 4] (``_compute_loop``)."""
     pid = tl.program_id(0)
     lr = pid // PROGS
     lp = pid % PROGS
@@ -578,7 +585,8 @@ def mok_forward_kernel(
                           S, K, COMM, HAS_SHARED, MB, BM, BN, BK, DT, GJ, QUANT, POW2, SW1,
                           SW2, F32_DOT, TMA, INTERLEAVED, PREFETCH, FUSED_SUM, SAVE_PRE,
                           trace_ptr + lr.to(tl.int64) * MAXT * 4 if TRACE else trace_ptr, MAXT,
-                          lp, TRACE, SKEW, RONLY, CDIRECT, rank0 + lr)
+                          lp, TRACE, SKEW, RONLY, CDIRECT, rank0 + lr, pre_desc, lr * P,
+                          PRE_TMA)
     else:
         _compute_loop(lr, src, grp, total, ring, hbuf, pre, outb, ctr, err, x_base, x_tab,
                       comb_base, comb_tab, w1_ptr, w2_ptr, ws1_ptr, ws2_ptr, sw1_ptr, sw2_ptr,
@@ -587,7 +595,7 @@ def mok_forward_kernel(
                       HAS_SHARED, MB, BM, BN, BK, DT, GJ, QUANT, POW2, SW1, SW2, F32_DOT, TMA,
                       INTERLEAVED, PREFETCH, FUSED_SUM, SAVE_PRE,
                       trace_ptr + lr.to(tl.int64) * MAXT * 4 if TRACE else trace_ptr, MAXT, lp,
-                      TRACE, SKEW)
+                      TRACE, SKEW, False, False, 0, pre_desc, lr * P, PRE_TMA)
 
 
 @triton.jit

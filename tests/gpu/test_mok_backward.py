@@ -146,7 +146,9 @@ def test_lean_da_epilogue_and_the_plain_one_both_match_reference():
                                   {"bwd_stages": 3, "bwd_dx_gluon": True, "bwd_dx_rows": True,
                                    "bwd_dx_band": 16, "bwd_dx_tma": True, "bwd_dx_tiles": 4,
                                    "bwd_dw_tiles": 4, "bwd_dw_stages": 4,
-                                   "bwd_pull_by_token": True}],
+                                   "bwd_pull_by_token": True},
+                                  {"pre_tma_store": True},
+                                  {"pre_tma_store": True, "gate_up_tiles": 4}],
                          ids=lambda rows: "+".join(f"{k}={v}" for k, v in rows.items()))
 def test_backward_variants_match_the_default_bitwise(ranks, rows):
     """bwd_fused_pull: the pull items inside the backward megakernel (rows written with plain
@@ -163,7 +165,8 @@ def test_backward_variants_match_the_default_bitwise(ranks, rows):
     after the megakernel's: the same wgmma steps in the same order; bwd_dx_rows: its rows
     stored in the schedule's order and gathered by the dX sum) and bwd_dw_gluon (the
     weight gradients as one, likewise) and bwd_stages (the dgrad K loops three stages deep,
-    alone and with the one-Hopper-rank bf16 defaults) give the default
+    alone and with the one-Hopper-rank bf16 defaults) and pre_tma_store (the training
+    forward's pre-activations stored through TMA) give the default
     backward's gradients (and the reference's), bitwise, on a rerun as well."""
     base = dict(gate_up_interleaved=True, minibatch=256, macrobatch=768, tma=True,
                 num_stages=4)

@@ -133,3 +133,60 @@ def test_skewed_down_items_in_interpreter_give_the_same_output_bitwise():
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("skew ok") == 3 and "refused" in out.stdout, out.stdout
+
+
+PRE_SCRIPT = textwrap.dedent("""
+    import torch
+    import mok_kernels as mk
+
+    H, I = 64, 32
+    for L, T, E, K, shared, il, nt in [(1, 40, 4, 2, True, True, 2),
+                                       (2, 29, 3, 2, False, False, 1),
+                                       (2, 21, 3, 2, True, False, 2)]:
+        torch.manual_seed(L + nt)
+        kw = dict(minibatch=32, macrobatch=64, block_m=16, block_n=32, block_k=16,
+                  num_warps=4, num_stages=1, spin_budget=1000, tma=True,
+                  gate_up_interleaved=il, gate_up_tiles=nt, down_tiles=nt)
+        lay = mk.interleave_gate_up if il else (lambda w: w)
+        x = torch.randn(L * T, H).bfloat16()
+        idx = torch.stack([torch.randperm(L * E)[:K] for _ in range(L * T)])
+        p = torch.softmax(torch.randn(L * T, K), 1)
+        w1 = lay((torch.randn(L * E, H, 2 * I) * H ** -0.5).bfloat16())
+        w2 = (torch.randn(L * E, I, H) * I ** -0.5).bfloat16()
+        ws1 = lay((torch.randn(H, 2 * I) * H ** -0.5).bfloat16()) if shared else None
+        ws2 = (torch.randn(I, H) * I ** -0.5).bfloat16() if shared else None
+        out = {}
+        for tma_pre in (False, True):
+            cfg = mk.MoKConfig(pre_tma_store=tma_pre, **kw)
+            ws = mk.get_workspace(cfg, tokens=T, hidden=H, intermediate=I, local_experts=E,
+                                  topk=K, shared=shared, device="cpu", loopback_ranks=L)
+            sched = mk.build_schedule(ws, idx)
+            y, ctx = mk.forward_train(cfg, ws, sched, x, p, w1, w2, ws1, ws2)
+            mk.check_errors(ws)
+            total = sched.tensors.total_L
+            live = [ctx.pre_LPF[l, :int(total[l])] for l in range(L)]
+            out[tma_pre] = (y, live)
+        assert torch.equal(out[True][0], out[False][0]), (L, il, nt)
+        for a, b in zip(out[True][1], out[False][1]):
+            assert a.numel() > 0 and torch.equal(a, b), (L, il, nt)
+        print("pre ok", L, il, nt)
+    for bad in (dict(tma=False), dict(tma=True, fp8="rowwise")):
+        try:
+            mk.MoKConfig(pre_tma_store=True, **bad)
+        except mk.MoKConfigError as e:
+            assert "pre_tma_store" in str(e) and "tma" in str(e), e
+            print("refused")
+""")
+
+
+def test_pre_activations_through_tma_equal_the_plain_stores_bitwise():
+    """``pre_tma_store``: the training forward's pre-activations (every schedule row in use)
+    and y are bitwise those of the plain stores, gate/up interleaved or not, one and two
+    tiles per item, one and two logical ranks; without tma or with FP8 it is refused by
+    name."""
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(repo))
+    out = subprocess.run([sys.executable, "-c", PRE_SCRIPT], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("pre ok") == 3 and out.stdout.count("refused") == 2, out.stdout

@@ -65,6 +65,29 @@ def test_hopper_build_with_the_sum_inside():
     assert not lw.spills and not lw.mma_serialized, lw.ptxas_log
 
 
+@pytest.mark.parametrize("experts, tokens", [(48, 16384), (384, 4096)])
+def test_training_forward_stores_its_pre_activations_through_tma(experts, tokens):
+    """``pre_tma_store`` at the backend's defaults (three stages and four tiles per item at
+    48 x 16384, four stages and one tile at 384 x 4096): the training build's plain
+    pre-activation store spills there (Triton 3.9); through TMA it does not, fits in
+    shared memory, and stores each tile as two bulk tensor copies. In the flattened loop of
+    four tiles their shared buffer is waited for only until it is read (before it is
+    written again); with one tile per item Triton waits for each copy to complete."""
+    fields = _row_pull(H, I, tokens, 8, 132, 1, experts)
+    plain = mk.compile_megakernel(mk.MoKConfig.for_shape(H, I, **fields), H, I, training=True)
+    lw = mk.compile_megakernel(mk.MoKConfig.for_shape(H, I, **fields, pre_tma_store=True),
+                               H, I, training=True)
+    assert lw.shared_bytes <= SMEM_LIMIT
+    assert not lw.spills and not lw.mma_serialized, lw.ptxas_log
+    ops = lw.sass_opcodes()
+    assert ops["UTMASTG"] == 2 and ops["UTMASTG"] > plain.sass_opcodes()["UTMASTG"]
+    assert ops["STG"] < plain.sass_opcodes()["STG"]
+    stores = [ln for ln in lw.ptx.splitlines() if "cp.async.bulk.tensor.2d.global.shared" in ln]
+    assert len(stores) == 2
+    reads = lw.ptx.count("cp.async.bulk.wait_group.read")
+    assert reads >= 2 if experts == 48 else reads == 0, reads
+
+
 @pytest.mark.parametrize("fp8", ["none", "rowwise_all"])
 def test_hopper_build_with_skewed_down_items(fp8):
     """skew_down at the backend's defaults for 48 x 16384 (bf16: four tiles per item; FP8:
