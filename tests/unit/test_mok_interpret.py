@@ -22,6 +22,8 @@ import pytest
 
 pytest.importorskip("triton")
 
+from tests.unit.interpreted import run_interpreted  # noqa: E402
+
 SCRIPT = textwrap.dedent("""
     import torch
     import mok_kernels as mk
@@ -184,9 +186,6 @@ def test_pre_activations_through_tma_equal_the_plain_stores_bitwise():
     and y are bitwise those of the plain stores, gate/up interleaved or not, one and two
     tiles per item, one and two logical ranks; without tma or with FP8 it is refused by
     name."""
-    repo = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(repo))
-    out = subprocess.run([sys.executable, "-c", PRE_SCRIPT], env=env, capture_output=True,
-                         text=True, timeout=300)
+    out = run_interpreted(PRE_SCRIPT, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("pre ok") == 3 and out.stdout.count("refused") == 2, out.stdout
