@@ -108,7 +108,12 @@ class MoKConfig:
         the inference build does not, and the spill loads and stores sit in the same
         flattened loop as the MMAs. Through TMA the tile goes out from shared memory while
         the next tile's K loop runs. Needs ``tma`` and bf16 (the FP8 tiles keep their own
-        store). The same bytes, so the same gradients.
+        store), and with several gate+up tiles per item at most three stages. The same
+        bytes, so the same gradients. Off: on one H100 at Kimi K2 48 x 16384 the profiling
+        script timed the training forward at 19.808 / 19.796 / 19.757 ms with it against
+        19.841 / 19.417 / 19.412 without, and results/20261207-002933-h100-bf16-e48-rounds-mok
+        at 19.958 against 19.920 (notes/mok-kernel.md): the spill was not what the training
+        forward pays over the inference forward.
     compile_schedule: build the schedule through ``torch.compile`` (the same ops, fused into
         a few kernels instead of about fifty small launches; compiled once per shape).
     fused_sum: the router-weighted sum over k runs inside the megakernel: each down item
@@ -543,6 +548,11 @@ class MoKConfig:
                "pre_tma_store", self.pre_tma_store,
                "true | false; true needs tma = true and fp8 = none (the FP8 gate+up tiles "
                "store their pre-activations themselves)")
+        _check(not (self.pre_tma_store and self.gate_up_tiles > 1 and self.num_stages > 3),
+               "pre_tma_store", self.pre_tma_store,
+               "false with gate_up_tiles > 1 unless num_stages <= 3 (the flattened loop keeps "
+               "its stage buffers and the store's box live together: 262176 bytes of shared "
+               "memory at four stages of 128 x 256 x 64 tiles, over sm_90's 232448)")
         _check(isinstance(self.compile_schedule, bool), "compile_schedule",
                self.compile_schedule, "true | false")
         _check(isinstance(self.fused_sum, bool), "fused_sum", self.fused_sum, "true | false")
