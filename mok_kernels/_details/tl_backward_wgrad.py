@@ -219,7 +219,7 @@ def _wgrad_down_item(g, it, jn, lr, gst, total, P, hs_c_desc, dyg_c_desc, ctr, e
                                        dyqT_desc, srh, gdyam, POW2)
                 if DWTMA:
                     tma_store_halves(dw_desc, _dw_slot(lr, g, E, SH0, HAS_SHARED) * I
-                                      + it * HALF, acc, jt * BN, jt * BN + HALF, HALF, False)
+                                     + it * HALF, acc, jt * BN, jt * BN + HALF, HALF, False)
                 else:
                     tl.store(out_rows + (jt * BN + tl.arange(0, BN))[None, :],
                              acc.to(tl.bfloat16))
@@ -316,10 +316,10 @@ def _wgrad_gate_up_item(g, it, jn, lr, gst, total, P, pre_d_desc, xg_d_desc, ctr
                     row0 = _dw_slot(lr, g, E, SH0, HAS_SHARED) * H + it * HALF
                     if INTERLEAVED:
                         tma_store_halves(dw_desc, row0, acc, jt * HALF, I + jt * HALF,
-                                          HALF, True)
+                                         HALF, True)
                     else:
                         tma_store_halves(dw_desc, row0, acc, jt * BN, jt * BN + HALF,
-                                          HALF, False)
+                                         HALF, False)
                 else:
                     _store_dw_gate_up(out_rows, acc, jt, I, BN, INTERLEAVED)
     return ok

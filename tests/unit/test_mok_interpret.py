@@ -72,9 +72,24 @@ def test_forward_in_interpreter_matches_reference():
     assert out.stdout.count("ok") == 24
 
 
+LAYER = textwrap.dedent("""
+    def layer(L, T, E, K, H, I, shared, lay):
+        # x, routing, router weights and weights (gate+up in lay's layout) of a random
+        # layer on L loopback ranks, drawn in a fixed order
+        x = torch.randn(L * T, H).bfloat16()
+        idx = torch.stack([torch.randperm(L * E)[:K] for _ in range(L * T)])
+        p = torch.softmax(torch.randn(L * T, K), 1)
+        w1 = lay((torch.randn(L * E, H, 2 * I) * H ** -0.5).bfloat16())
+        w2 = (torch.randn(L * E, I, H) * I ** -0.5).bfloat16()
+        ws1 = lay((torch.randn(H, 2 * I) * H ** -0.5).bfloat16()) if shared else None
+        ws2 = (torch.randn(I, H) * I ** -0.5).bfloat16() if shared else None
+        return x, idx, p, w1, w2, ws1, ws2
+""")
+
 SKEW_SCRIPT = textwrap.dedent("""
     import torch
     import mok_kernels as mk
+""") + LAYER + textwrap.dedent("""
 
     H, I = 64, 32
     for L, T, E, K, shared, slots, fs in [(1, 40, 4, 2, True, 2, False),
@@ -84,14 +99,8 @@ SKEW_SCRIPT = textwrap.dedent("""
         kw = dict(minibatch=32, macrobatch=32 * slots, block_m=16, block_n=32, block_k=16,
                   num_warps=4, num_stages=1, spin_budget=1000, tma=True,
                   gate_up_interleaved=True, fused_sum=fs)
-        x = torch.randn(L * T, H).bfloat16()
-        idx = torch.stack([torch.randperm(L * E)[:K] for _ in range(L * T)])
-        p = torch.softmax(torch.randn(L * T, K), 1)
-        w1 = mk.interleave_gate_up((torch.randn(L * E, H, 2 * I) * H ** -0.5).bfloat16())
-        w2 = (torch.randn(L * E, I, H) * I ** -0.5).bfloat16()
-        ws1 = (mk.interleave_gate_up((torch.randn(H, 2 * I) * H ** -0.5).bfloat16())
-               if shared else None)
-        ws2 = (torch.randn(I, H) * I ** -0.5).bfloat16() if shared else None
+        x, idx, p, w1, w2, ws1, ws2 = layer(L, T, E, K, H, I, shared,
+                                            mk.interleave_gate_up)
         out = {}
         for skew in (False, True):
             cfg = mk.MoKConfig(skew_down=skew, **kw)
@@ -140,6 +149,7 @@ def test_skewed_down_items_in_interpreter_give_the_same_output_bitwise():
 PRE_SCRIPT = textwrap.dedent("""
     import torch
     import mok_kernels as mk
+""") + LAYER + textwrap.dedent("""
 
     H, I = 64, 32
     for L, T, E, K, shared, il, nt in [(1, 40, 4, 2, True, True, 2),
@@ -150,13 +160,7 @@ PRE_SCRIPT = textwrap.dedent("""
                   num_warps=4, num_stages=1, spin_budget=1000, tma=True,
                   gate_up_interleaved=il, gate_up_tiles=nt, down_tiles=nt)
         lay = mk.interleave_gate_up if il else (lambda w: w)
-        x = torch.randn(L * T, H).bfloat16()
-        idx = torch.stack([torch.randperm(L * E)[:K] for _ in range(L * T)])
-        p = torch.softmax(torch.randn(L * T, K), 1)
-        w1 = lay((torch.randn(L * E, H, 2 * I) * H ** -0.5).bfloat16())
-        w2 = (torch.randn(L * E, I, H) * I ** -0.5).bfloat16()
-        ws1 = lay((torch.randn(H, 2 * I) * H ** -0.5).bfloat16()) if shared else None
-        ws2 = (torch.randn(I, H) * I ** -0.5).bfloat16() if shared else None
+        x, idx, p, w1, w2, ws1, ws2 = layer(L, T, E, K, H, I, shared, lay)
         out = {}
         for tma_pre in (False, True):
             cfg = mk.MoKConfig(pre_tma_store=tma_pre, **kw)
