@@ -242,8 +242,9 @@ def compare_cmd(
                                        help="only these backend labels (comma list)"),
     format: str = typer.Option("table", "--format", "-f", help="table|md|csv"),
 ) -> None:
-    """Two runs side by side: the rows they share (scenario, backend label, pass), each run's
-    median and spread, and B's speedup over A, marked where it is within noise."""
+    """Two runs side by side: shared rows' medians, spreads, B's speedup over A (noise marked).
+
+    A row is shared when both runs have its scenario, backend label and pass."""
     from mokbench import compare
 
     formats = ("table", "md", "csv")
@@ -330,9 +331,10 @@ def plan(
     experts: int = typer.Option(None, help="routed experts in all (for --build's defaults; "
                                 "unset: one tile per work item)"),
 ) -> None:
-    """Minibatch lower bound (two waves of gate+up tiles) and ring memory for MoK; with
-    --build, how the mok backend's kernel (its defaults for this shape, then
-    $MOKBENCH_MOK_CONFIG) compiles."""
+    """MoK's minibatch lower bound and ring memory; with --build, how its kernel compiles.
+
+    Lower bound: two waves of gate+up tiles. --build: the backend's defaults, then
+    $MOKBENCH_MOK_CONFIG."""
     from mok_kernels import plan as mok_plan
 
     if build is not None and build not in (90, 100):
@@ -395,8 +397,9 @@ def slurm(
     dry_run: bool = typer.Option(False, help="print the torchrun command node 0 of the job "
                                  "runs for each cell, instead of the script"),
 ) -> None:
-    """Write an sbatch script that runs the sweep across nodes with srun + torchrun; the sweep
-    is checked first and every cell's world size must fit the nodes."""
+    """Write an sbatch script that runs the sweep across nodes with srun + torchrun.
+
+    The sweep is checked first and every cell's world size must fit the nodes."""
     from mokbench.slurm import DEFAULT_PORT, job_nodes, render_sbatch
 
     nodes, note = job_nodes(sweep_file, gpus_per_node, nodes)
