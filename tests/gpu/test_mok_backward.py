@@ -743,8 +743,9 @@ def test_pre_activations_through_tma_in_the_flattened_loop_bitwise(ranks):
     base = dict(gate_up_interleaved=True, minibatch=256, macrobatch=768, tma=True,
                 num_stages=3, gate_up_tiles=4, down_tiles=4)
     shape = (256, 7168, 1024, 8, 8)
-    a, _ = check(mk.MoKConfig.for_shape(7168, 1024, pre_tma_store=True, **base), ranks, *shape)
-    b, _ = check(mk.MoKConfig.for_shape(7168, 1024, pre_tma_store=True, **base), ranks, *shape)
+    knob = mk.MoKConfig.for_shape(7168, 1024, pre_tma_store=True, **base)
+    a, _ = check(knob, ranks, *shape)
+    b, _ = check(knob, ranks, *shape)
     c, _ = check(mk.MoKConfig.for_shape(7168, 1024, **base), ranks, *shape)
     for name, v in a.items():
         if v is not None:
