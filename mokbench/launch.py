@@ -386,7 +386,8 @@ class CellRunner:
         takes no part in the cell, or when :meth:`stop_all` stopped it). ``gpus``: the GPUs
         the cell gets (``--parallel``), else every GPU of the node. ``round_`` of ``rounds``
         (:mod:`mokbench.rounds`): each round's results are kept in the cells folder and the
-        rows, pooled over every round, are written after the last; earlier rounds write none."""
+        rows, pooled over every round, are written after the last; earlier rounds write none
+        (after a stop, :meth:`pool_stopped_rounds` writes the finished rounds' rows)."""
         if not takes_part(cell, self.opts):
             return []
         last = round_ == rounds - 1
@@ -456,6 +457,10 @@ class CellRunner:
         of an earlier, stopped sweep) counts as failed."""
         from mokbench.rounds import pool
 
+        if round_ == 0:  # rounds of an earlier, stopped sweep must not join this one's
+            for f in self.cells_dir.glob(f"{cell.stem}.r*"):
+                if re.fullmatch(rf"{re.escape(cell.stem)}\.r\d+\..+", f.name):
+                    f.unlink(missing_ok=True)
         log = self.cells_dir / f"{cell.stem}.log"
         if log.exists():
             log.replace(self.cells_dir / f"{cell.stem}.r{round_}.log")
@@ -473,3 +478,36 @@ class CellRunner:
                                  {"status": "failed", "reason": "no result of this round"})
             pooled[p] = pool(per_round)
         return pooled
+
+    def _finished_rounds(self, cell: Cell, rounds: int) -> list[int]:
+        """The rounds of ``cell`` whose results (one file per pass) are in the cells folder."""
+        return [k for k in range(rounds)
+                if all(self.cells_dir.joinpath(f"{cell.stem}.r{k}.{p}.json").exists()
+                       for p in cell.scenario.passes)]
+
+    def pool_stopped_rounds(self, cells: list[Cell], rounds: int) -> list[dict]:
+        """After a stop between rounds: one row per pass for each of ``cells`` that has no row
+        yet but finished some of its ``rounds``, pooled over those
+        (:func:`mokbench.rounds.pool`; ``rounds`` in the row, ``rounds_planned`` the run's),
+        so a stopped sweep keeps every finished round's samples. ``--resume`` runs such a
+        cell again, every round, and its new rows replace these. Returns the rows written."""
+        from mokbench.results import read_rows
+        from mokbench.rounds import pool
+
+        if rounds < 2 or not self.opts.writes_rows:
+            return []
+        have = {(r.get("scenario_id"), r.get("backend"))
+                for r in read_rows(self.run_dir / "rows.jsonl")}
+        written: list[dict] = []
+        for cell in {c.key: c for c in cells}.values():
+            finished = self._finished_rounds(cell, rounds)
+            if cell.key in have or not finished:
+                continue
+            rows = []
+            for p in cell.scenario.passes:
+                per_round = [json.loads(self.cells_dir.joinpath(f"{cell.stem}.r{k}.{p}.json")
+                                        .read_text()) for k in finished]
+                rows.append(self._row(cell, p, **pool(per_round, planned=rounds)))
+            self._emit(rows)
+            written += rows
+        return written

@@ -71,13 +71,24 @@ def rounds_note(summary: pd.DataFrame) -> str | None:
     if "rounds" not in summary:
         return None
     rounds = pd.to_numeric(summary["rounds"], errors="coerce")
-    if not (rounds.fillna(1) > 1).any():
+    planned = (pd.to_numeric(summary["rounds_planned"], errors="coerce")
+               if "rounds_planned" in summary else pd.Series(math.nan, index=summary.index))
+    n = int(max(rounds.fillna(1).max(), planned.fillna(1).max()))
+    if n < 2:
         return None
-    n = int(rounds.max())
-    return (f"Rounds: each scenario's cells ran {n} times, round r in the sweep's order rotated "
+    note = (f"Rounds: each scenario's cells ran {n} times, round r in the sweep's order rotated "
             "by r cells; a row's median, p10 and p90 are over every round's timed iterations, "
             "its error the worst round's (round_medians_ms in rows.jsonl holds each round's "
             "median).")
+    partial = summary[rounds < planned]
+    if not partial.empty:
+        cells = sorted({f"{b} at {s} ({int(k)} of {int(n_)})" for b, s, k, n_ in zip(
+            partial["backend"], partial["scenario_id"], partial["rounds"],
+            partial["rounds_planned"], strict=True)})
+        note += (" The sweep was stopped before these cells' last round, so their rows pool "
+                 "only the rounds that finished (`mokbench sweep --resume` runs them again): "
+                 + "; ".join(cells) + ".")
+    return note
 
 
 class ReportError(RuntimeError):

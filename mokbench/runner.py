@@ -23,7 +23,7 @@ from mokbench.launch import (
     torchrun_command,
 )
 from mokbench.results import make_run_id, read_env, read_rows, write_env
-from mokbench.rounds import rotated
+from mokbench.rounds import is_partial, rotated
 from mokbench.sweep import Sweep, check_rounds, expand, load_sweep, read_sweep_text
 
 CPU_DEFAULT_RANKS = 2
@@ -52,7 +52,10 @@ def _options(nproc_per_node, nnodes, node_rank, rdzv_endpoint, timeout_s, device
 
 
 def _finished_keys(run_dir: Path) -> set[tuple[str, str]]:
-    return {(r.get("scenario_id"), r.get("backend")) for r in read_rows(run_dir / "rows.jsonl")}
+    """(scenario id, backend) of the cells whose last row is final: not pooled over fewer
+    rounds than planned (:func:`mokbench.rounds.is_partial`), which ``--resume`` runs again."""
+    last = {(r.get("scenario_id"), r.get("backend")): r for r in read_rows(run_dir / "rows.jsonl")}
+    return {key for key, r in last.items() if not is_partial(r)}
 
 
 def unfinished_cells(run_dir: Path | str) -> list[tuple[str, str]]:
@@ -197,6 +200,11 @@ def run_sweep(sweep_file: Path | None, *, data: dict | None = None, backends=Non
         _run_cells(runner, rotated(todo, rounds), opts, console, rounds)
     except KeyboardInterrupt as stop:  # the caller reports the finished rows of this folder
         stop.run_dir = run_dir
+        kept = runner.pool_stopped_rounds([c for _, c in todo], rounds)
+        if kept:
+            console.print(f"[yellow]{len(kept)} rows pooled over the rounds that finished "
+                          f"before the stop (fewer than {rounds}); --resume runs their cells "
+                          "again[/yellow]", soft_wrap=True)
         raise
     return run_dir
 

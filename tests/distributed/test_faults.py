@@ -127,6 +127,51 @@ def test_ctrl_c_then_resume(tmp_path, sig, code):
     assert [r["status"] for r in rows if r["backend"] == "fault_hang"] == ["timeout"] * 3
 
 
+def test_a_stop_between_rounds_keeps_the_finished_rounds_and_resume_redoes_them(tmp_path):
+    """``rounds = 2``, stopped in the hanging cell of round 1: the cell that finished its
+    first round gets rows pooled over that round (marked 1 of 2, named in the report) instead
+    of none; --resume runs it again, both rounds, and its new rows replace them."""
+    from mokbench.runner import _finished_keys  # what --resume skips
+
+    f = tmp_path / "s.toml"
+    f.write_text(SWEEP.format(backends='"nccl_torch", "fault_hang"')
+                 .replace("iters = 2", "iters = 2\nrounds = 2"))
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "mokbench.cli", "sweep", str(f), "--device",
+                             "cpu", "--timeout-s", "300", "--out", str(out)], cwd=REPO,
+                            env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, preexec_fn=_default_sigint)
+    deadline = time.time() + 120
+    while time.time() < deadline:  # nccl_torch's first round: one result file per pass
+        if len(list(out.glob("*/cells/*-nccl_torch.r0.*.json"))) == 3:
+            break
+        time.sleep(0.5)
+    time.sleep(3)  # now inside the hanging cell, round 1 of 2
+    proc.send_signal(signal.SIGINT)
+    text = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 130, text
+    run_dir = only_run_dir(out)
+    cut = read_rows(run_dir / "rows.jsonl")
+    assert [r["backend"] for r in cut] == ["nccl_torch"] * 3, text
+    for r in cut:
+        assert r["status"] == "ok" and r["rounds"] == 1 and r["rounds_planned"] == 2
+        assert r["iters"] == 2 and len(r["round_medians_ms"]) == 1
+    assert "rows pooled over the rounds that finished" in " ".join(text.split())
+    assert "(1 of 2)" in (run_dir / "report.md").read_text()
+    assert _finished_keys(run_dir) == set()
+
+    r = mokbench("sweep", "--resume", str(run_dir), "--device", "cpu", "--timeout-s", "60",
+                 "--backends", "nccl_torch")
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = read_rows(run_dir / "rows.jsonl")
+    assert rows[:3] == cut and [x["backend"] for x in rows] == ["nccl_torch"] * 6
+    for x in rows[3:]:
+        assert x["status"] == "ok" and x["rounds"] == 2 and x.get("rounds_planned") is None
+        assert x["iters"] == 4 and len(x["round_medians_ms"]) == 2
+    assert "(1 of 2)" not in (run_dir / "report.md").read_text()
+    assert {b for _, b in _finished_keys(run_dir)} == {"nccl_torch"}
+
+
 def test_parallel_cells_stop_together_and_resume(tmp_path):
     """--parallel 2 on CPU (gloo): the two eager cells finish side by side with the hanging
     ones; SIGTERM stops both hanging cells (no process left, no rows for them), and --resume

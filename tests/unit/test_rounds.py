@@ -92,3 +92,31 @@ def test_a_resumed_run_keeps_its_rounds(tmp_path):
     assert _rounds(None, sw, tmp_path) == 1  # --rounds 1 over the file's 2, kept
     (tmp_path / "env.json").write_text(json.dumps({}))  # a run made before rounds existed
     assert _rounds(None, Sweep("s"), tmp_path) == 1
+
+
+def test_rounds_cut_short_are_pooled_and_marked_partial():
+    from mokbench.rounds import is_partial
+
+    out = pool([_ok([1.0, 2.0, 3.0], 1e-3, 30.0)], planned=3)
+    assert out["status"] == "ok" and out["rounds"] == 1 and out["rounds_planned"] == 3
+    assert out["median_ms"] == pytest.approx(2.0) and out["round_medians_ms"] == [2.0]
+    assert is_partial(out)
+    assert not is_partial(pool([_ok([1.0], 1e-3, 1.0)] * 2))  # every round ran
+    assert not is_partial({"rounds": 3, "rounds_planned": 3}) and not is_partial({})
+    bad = {"status": "timeout", "reason": "timeout after 60 s: hang"}
+    failed = pool([_ok([1.0], 1e-3, 1.0), bad], planned=3)
+    assert failed["reason"] == "round 2 of 3: timeout after 60 s: hang"
+    assert failed["rounds"] == 2 and failed["rounds_planned"] == 3
+
+
+def test_the_report_names_the_rows_a_stop_cut_short():
+    import pandas as pd
+
+    from mokbench.report import rounds_note
+
+    summary = pd.DataFrame({"backend": ["a", "b"], "scenario_id": ["s", "s"],
+                            "rounds": [2, 1], "rounds_planned": [None, 2]})
+    note = rounds_note(summary)
+    assert "ran 2 times" in note and "b at s (1 of 2)" in note and "a at" not in note
+    only_cut = rounds_note(summary.iloc[[1]])  # a run stopped in its second round
+    assert only_cut is not None and "b at s (1 of 2)" in only_cut
