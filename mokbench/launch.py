@@ -312,6 +312,7 @@ class CellRunner:
         self._backends: dict = {}
         self._lock = threading.Lock()  # rows and the backend cache, for --parallel
         self._live = LiveProcesses()
+        self._rounds_begun: dict[tuple[str, str], Cell] = {}  # cells whose round 0 ran here
 
     @property
     def stopping(self) -> bool:
@@ -461,6 +462,7 @@ class CellRunner:
             for f in self.cells_dir.glob(f"{cell.stem}.r*"):
                 if re.fullmatch(rf"{re.escape(cell.stem)}\.r\d+\..+", f.name):
                     f.unlink(missing_ok=True)
+            self._rounds_begun[cell.key] = cell
         log = self.cells_dir / f"{cell.stem}.log"
         if log.exists():
             log.replace(self.cells_dir / f"{cell.stem}.r{round_}.log")
@@ -485,23 +487,20 @@ class CellRunner:
                 if all(self.cells_dir.joinpath(f"{cell.stem}.r{k}.{p}.json").exists()
                        for p in cell.scenario.passes)]
 
-    def pool_stopped_rounds(self, cells: list[Cell], rounds: int) -> list[dict]:
-        """After a stop between rounds: one row per pass for each of ``cells`` that has no row
-        yet but finished some of its ``rounds``, pooled over those
+    def pool_stopped_rounds(self, rounds: int) -> list[dict]:
+        """After a stop between rounds: one row per pass for each cell whose first round ran
+        in this sweep but not its last, pooled over the rounds that finished
         (:func:`mokbench.rounds.pool`; ``rounds`` in the row, ``rounds_planned`` the run's),
         so a stopped sweep keeps every finished round's samples. ``--resume`` runs such a
         cell again, every round, and its new rows replace these. Returns the rows written."""
-        from mokbench.results import read_rows
         from mokbench.rounds import pool
 
         if rounds < 2 or not self.opts.writes_rows:
             return []
-        have = {(r.get("scenario_id"), r.get("backend"))
-                for r in read_rows(self.run_dir / "rows.jsonl")}
         written: list[dict] = []
-        for cell in {c.key: c for c in cells}.values():
+        for cell in self._rounds_begun.values():
             finished = self._finished_rounds(cell, rounds)
-            if cell.key in have or not finished:
+            if not finished or len(finished) == rounds:  # no round, or its rows are written
                 continue
             rows = []
             for p in cell.scenario.passes:

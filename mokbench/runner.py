@@ -200,7 +200,7 @@ def run_sweep(sweep_file: Path | None, *, data: dict | None = None, backends=Non
         _run_cells(runner, rotated(todo, rounds), opts, console, rounds)
     except KeyboardInterrupt as stop:  # the caller reports the finished rows of this folder
         stop.run_dir = run_dir
-        kept = runner.pool_stopped_rounds([c for _, c in todo], rounds)
+        kept = runner.pool_stopped_rounds(rounds)
         if kept:
             console.print(f"[yellow]{len(kept)} rows pooled over the rounds that finished "
                           f"before the stop (fewer than {rounds}); --resume runs their cells "

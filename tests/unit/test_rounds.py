@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -120,3 +122,36 @@ def test_the_report_names_the_rows_a_stop_cut_short():
     assert "ran 2 times" in note and "b at s (1 of 2)" in note and "a at" not in note
     only_cut = rounds_note(summary.iloc[[1]])  # a run stopped in its second round
     assert only_cut is not None and "b at s (1 of 2)" in only_cut
+
+
+def test_a_stop_pools_only_the_rounds_this_sweep_ran(tmp_path):
+    """``CellRunner.pool_stopped_rounds``: a cell stopped after two of three rounds gets rows
+    over those two; a cell whose first round never ran in this sweep gets none, even with an
+    earlier sweep's round files in the folder; a cell that began again here pools only its
+    new round, the earlier sweep's later rounds removed when its round 0 ran."""
+    from mokbench.launch import CellRunner, LaunchOptions
+    from mokbench.results import read_rows
+
+    runner = CellRunner(tmp_path, "run", LaunchOptions(device="cpu"))
+    a, b, c = (_cells(t, ["nccl_torch"])[0] for t in (8, 16, 24))
+    passes = a.scenario.passes
+
+    def result(ms: float) -> dict:
+        return {p: _ok([ms, ms, ms], 1e-3, 1.0) for p in passes}
+
+    for stale in (b, c):  # an earlier, stopped sweep's rounds 0 and 1
+        for k in (0, 1):
+            for p in passes:
+                runner.cells_dir.joinpath(f"{stale.stem}.r{k}.{p}.json").write_text(
+                    json.dumps(_ok([9.0], 1e-3, 1.0)))
+    assert runner._pool_rounds(a, result(1.0), 0, 3) is None
+    assert runner._pool_rounds(a, result(2.0), 1, 3) is None
+    assert runner._pool_rounds(c, result(3.0), 0, 3) is None
+    rows = runner.pool_stopped_rounds(3)
+    assert read_rows(tmp_path / "rows.jsonl") == json.loads(json.dumps(rows, default=str))
+    by_cell = {(r["tokens_per_rank"], r["pass"]): r for r in rows}
+    assert len(rows) == 2 * len(passes) and {t for t, _ in by_cell} == {8, 24}
+    for p in passes:
+        assert by_cell[(8, p)]["rounds"] == 2 and by_cell[(8, p)]["rounds_planned"] == 3
+        assert by_cell[(8, p)]["round_medians_ms"] == [1.0, 2.0]
+        assert by_cell[(24, p)]["rounds"] == 1 and by_cell[(24, p)]["round_medians_ms"] == [3.0]
