@@ -467,25 +467,27 @@ class CellRunner:
         if log.exists():
             log.replace(self.cells_dir / f"{cell.stem}.r{round_}.log")
         for p, result in results.items():
-            self.cells_dir.joinpath(f"{cell.stem}.r{round_}.{p}.json").write_text(
-                json.dumps(result, default=str))
+            self._round_file(cell, round_, p).write_text(json.dumps(result, default=str))
         if round_ < rounds - 1:
             return None
         pooled = {}
         for p in cell.scenario.passes:
             per_round = []
             for k in range(rounds):
-                f = self.cells_dir / f"{cell.stem}.r{k}.{p}.json"
+                f = self._round_file(cell, k, p)
                 per_round.append(json.loads(f.read_text()) if f.exists() else
                                  {"status": "failed", "reason": "no result of this round"})
             pooled[p] = pool(per_round)
         return pooled
 
+    def _round_file(self, cell: Cell, round_: int, pass_: str) -> Path:
+        """Where one round's result of one pass is kept (``STEM.rN.PASS.json``)."""
+        return self.cells_dir / f"{cell.stem}.r{round_}.{pass_}.json"
+
     def _finished_rounds(self, cell: Cell, rounds: int) -> list[int]:
         """The rounds of ``cell`` whose results (one file per pass) are in the cells folder."""
         return [k for k in range(rounds)
-                if all(self.cells_dir.joinpath(f"{cell.stem}.r{k}.{p}.json").exists()
-                       for p in cell.scenario.passes)]
+                if all(self._round_file(cell, k, p).exists() for p in cell.scenario.passes)]
 
     def pool_stopped_rounds(self, rounds: int) -> list[dict]:
         """After a stop between rounds: one row per pass for each cell whose first round ran
@@ -504,8 +506,8 @@ class CellRunner:
                 continue
             rows = []
             for p in cell.scenario.passes:
-                per_round = [json.loads(self.cells_dir.joinpath(f"{cell.stem}.r{k}.{p}.json")
-                                        .read_text()) for k in finished]
+                per_round = [json.loads(self._round_file(cell, k, p).read_text())
+                             for k in finished]
                 rows.append(self._row(cell, p, **pool(per_round, planned=rounds)))
             self._emit(rows)
             written += rows
