@@ -74,7 +74,7 @@ STANDS = [
       "qwen3.5-397b-E64H4096I1024k10+se-T16384-ep1-fp8"]),
     ("| one GPU, FP8, the whole FP8 backward", ["20261205-165752-h200-fp8-backward"],
      ["kimi-k2-e48-", "kimi-k2.7-code-", "qwen3.5-397b-", "kimi-k2-e384-"]),
-    ("| one H100 (80 GB), bf16", ["20261206-132810-h100-bf16-train"],
+    ("| one H100 (80 GB), bf16", ["20261207-074644-h100-bf16-train"],
      ["kimi-k2-e48-", "qwen3.5-397b-"]),
     ("| two GPUs, EP 2, bf16, every backend", ["20261204-145626-h200x2"],
      ["kimi-k2.7-code-E12H7168I2048k8+se-T8192-ep2-bf16-uniform"]),
