@@ -20,7 +20,12 @@ def add_shape_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--experts", type=int, default=48)
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--topk", type=int, default=8)
-    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--iters", type=int, default=20,
+                    help="timed iterations (default 20). Short runs time a GPU that has not "
+                    "yet settled at its power limit: at Kimi K2 48 x 16384 on one H100 the "
+                    "backward read 37.073 ms at 10 and 37.965 at 100, the sweep's cell "
+                    "38.033 (notes/mok-kernel.md, the session of 2026-12-07 07:25); use "
+                    "100 to compare with a sweep's figure")
     ap.add_argument("--warmup", type=int, default=5)
 
 
